@@ -1,0 +1,22 @@
+"""specularch: imperative PyTorch run as speculative, guarded graphs.
+
+    import specularch
+    model = specularch.optimize(model)     # or a function / @specularch.optimize
+    out = model(x)                          # same results as eager
+    print(specularch.explain(model))        # graphs, guards, fallbacks and why
+
+See README.md for the design and the list of fallback kinds.
+"""
+from . import records
+from .api import explain, optimize, reset
+from .config import ConfigError, config
+from .explain import Explanation
+from .fx_lower import list_backends, register_backend
+from .records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError
+from .symbolic.registry import fallback_opcodes, unhandled_opcodes
+
+__version__ = "0.1.0"
+
+__all__ = ["optimize", "explain", "reset", "config", "ConfigError", "Explanation",
+           "list_backends", "register_backend", "FALLBACK_KINDS", "FallbackRecord",
+           "SpecularchStrictError", "unhandled_opcodes", "fallback_opcodes", "records"]

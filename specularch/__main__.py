@@ -1,0 +1,38 @@
+"""``python -m specularch explain script.py [args...]``: run a script under the global
+switch and print the report of everything specularch optimized when it exits."""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specularch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    explain = sub.add_parser("explain", help="run a script optimized and report what happened")
+    explain.add_argument("script")
+    explain.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    from . import startup
+    from .config import ConfigError
+    try:
+        startup.check_environment()
+    except ConfigError as e:
+        print(f"specularch: {e}", file=sys.stderr)
+        return 2
+    if not startup.activate():
+        return 1
+    sys.argv = [options.script, *options.args]
+    # As ``python script.py`` does: the script's folder, not the current one, comes first.
+    sys.path[0] = os.path.dirname(os.path.realpath(options.script))
+    try:
+        runpy.run_path(options.script, run_name="__main__")
+    finally:
+        startup.print_report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

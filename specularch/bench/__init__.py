@@ -1,0 +1,1 @@
+"""The benchmark runner for the JANUS workloads (``python -m specularch.bench``)."""

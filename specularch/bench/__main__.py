@@ -1,0 +1,257 @@
+"""``python -m specularch.bench``: training throughput of the JANUS workloads (``models/``)
+for eager, specularch (per backend) and torch.compile, side by side in one process.
+
+Each mode trains its own copy of the model (same seed) with SGD on the same cycle of
+pre-generated batches (``--batches`` full batches and the epoch's short last batch). Before
+timing, every mode runs specularch's profiled calls and then one whole cycle, so every
+batch shape has been captured and compiled (that warm-up, and specularch's capture + compile
+seconds, are reported in their own columns); then modes are interleaved round by round.
+Medians over rounds and ratios to eager are printed as a markdown table, with the backend that
+actually ran each specularch graph (a backend that refuses a graph leaves it to ``fx`` with a
+note, printed below the table); everything is written to JSON. Progress goes to stderr.
+``--profile DIR`` writes PyTorch profiler traces (TensorBoard, torch-tb-profiler).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import specularch
+
+
+def make_step(workload, model, device):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def train_step(batch):
+        opt.zero_grad()
+        loss = workload.loss(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return train_step
+
+
+def to_device(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    return batch
+
+
+def build_modes(workload, preset, device, backends, with_compile, with_script):
+    modes = {}
+
+    def fresh():
+        torch.manual_seed(0)
+        return workload.build(preset).to(device)
+
+    modes["eager"] = make_step(workload, fresh(), device)
+    for backend in backends:
+        modes[f"specularch {backend}"] = specularch.optimize(make_step(workload, fresh(), device),
+                                                             backend=backend)
+    if with_compile:
+        modes["torch.compile"] = torch.compile(make_step(workload, fresh(), device))
+    if with_script:
+        try:
+            modes["torch.jit.script"] = make_step(workload, torch.jit.script(fresh()), device)
+        except Exception as e:  # not scriptable (Python objects, recursion over trees, ...)
+            modes["torch.jit.script"] = _unavailable(f"not scriptable: {type(e).__name__}")
+    return modes
+
+
+def _unavailable(reason):
+    def step(batch):
+        raise RuntimeError(reason)
+    return step
+
+
+def make_batches(workload, preset, count, device):
+    """``count`` full batches and the epoch's short last batch, on ``device``."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [workload.make_batch(preset, gen, i) for i in range(count)]
+    batches.append(workload.make_batch(preset, gen, count, last=True))
+    return [to_device(b, device) for b in batches]
+
+
+MAX_WARMUP_CYCLES = 6
+
+
+def warm_up(step, batches, mode: str) -> int:
+    """specularch's profiled calls, then whole cycles of the batches until one cycle captured
+    nothing new (a relaxation found in one cycle can drop graphs that the next cycle captures
+    again; at most ``MAX_WARMUP_CYCLES``), so every batch shape is captured and compiled here,
+    not in the timed rounds. Other modes run two cycles (torch.compile recompiles once when a
+    size changes). Returns the number of cycles."""
+    specularch_mode = mode.startswith("specularch")
+    for i in range(specularch.config.profile_calls if specularch_mode else 0):
+        step(batches[i % len(batches)])
+    for cycle in range(1, MAX_WARMUP_CYCLES + 1):
+        before = specularch.explain(step).stats.captures if specularch_mode else None
+        for batch in batches:
+            step(batch)
+        if specularch_mode and specularch.explain(step).stats.captures == before:
+            return cycle
+        if not specularch_mode and cycle == 2:
+            return cycle
+    return MAX_WARMUP_CYCLES
+
+
+def backend_report(explanation) -> dict:
+    """Which backend actually ran the graphs, and why another one was not used."""
+    used = collections.Counter(g.backend for g in explanation.graphs)
+    notes = list(dict.fromkeys(g.note for g in explanation.graphs if g.note))
+    return {"backends": dict(used), "notes": notes}
+
+
+def bench_workload(name, workload, args, log):
+    batches = make_batches(workload, args.preset, args.batches, args.device)
+    modes = build_modes(workload, args.preset, args.device, args.backends, args.torch_compile,
+                        args.torchscript)
+    result = {"workload": name, "unit": workload.unit, "preset": args.preset, "modes": {}}
+    first, cycles, alive, failed = {}, {}, {}, {}
+    for mode, step in modes.items():
+        log(f"{name}: warm-up over every batch shape ({mode})")
+        try:
+            start = time.perf_counter()
+            cycles[mode] = warm_up(step, batches, mode)
+            _sync(args.device)
+            first[mode] = time.perf_counter() - start
+            alive[mode] = step
+        except Exception as e:
+            failed[mode] = {"error": str(e) if isinstance(e, RuntimeError) else
+                            f"{type(e).__name__}: {e}"}
+            log(f"{name}: {mode} failed: {type(e).__name__}: {e}")
+    rates = {mode: [] for mode in alive}
+    captures = {mode: specularch.explain(step).stats.captures for mode, step in alive.items()
+                if mode.startswith("specularch")}
+    for r in range(args.rounds):
+        log(f"{name}: round {r + 1}/{args.rounds}")
+        for mode, step in alive.items():
+            items, start = 0, time.perf_counter()
+            for i in range(args.steps):
+                batch = batches[i % len(batches)]
+                step(batch)
+                items += workload.items(batch)
+            _sync(args.device)
+            rates[mode].append(items / (time.perf_counter() - start))
+    for mode in modes:  # rows in the order of the modes
+        if mode in failed:
+            result["modes"][mode] = failed[mode]
+            continue
+        values = rates[mode]
+        entry = {"throughput": statistics.median(values), "warmup_s": first[mode],
+                 "warmup_cycles": cycles[mode]}
+        if mode.startswith("specularch"):
+            e = specularch.explain(alive[mode])
+            entry.update(graphs=len(e.graphs), recompiles=e.stats.recompiles,
+                         fallback_calls=e.stats.fallback_calls,
+                         fallback_kinds=sorted({f.kind for f in e.fallbacks}),
+                         compile_s=e.stats.capture_seconds + e.stats.compile_seconds,
+                         captures_while_timed=e.stats.captures - captures[mode],
+                         **backend_report(e))
+            if entry["captures_while_timed"]:
+                log(f"{name}: {mode} captured {entry['captures_while_timed']} graphs during the "
+                    f"timed rounds (the warm-up did not reach a steady state)")
+        result["modes"][mode] = entry
+    if args.profile:
+        profile(name, alive, batches, args.profile, log)
+    return result
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def profile(name, modes, batches, directory, log):
+    from torch.profiler import ProfilerActivity, profile as torch_profile, tensorboard_trace_handler
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    for mode, step in modes.items():
+        log(f"{name}: profiling {mode} -> {directory}")
+        handler = tensorboard_trace_handler(directory, worker_name=f"{name}-{mode.replace(' ', '_')}")
+        with torch_profile(activities=activities, on_trace_ready=handler):
+            for batch in batches[:3]:
+                step(batch)
+
+
+def _ran_with(m) -> str:
+    if "backends" not in m:
+        return "-"
+    return ", ".join(f"{b} {n}" for b, n in sorted(m["backends"].items())) or "-"
+
+
+def table(results) -> str:
+    """The markdown table, then one line per distinct backend note."""
+    lines = ["| workload | unit | mode | throughput | vs eager | warm-up (all shapes) | "
+             "capture + compile | graphs | ran with | recompiles | fallback calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for r in results:
+        eager = r["modes"].get("eager", {}).get("throughput")
+        for mode, m in r["modes"].items():
+            if "error" in m:
+                lines.append(f"| {r['workload']} | {r['unit']} | {mode} | error: {m['error'][:60]} "
+                             f"| | | | | | | |")
+                continue
+            ratio = f"{m['throughput'] / eager:.2f}x" if eager else "-"
+            compile_s = f"{m['compile_s']:.2f}s" if "compile_s" in m else "-"
+            lines.append(f"| {r['workload']} | {r['unit']} | {mode} | {m['throughput']:.1f} | {ratio} | "
+                         f"{m['warmup_s']:.2f}s | {compile_s} | {m.get('graphs', '-')} | {_ran_with(m)} | "
+                         f"{m.get('recompiles', '-')} | {m.get('fallback_calls', '-')} |")
+            notes += [f"* {r['workload']}, {mode}: {note}" for note in m.get("notes", ())]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def main(argv=None) -> int:
+    from models import WORKLOADS
+    parser = argparse.ArgumentParser(prog="python -m specularch.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
+    parser.add_argument("--preset", default="cpu", choices=("tiny", "cpu", "paper"))
+    parser.add_argument("--backends", default="fx", help="specularch backends, comma-separated")
+    parser.add_argument("--torch-compile", action="store_true", help="also run torch.compile")
+    parser.add_argument("--torchscript", action="store_true",
+                        help="also run torch.jit.script(model) where the model is scriptable")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="training steps per round")
+    parser.add_argument("--batches", type=int, default=4,
+                        help="distinct full batches cycled through (plus the short last batch)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default="bench-results/results.json")
+    parser.add_argument("--profile", default=None, help="write profiler traces to this folder")
+    args = parser.parse_args(argv)
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; available: {sorted(WORKLOADS)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda requested but CUDA is not available on this machine")
+    torch.set_num_threads(args.threads)
+
+    def log(message):
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    results = [bench_workload(name, WORKLOADS[name], args, log) for name in args.workloads.split(",")]
+    header = (f"preset={args.preset} device={args.device} threads={torch.get_num_threads()} "
+              f"rounds={args.rounds} steps/round={args.steps} torch={torch.__version__} (medians)")
+    print(header)
+    print(table(results))
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"header": header, "results": results}, f, indent=2)
+    log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

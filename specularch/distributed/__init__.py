@@ -1,0 +1,13 @@
+"""Data-parallel training inside captured graphs (``torch.distributed``).
+
+* ``allreduce.py``: the averaged, bucketed gradient exchange a captured ``backward()`` becomes;
+* ``agreement.py``: every rank runs a distributed step, or every rank raises;
+* ``broadcast.py``: rank 0's parameters and buffers, at a step's first capture;
+* ``eager.py``: eager fallbacks stop before an unaveraged ``backward()``.
+"""
+from . import agreement, broadcast, eager
+from .agreement import DistributedStepError
+from .allreduce import active, grad_and_allreduce
+
+__all__ = ["DistributedStepError", "active", "agreement", "broadcast", "eager",
+           "grad_and_allreduce"]

@@ -1,0 +1,207 @@
+"""One cache entry = one generated Python function doing the whole fast path of a call:
+
+    def entry(L, C, G, B):
+        try:
+            <guards, each source evaluated once>        # return MISS on the first failure
+            <graph inputs and every object the commit will touch, read from their sources>
+        except Exception:
+            return MISS
+        R = GRAPH(s0, s3, ...)
+        if bool(R[4]) is not True: return FAILED[0]    # in-graph assumptions
+        <objects created in the call, built from R and constants>
+        <shadow-heap commit: the deferred writes, in program order>
+        return <the Python return value>
+
+Every source is read before the graph runs, so the commit writes into the objects as they
+were before the call, and nothing is written unless every guard and assertion passed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .guards import GuardSet, SourceNamer, guard_lines
+from .guards.guard import const_name
+from .guards.sources import PINNED
+
+MISS = object()
+
+_RANDOM_OPS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform",
+               "exponential", "poisson", "geometric", "cauchy", "log_normal", "rrelu",
+               "gumbel", "fractional_max_pool")
+
+
+@dataclass(frozen=True)
+class AssumptionFailed:
+    """Returned by an entry whose in-graph assumption did not hold (nothing committed)."""
+
+    where: str
+    site: tuple
+    expected: bool
+
+    def explanation(self) -> str:
+        if self.site[0] in ("specialize", "compare"):
+            return ("the graph assumed a size computed inside the function keeps the value it "
+                    "had at capture (it steers Python control flow), but it changed")
+        return (f"the graph assumed this branch on a tensor value is {self.expected}, "
+                f"but it was {not self.expected}")
+
+
+def _literal(value: Any) -> bool:
+    if type(value) in (int, str, bool, type(None)):
+        return True
+    if type(value) is float:
+        return value == value and value not in (float("inf"), float("-inf"))
+    return False
+
+
+class Renderer:
+    """Turns value specs (``symbolic.capture.SpecBuilder``) into Python expressions."""
+
+    def __init__(self, namer: SourceNamer, consts: dict[str, Any]):
+        self.namer = namer
+        self.consts = consts
+        self.prelude: list[str] = []   # statements run after the graph, before the commit
+        self._made: dict[int, str] = {}
+
+    def const(self, value: Any) -> str:
+        return const_name(self.consts, value)
+
+    def expr(self, spec: tuple) -> str:
+        kind = spec[0]
+        if kind == "out":
+            return f"R[{spec[1]}]"
+        if kind == "item":
+            return f"R[{spec[1]}].item()"
+        if kind == "const":
+            return repr(spec[1]) if _literal(spec[1]) else self.const(spec[1])
+        if kind == "object":
+            return self.const(spec[1])
+        if kind == "source":
+            return self.namer.name(spec[1])
+        if kind == "set":
+            return f"set({self.const(spec[1])})"
+        if kind == "tuple":
+            body = "".join(f"{self.expr(s)}, " for s in spec[1])
+            cls = spec[2]
+            if cls is tuple:
+                return f"({body})"
+            if hasattr(cls, "_make"):
+                return f"{self.const(cls)}({body})"
+            return f"{self.const(cls)}(({body}))"  # structseq: built from one sequence
+        if kind in ("list", "dict", "new"):
+            uid = spec[-1]
+            if uid not in self._made:
+                if kind == "list":
+                    text = "[" + ", ".join(self.expr(s) for s in spec[1]) + "]"
+                elif kind == "dict":
+                    text = "{" + ", ".join(f"{self._key(k)}: {self.expr(s)}" for k, s in spec[1]) + "}"
+                else:
+                    attrs = "{" + ", ".join(f"{k!r}: {self.expr(s)}" for k, s in spec[2]) + "}"
+                    text = f"NEW({self.const(spec[1])}, {attrs})"
+                var = f"t{len(self._made)}"
+                self.prelude.append(f"{var} = {text}")
+                self._made[uid] = var
+            return self._made[uid]
+        raise ValueError(f"unknown value spec {kind!r}")
+
+    def _key(self, k: Any) -> str:
+        return repr(k) if _literal(k) else self.const(k)
+
+    def write(self, w: tuple) -> str:
+        kind = w[0]
+        if kind == "setattr":
+            return f"setattr({self.expr(w[1])}, {w[2]!r}, {self.expr(w[3])})"
+        if kind == "delattr":
+            return f"delattr({self.expr(w[1])}, {w[2]!r})"
+        if kind == "global":
+            target = "G" if w[1][0] == "globals" else self.const(w[1][1])
+            return f"{target}[{w[2]!r}] = {self.expr(w[3])}"
+        if kind == "cell":
+            source = w[1]
+            parent = source.parent
+            lvalue = source.render(self.namer.name(parent) if parent is not None else "")
+            return f"{lvalue} = {self.expr(w[2])}"
+        if kind == "list_contents":
+            return f"{self.expr(w[1])}[:] = [{', '.join(self.expr(s) for s in w[2])}]"
+        if kind == "dict_contents":
+            items = ", ".join(f"{self._key(k)}: {self.expr(s)}" for k, s in w[2])
+            return f"REPLACE_DICT({self.expr(w[1])}, {{{items}}})"
+        if kind == "item":
+            return f"{self.expr(w[1])}[{self.expr(w[2])}] = {self.expr(w[3])}"
+        if kind == "append":
+            return f"{self.expr(w[1])}.append({self.expr(w[2])})"
+        raise ValueError(f"unknown write {kind!r}")
+
+
+def _new_object(cls: type, attrs: dict) -> Any:
+    """An object created during the call, rebuilt with the attributes it ended up with."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(attrs)
+    return obj
+
+
+def _replace_dict(target: dict, items: dict) -> None:
+    target.clear()
+    target.update(items)
+
+
+def _copy_all(targets: tuple, values: tuple) -> None:
+    with torch.no_grad():
+        for target, value in zip(targets, values):
+            target.copy_(value)
+
+
+def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph_fn: Callable,
+                fast_tensors: bool = True, writes: list = (), assertions: list = (),
+                random_graph: bool = False) -> tuple[Callable, str]:
+    """The entry function and its source text (kept for explain())."""
+    consts: dict[str, Any] = {}
+    namer = SourceNamer()
+    body = guard_lines(guards, namer, consts, fast_tensors)
+    inputs = [namer.name(s) for s in input_sources]
+    render = Renderer(namer, consts)
+    commit = [render.write(w) for w in writes if w[0] != "tensor"]
+    tensor_writes = [w for w in writes if w[0] == "tensor"]
+    if tensor_writes:  # one no_grad block for every in-place tensor update
+        targets = "".join(f"{render.expr(w[1])}, " for w in tensor_writes)
+        values = "".join(f"{render.expr(w[2])}, " for w in tensor_writes)
+        commit.insert(0, f"COPY_ALL(({targets}), ({values}))")
+    result = render.expr(output_spec)
+    body += namer.lines
+    failed = [AssumptionFailed(where, site, expected) for _, expected, where, site in assertions]
+    src = ["def entry(L, C, G, B):", "    try:"]
+    src += [f"        {line}" for line in body] or ["        pass"]
+    src += ["    except Exception:", "        return MISS"]
+    call = f"R = GRAPH({', '.join(inputs)})"
+    if random_graph:
+        # The eager re-run after a failed assumption or a graph that raised must draw the
+        # same random numbers as if the graph had never run.
+        src += ["    RNG = GET_RNG()", "    try:", f"        {call}",
+                "    except BaseException:", "        SET_RNG(RNG)", "        raise"]
+    else:
+        src.append(f"    {call}")
+    for i, (index, expected, _, _) in enumerate(assertions):
+        restore = "SET_RNG(RNG); " if random_graph else ""
+        src.append(f"    if bool(R[{index}]) is not {expected}: {restore}return FAILED[{i}]")
+    src += [f"    {line}" for line in render.prelude + commit]
+    src.append(f"    return {result}")
+    text = "\n".join(src) + "\n"
+    ns: dict[str, Any] = dict(consts, MISS=MISS, GRAPH=graph_fn, O=PINNED, NEW=_new_object,
+                              FAILED=failed, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
+                              GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state)
+    exec(compile(text, "<specularch entry>", "exec"), ns)
+    return ns["entry"], text
+
+
+def is_random_node(node: torch.fx.Node) -> bool:
+    """Whether the node draws random numbers (by op name; conservative: ``normalize`` counts).
+    Such a node must run even when its result is unused, to advance the RNG like eager."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return any(r in str(name) for r in _RANDOM_OPS)
+
+
+def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
+    return any(is_random_node(node) for node in gm.graph.nodes)

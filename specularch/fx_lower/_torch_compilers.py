@@ -1,0 +1,177 @@
+"""Compat: the private/semi-private torch compiler entry points our backends use.
+
+* ``functorch.compile.aot_module_simplified`` + ``ts_compile`` (AOT autograd: forward and
+  backward graphs, each compiled by TorchScript);
+* ``torch._inductor.compile_fx.compile_fx`` (Inductor; it runs AOT autograd itself);
+* ``torch.fx.experimental.proxy_tensor.make_fx`` (flattening a graph, autograd included, to
+  ATen ops) and ``torch._functorch.compile_utils.strip_overloads`` (ATen graphs TorchScript
+  can compile).
+
+Imports are lazy: importing Inductor costs seconds and pulls in ``torch._dynamo``, which
+specularch never needs unless that backend is chosen.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Callable
+
+import torch
+import torch.fx
+
+from .passes import as_tensor_input, scalar_inputs_as_tensors
+
+
+def aot_torchscript(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    from functorch.compile import aot_module_simplified, ts_compile
+
+    def compile_one(graph: torch.fx.GraphModule, inputs: list):
+        return ts_compile(graph, inputs)
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=compile_one,
+                                 bw_compiler=compile_one)
+
+
+_INDUCTOR_POINTER = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
+
+
+@contextlib.contextmanager
+def _no_leaked_pointer():
+    """Inductor publishes an address in this process through ``os.environ`` for the compiled
+    modules it loads while compiling; child processes (torchrun workers, subprocesses) would
+    inherit it and crash when they load a compiled module of their own. Put the variable back
+    as it was once the compile is done."""
+    before = os.environ.get(_INDUCTOR_POINTER)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_INDUCTOR_POINTER, None)
+        else:
+            os.environ[_INDUCTOR_POINTER] = before
+
+
+def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """Inductor with eager-identical random numbers (``fallback_random``); the backward graph
+    is compiled now too, not lazily in the first ``backward()``."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+    with inductor_config.patch(fallback_random=True), \
+            functorch_config.patch(force_non_lazy_backward_lowering=True), _no_leaked_pointer():
+        return compile_fx(gm, example_inputs)
+
+
+class Flattened:
+    """A captured graph flattened to ATen ops without autograd (see ``flatten``): ``graph``
+    takes ``inputs`` (the example inputs with Python numbers at positions ``converted`` made
+    0-d tensors) and returns what the captured graph returns."""
+
+    def __init__(self, graph: torch.fx.GraphModule, inputs: list, converted: list[int]):
+        self.graph, self.inputs, self.converted = graph, inputs, converted
+
+    def arguments(self, args) -> list:
+        """The call's graph inputs as the flattened graph takes them."""
+        args = list(args)
+        for i in self.converted:
+            args[i] = as_tensor_input(args[i], self.inputs[i].device)
+        return args
+
+
+def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str = "symbolic",
+            scalar_device=None) -> Flattened:
+    """For graphs whose outputs need no autograd (inference, whole training steps with an
+    in-graph ``autograd.grad``): trace the graph to ATen ops with ``make_fx`` (``symbolic``:
+    dynamic sizes stay symbolic; ``fake``: shapes specialised), so that the backward pass
+    becomes explicit ops and the result runs under ``no_grad``. Python-number inputs become
+    0-d tensors (on ``scalar_device``), so their values are inputs, not constants."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm, converted = scalar_inputs_as_tensors(gm)
+    inputs = list(example_inputs)
+    for i in converted:
+        inputs[i] = as_tensor_input(inputs[i], scalar_device)
+    with torch.enable_grad():
+        flat = make_fx(gm, tracing_mode=tracing_mode)(*inputs)
+    flat.meta["constructed_by"] = "specularch.fx_lower._torch_compilers.flatten (make_fx)"
+    return Flattened(flat, inputs, converted)
+
+
+def distinct_outputs(outputs) -> list:
+    """A captured graph returns every value once (each output is its own object; the commit
+    makes each one a separate ``.grad``, state tensor, ...), but a compiler may return one
+    tensor for two equal outputs (TorchScript does for the gradients of an LSTM's two bias
+    vectors): repeated objects are copied."""
+    outputs, seen = list(outputs), set()
+    for i, out in enumerate(outputs):
+        if isinstance(out, torch.Tensor):
+            if id(out) in seen:
+                outputs[i] = out.clone()
+            else:
+                seen.add(id(out))
+    return outputs
+
+
+def _without_autograd(flat: Flattened, compiled: Callable) -> Callable:
+    converted = flat.converted
+
+    def run(*args):
+        if converted:
+            args = flat.arguments(args)
+        with torch.no_grad():
+            return distinct_outputs(compiled(*args))
+
+    return run
+
+
+def inductor_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """``flatten`` (symbolic) compiled with Inductor, run under ``no_grad``."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    flat = flatten(gm, example_inputs, tracing_mode="symbolic")
+    with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer():
+        compiled = compile_fx(flat.graph, flat.inputs)
+    return _without_autograd(flat, compiled)
+
+
+def script_aten_graph(gm: torch.fx.GraphModule) -> torch.jit.ScriptModule:
+    """An ATen-level GraphModule (from ``make_fx``) as a frozen TorchScript module: overloads
+    stripped and device keywords made strings (what TorchScript accepts, as functorch's
+    ``ts_compile`` does), in-place ops on fresh copies turned functional, then frozen (the
+    only attributes are capture-time constants; parameters are inputs). Unlike
+    ``ts_compile`` it never runs the graph (that would draw random numbers at compile time)."""
+    from torch._functorch.compile_utils import strip_overloads
+    strip_overloads(gm)
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._to_copy and len(node.args) == 1 and \
+                set(node.kwargs) == {"dtype"}:
+            node.target = torch.ops.aten.to
+        node.kwargs = {k: v.type if isinstance(v, torch.device) else v
+                       for k, v in node.kwargs.items()}
+    gm.graph.lint()
+    gm.recompile()
+    with warnings.catch_warnings():  # TorchScript's deprecation and annotation warnings
+        warnings.simplefilter("ignore")
+        scripted = torch.jit.script(gm)
+        torch._C._jit_pass_remove_mutation(scripted.graph)
+        return torch.jit.freeze(scripted.eval())
+
+
+def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """``flatten`` (fake tensors: static shapes) compiled by TorchScript. It runs in grad mode,
+    as it was traced (some kernels, e.g. oneDNN's LSTM, keep what the flattened backward reads
+    only in grad mode), on detached inputs, so autograd records nothing."""
+    flat = flatten(gm, example_inputs, tracing_mode="fake")
+    scripted = script_aten_graph(flat.graph)
+    converted = flat.converted
+
+    def run(*args):
+        if converted:
+            args = flat.arguments(args)
+        with torch.enable_grad():
+            return distinct_outputs(
+                scripted(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args]))
+
+    return run

@@ -1,0 +1,174 @@
+"""The backend registry: plain callables that turn a captured GraphModule into something
+to call with the graph's inputs.
+
+A backend is ``compile(gm, example_inputs) -> callable``; ``supports(gm)`` may return a
+reason string when it cannot handle a graph (the runtime then falls back to ``fx``).
+Register more with ``register_backend``. ``fx`` takes every graph; the compiling backends
+(``torchscript``, ``inductor``, ``cudagraphs``) say in ``supports`` which graphs they refuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    compile: Callable[[torch.fx.GraphModule, list], Callable]
+    help: str
+    supports: Callable[[torch.fx.GraphModule], str | None] = lambda gm: None
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+class UnknownBackendError(ValueError):
+    """``optimize(fn, backend="nope")`` or ``SPECULARCH_BACKEND=nope``: no such backend.
+
+    The message lists the registered backends; pick one of them.
+    """
+
+
+def register_backend(name: str, compile_fn: Callable, *, help: str,
+                     supports: Callable | None = None, replace: bool = False) -> Backend:
+    if name in BACKENDS and not replace:
+        raise ValueError(f"backend {name!r} is already registered (pass replace=True to override)")
+    backend = Backend(name, compile_fn, help, supports or (lambda gm: None))
+    BACKENDS[name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise UnknownBackendError(f"unknown backend {name!r}; available: {sorted(BACKENDS)}") from None
+
+
+def list_backends() -> dict[str, str]:
+    return {name: b.help for name, b in sorted(BACKENDS.items())}
+
+
+def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    # The GraphModule's generated Python, called without nn.Module.__call__'s overhead.
+    return gm.forward
+
+
+def _flattened(gm: torch.fx.GraphModule) -> bool:
+    """Graphs compiled as one ATen graph without autograd (``_torch_compilers.flatten``):
+    whole training steps (an in-graph ``autograd.grad``) and graphs with dynamic sizes or
+    Python-number inputs."""
+    return bool(gm.meta.get("dynamic")) or _has_autograd(gm)
+
+
+# Python-number graph inputs may flow only into arithmetic: a torch function that branched
+# on one while being flattened would leave a specialisation we do not guard.
+_SCALAR_SAFE_METHODS = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "addcdiv_",
+                        "addcmul_", "lerp_", "pow"}
+
+
+def _scalars_only_in_arithmetic(gm: torch.fx.GraphModule) -> bool:
+    pending = [n for n in gm.graph.nodes if n.op == "placeholder"
+               and isinstance(n.meta.get("example"), (int, float))]
+    seen = set()
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user.op == "call_function" and getattr(user.target, "__module__", "") in ("_operator", "operator"):
+                if not isinstance(user.meta.get("example"), torch.Tensor):
+                    pending.append(user)  # still a Python number: follow it
+            elif not (user.op == "call_method" and user.target in _SCALAR_SAFE_METHODS):
+                return False
+    return True
+
+
+def _has_autograd(gm: torch.fx.GraphModule) -> bool:
+    return any(n.target is torch.autograd.grad for n in gm.graph.nodes)
+
+
+def gradient_hooks(gm: torch.fx.GraphModule) -> str | None:
+    """A graph with an in-graph backward whose differentiated inputs (parameters) have
+    gradient hooks: a flattened backward computes the gradients as plain ops and would skip
+    the hooks (wrong gradients). Capture refuses such steps already; this is the backends'
+    own check, in case a hook reaches a graph anyway."""
+    if not _has_autograd(gm):
+        return None
+    for node in gm.graph.nodes:
+        t = node.meta.get("example") if node.op == "placeholder" else None
+        if isinstance(t, torch.Tensor) and (t._backward_hooks or
+                                            getattr(t, "_post_accumulate_grad_hooks", None)):
+            return (f"graph input {node.name} has gradient hooks (register_hook / "
+                    f"register_post_accumulate_grad_hook), which a flattened backward would skip")
+    return None
+
+
+_OPAQUE = "a graph input is neither a tensor nor a number (e.g. a torch.Generator)"
+
+
+def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
+    """Why ``gm`` cannot be compiled as one static-shape ATen graph by ``compiler`` (or be
+    compiled at all, for what every compiling backend refuses); None when it can."""
+    if gm.meta.get("opaque_inputs"):
+        return _OPAQUE
+    if gm.meta.get("non_tensor_outputs"):
+        return "it returns Python numbers or checks assumptions inside the graph"
+    if gm.meta.get("dynamic_dims"):
+        return f"it has dynamic sizes ({compiler} would specialise on them)"
+    if gm.meta.get("scalar_inputs") and not _scalars_only_in_arithmetic(gm):
+        return "a Python-number graph input reaches a torch function (it could be specialised)"
+    if _flattened(gm) and gm.meta.get("outputs_require_grad"):
+        return ("it is compiled without autograd (an in-graph backward or Python-number inputs) "
+                "but returns or stores tensors that need autograd")
+    return gradient_hooks(gm)
+
+
+def _torchscript_supports(gm: torch.fx.GraphModule) -> str | None:
+    return flattening_reason(gm, "TorchScript")
+
+
+def _torchscript(gm, example_inputs):
+    from ._torch_compilers import aot_torchscript, torchscript_without_autograd
+    if _flattened(gm):
+        return torchscript_without_autograd(gm, example_inputs)
+    return aot_torchscript(gm, example_inputs)
+
+
+def _inductor_supports(gm: torch.fx.GraphModule) -> str | None:
+    return flattening_reason(gm, "Inductor")
+
+
+def _inductor(gm, example_inputs):
+    from ._torch_compilers import inductor, inductor_without_autograd
+    if _flattened(gm):
+        return inductor_without_autograd(gm, example_inputs)
+    return inductor(gm, example_inputs)
+
+
+def _cudagraphs(gm, example_inputs):
+    from .cudagraphs import compile_cudagraph
+    return compile_cudagraph(gm, example_inputs)
+
+
+def _cudagraphs_supported(gm):
+    from .cudagraphs import supports
+    return supports(gm)
+
+
+register_backend("fx", _fx, help="Run the FX graph's generated Python code (no compilation).")
+register_backend("torchscript", _torchscript, supports=_torchscript_supports,
+                 help="TorchScript: forward graphs through AOT autograd (functorch), forward and "
+                      "backward each scripted; whole training steps flattened to one ATen graph "
+                      "and scripted (frozen). Static shapes only.")
+register_backend("inductor", _inductor, supports=_inductor_supports,
+                 help="Inductor (torch._inductor.compile_fx): fused C++/Triton kernels; slow to compile. "
+                      "Whole training steps and dynamic graphs are flattened to ATen first.")
+register_backend("cudagraphs", _cudagraphs, supports=_cudagraphs_supported,
+                 help="CUDA graph capture and replay (static input/output buffers) of static-shape "
+                      "graphs that need no autograd: inference and whole training steps (CUDA only).")

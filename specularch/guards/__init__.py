@@ -1,0 +1,9 @@
+"""Guards: what a captured graph assumed about its inputs, checked before every reuse."""
+from .codegen import GuardSet, SourceNamer, guard_lines
+from .guard import (AliasGuard, ContainsGuard, DictKeysGuard, DistinctGuard, ExprGuard, GlobalStateGuard, Guard, HasAttrGuard, IdGuard, LenGuard,
+                    NoGlobalHooksGuard, NoHooksGuard, NoTensorHooksGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
+from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSource, GlobalSource,
+                      ItemSource, KeyedSource, LocalSource, ModuleDictSource, ObjectSource,
+                      ScalarOfSource, Source, pin)
+
+__all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,0 +1,147 @@
+"""Compiling a guard set into one fast Python function.
+
+The generated function takes the frame roots ``(L, C, G, B)`` and evaluates every guard in
+capture order, binding each source to a local variable once (``s2 = s1._modules['fc']``), so
+shared prefixes of source paths are evaluated once. Any exception while evaluating (a missing
+attribute, a wrong type) means "guards failed". The guard dataclasses stay around to explain
+a failure in words; the compiled function only answers yes/no.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ._torch_guards import tensor_checker
+from .guard import DistinctGuard, Guard, TensorGuard
+
+_FAST_TYPES = (torch.Tensor, torch.nn.Parameter)
+from .sources import PINNED, Source
+
+
+class SourceNamer:
+    """Emits ``sN = <expr>`` lines, evaluating each distinct source once."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._names: dict[Source, str] = {}
+
+    def name(self, source: Source) -> str:
+        found = self._names.get(source)
+        if found is not None:
+            return found
+        parent = source.parent
+        base = self.name(parent) if parent is not None else ""
+        var = f"s{len(self._names)}"
+        self.lines.append(f"{var} = {source.render(base)}")
+        self._names[source] = var
+        return var
+
+
+def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, Any],
+                fast_tensors: bool = True) -> list[str]:
+    """Statements that ``return MISS`` from the enclosing function when a guard fails.
+
+    With ``fast_tensors``, all tensor guards are checked by one C++ call at the end.
+    """
+    out: list[str] = []
+    tensor_guards: list[TensorGuard] = []
+    tensor_vars: list[str] = []
+    for g in guards:
+        v = namer.name(g.source) if g.source is not None else "None"
+        out.extend(namer.lines)
+        namer.lines.clear()
+        if fast_tensors and isinstance(g, TensorGuard) and g.tensor_type in _FAST_TYPES:
+            tensor_guards.append(g)
+            tensor_vars.append(v)
+            if g.dynamic:  # strides go unchecked for dynamic tensors: keep their layout class
+                out.append(f"if {v}.is_contiguous() is not {g.contiguous}: return MISS")
+            continue
+        if isinstance(g, DistinctGuard):  # sources of its own: named like every other source
+            conds = g.conditions(v, consts, namer.name)
+            out.extend(namer.lines)
+            namer.lines.clear()
+        else:
+            conds = g.conditions(v, consts)
+        if conds:
+            out.append(f"if not ({' and '.join(conds)}): return MISS")
+    if tensor_guards:
+        checker = tensor_checker(tensor_guards)
+        if checker is None:
+            for g, v in zip(tensor_guards, tensor_vars):
+                out.append(f"if not ({' and '.join(g.conditions(v, consts))}): return MISS")
+        else:
+            name = f"TG{len(consts)}"
+            consts[name] = checker
+            out.append(f"if not {name}({', '.join(tensor_vars)}): return MISS")
+    return out
+
+
+class GuardSet:
+    """The guards of one captured graph, de-duplicated, in capture order."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, Guard] = {}
+
+    def add(self, guard: Guard) -> None:
+        self._by_key.setdefault(guard.key(), guard)
+
+    def __iter__(self):
+        return iter(self._by_key.values())
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def readable(self) -> list[str]:
+        return [str(g) for g in self]
+
+    def compile(self):
+        """A function ``check(L, C, G, B) -> bool``."""
+        consts: dict[str, Any] = {}
+        namer = SourceNamer()
+        body = guard_lines(self, namer, consts)
+        src = "def check(L, C, G, B):\n    try:\n"
+        src += "".join(f"        {line}\n" for line in body)
+        src += "        return True\n    except Exception:\n        return False\n"
+        ns: dict[str, Any] = dict(consts, MISS=False, O=PINNED)
+        exec(compile(src, "<specularch guards>", "exec"), ns)
+        return ns["check"]
+
+    def first_failure(self, L, C, G, B) -> str | None:
+        """The first failing guard's explanation, or None if all pass."""
+        failing = self.first_failing(L, C, G, B)
+        return None if failing is None else failing[2]
+
+    def first_failing(self, L, C, G, B) -> tuple | None:
+        """``(guard, value read, explanation)`` of the first failing guard, or None."""
+        return next(self.failing(L, C, G, B), None)
+
+    def failing(self, L, C, G, B):
+        """``(guard, value read, explanation)`` of every failing guard, in order (a source
+        that cannot be read at all fails with value None)."""
+        roots = {"L": L, "C": C, "G": G, "B": B, "O": PINNED}
+        for g in self:
+            if g.source is None:
+                value = None
+            else:
+                try:
+                    value = eval(g.source.expr(), {}, roots)
+                except Exception as e:
+                    yield g, None, f"{g.source} could not be read ({type(e).__name__}: {e})"
+                    continue
+            if g.key()[0] == "Expr":
+                try:
+                    got = eval(g.expr, {}, roots)
+                except Exception as e:
+                    got = f"<{type(e).__name__}>"
+                text = None if got == g.expected else (
+                    f"{g.describe().rsplit(' == ', 1)[0]} expected {g.expected!r}, got {got!r}"
+                    + (f" — {g.where}" if g.where else ""))
+            elif g.source is None and g.key()[0] == "NotShadowed":
+                text = g.reason(G.get(g.name))
+            elif hasattr(g, "reason_from_roots"):
+                text = g.reason_from_roots(roots)
+            else:
+                text = g.reason(value)
+            if text is not None:
+                yield g, value, text

@@ -1,0 +1,463 @@
+"""Guards: the facts a captured graph assumed, each able to check and explain itself.
+
+A guard is a frozen dataclass on a source. ``conditions(v, consts)`` returns Python boolean
+expressions over ``v`` (the expression of the source's value) used by the compiled fast check
+(see ``codegen.py``); ``reason(value)`` says, in words, why a given value fails it
+("``L['x'].shape`` expected (4, 8), got (3, 8) — model.py:12").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .sources import Source
+
+
+def const_name(consts: dict[str, Any], value: Any) -> str:
+    """Name under which ``value`` is visible to the generated check function."""
+    for name, existing in consts.items():
+        if existing is value:
+            return name
+    name = f"K{len(consts)}"
+    consts[name] = value
+    return name
+
+
+@dataclass(frozen=True, eq=False)
+class Guard:
+    source: Source | None
+    where: str = field(default="", kw_only=True)
+
+    def key(self) -> tuple:
+        """Identity for de-duplication: a guard set holds one guard per key."""
+        return (type(self).__name__, str(self.source))
+
+    def conditions(self, v: str, consts: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def reason(self, value: Any) -> str | None:
+        """None when ``value`` satisfies the guard, else expected-vs-actual in words."""
+        consts: dict[str, Any] = {}
+        for cond in self.conditions("v", consts):
+            try:
+                ok = eval(cond, {**consts, "type": type, "len": len, "list": list, "hasattr": hasattr},
+                          {"v": value})
+            except Exception as e:  # an attribute vanished, etc.
+                ok, cond = False, f"{cond} (raised {type(e).__name__})"
+            if not ok:
+                text = self.mismatch(value)
+                sep = "" if text.startswith(".") else " "
+                return f"{self.source}{sep}{text}{self._at()}"
+        return None
+
+    def mismatch(self, value: Any) -> str:
+        return f"failed: {self.describe()} (got {_short(value)})"
+
+    def _at(self) -> str:
+        return f" — {self.where}" if self.where else ""
+
+    def __str__(self) -> str:
+        return f"{self.describe()}{self._at()}"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"Tensor(dtype={value.dtype}, shape={tuple(value.shape)}, device={value.device}, "
+                f"requires_grad={value.requires_grad})")
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True, eq=False)
+class TypeGuard(Guard):
+    expected: type
+
+    def conditions(self, v, consts):
+        return [f"type({v}) is {const_name(consts, self.expected)}"]
+
+    def describe(self):
+        return f"type({self.source}) is {self.expected.__qualname__}"
+
+    def mismatch(self, value):
+        return f"expected type {self.expected.__qualname__}, got {type(value).__qualname__}"
+
+
+@dataclass(frozen=True, eq=False)
+class IdGuard(Guard):
+    """The very same object (modules, functions, classes called or read)."""
+
+    expected: Any
+
+    def conditions(self, v, consts):
+        return [f"{v} is {const_name(consts, self.expected)}"]
+
+    def describe(self):
+        return f"{self.source} is <{type(self.expected).__qualname__} at {id(self.expected):#x}>"
+
+    def mismatch(self, value):
+        return f"expected the same object as at capture, got another {type(value).__qualname__}"
+
+
+@dataclass(frozen=True, eq=False)
+class ValueGuard(Guard):
+    """A Python value (int, bool, str, None, dtype, ...) baked into the graph."""
+
+    expected: Any
+
+    def conditions(self, v, consts):
+        t = type(self.expected)
+        if self.expected is None or isinstance(self.expected, bool):
+            return [f"{v} is {const_name(consts, self.expected)}"]
+        return [f"type({v}) is {const_name(consts, t)}", f"{v} == {const_name(consts, self.expected)}"]
+
+    def describe(self):
+        return f"{self.source} == {self.expected!r}"
+
+    def mismatch(self, value):
+        return f"expected {self.expected!r}, got {_short(value)}"
+
+
+@dataclass(frozen=True, eq=False)
+class LenGuard(Guard):
+    expected_type: type
+    expected: int
+
+    def conditions(self, v, consts):
+        return [f"type({v}) is {const_name(consts, self.expected_type)}", f"len({v}) == {self.expected}"]
+
+    def describe(self):
+        return f"len({self.source}) == {self.expected} ({self.expected_type.__qualname__})"
+
+    def mismatch(self, value):
+        if type(value) is not self.expected_type:
+            return f"expected type {self.expected_type.__qualname__}, got {type(value).__qualname__}"
+        return f"expected length {self.expected}, got {len(value)}"
+
+
+@dataclass(frozen=True, eq=False)
+class DictKeysGuard(Guard):
+    expected_type: type
+    keys: tuple
+    relaxable: bool = False  # a user dict read whole; may be relaxed to keyed access
+
+    def conditions(self, v, consts):
+        return [f"type({v}) is {const_name(consts, self.expected_type)}",
+                f"list({v}) == {const_name(consts, list(self.keys))}"]
+
+    def describe(self):
+        return f"keys of {self.source} == {list(self.keys)!r}"
+
+    def mismatch(self, value):
+        return f"expected keys {list(self.keys)!r}, got {_short(list(value)) if isinstance(value, dict) else _short(value)}"
+
+
+@dataclass(frozen=True, eq=False)
+class ContainsGuard(Guard):
+    """Whether one key is in a dict whose key set is not guarded (``KeyedDictV``)."""
+
+    key_value: Any = None
+    expected: bool = True
+
+    def key(self):
+        return ("Contains", str(self.source), repr(self.key_value))
+
+    def conditions(self, v, consts):
+        return [f"({const_name(consts, self.key_value)} in {v}) is {self.expected}"]
+
+    def describe(self):
+        return f"({self.key_value!r} in {self.source}) is {self.expected}"
+
+    def mismatch(self, value):
+        return f"expected {self.key_value!r} {'in' if self.expected else 'not in'} it"
+
+
+@dataclass(frozen=True, eq=False)
+class TensorGuard(Guard):
+    """Type, dtype, device, shape, strides and requires_grad of a tensor."""
+
+    tensor_type: type
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple
+    stride: tuple
+    requires_grad: bool
+    dynamic: frozenset = frozenset()  # dims whose size may vary (strides then unchecked)
+    contiguous: bool = True
+
+    @staticmethod
+    def of(source: Source, t: torch.Tensor, where: str = "") -> "TensorGuard":
+        return TensorGuard(source, type(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()),
+                           t.requires_grad, where=where)
+
+    def conditions(self, v, consts):
+        conds = [f"type({v}) is {const_name(consts, self.tensor_type)}",
+                 f"{v}.dtype is {const_name(consts, self.dtype)}",
+                 f"{v}.device == {const_name(consts, self.device)}"]
+        if self.dynamic:
+            conds.append(f"{v}.dim() == {len(self.shape)}")
+            conds += [f"{v}.shape[{d}] == {s}" for d, s in enumerate(self.shape) if d not in self.dynamic]
+            conds.append(f"{v}.is_contiguous() is {self.contiguous}")
+        else:
+            conds += [f"{v}.shape == {self.shape!r}", f"{v}.stride() == {self.stride!r}"]
+        return conds + [f"{v}.requires_grad is {self.requires_grad}"]
+
+    def shown_shape(self) -> tuple:
+        return tuple("?" if d in self.dynamic else s for d, s in enumerate(self.shape))
+
+    def describe(self):
+        stride = f"stride={self.stride}, " if not self.dynamic else ""
+        return (f"{self.source}: {self.tensor_type.__name__}(dtype={self.dtype}, "
+                f"shape={self.shown_shape()}, {stride}device={self.device}, "
+                f"requires_grad={self.requires_grad})")
+
+    def mismatch(self, value):
+        if not isinstance(value, torch.Tensor):
+            return f"expected a {self.tensor_type.__name__}, got {type(value).__qualname__}"
+        if value.dim() == len(self.shape):
+            for d, (want, got) in enumerate(zip(self.shape, value.shape)):
+                if d not in self.dynamic and want != got:
+                    return f".shape[{d}] expected {want}, got {got}"
+        got_shape = tuple("?" if d in self.dynamic else s for d, s in enumerate(value.shape))
+        for name, want, got in (("type", self.tensor_type, type(value)), ("dtype", self.dtype, value.dtype),
+                                ("device", self.device, value.device), ("shape", self.shown_shape(), got_shape),
+                                ("stride", None if self.dynamic else self.stride,
+                                 None if self.dynamic else tuple(value.stride())),
+                                ("requires_grad", self.requires_grad, value.requires_grad)):
+            if want != got:
+                shown = (lambda x: x.__name__) if name == "type" else repr
+                return f".{name} expected {shown(want)}, got {shown(got)}"
+        return "did not match"
+
+
+@dataclass(frozen=True, eq=False)
+class ExprGuard(Guard):
+    """A Python value computed from the frame (e.g. ``L[0].shape[0] > 2`` for a dynamic
+    dimension that steered control flow) keeps the value it had at capture."""
+
+    expr: str = ""
+    expected: Any = None
+    label: str = ""  # the expression as the user would write it (L['x'].shape[0] > 2)
+
+    def key(self):
+        return ("Expr", self.expr)
+
+    def conditions(self, v, consts):
+        return [f"{self.expr} == {self.expected!r}"]
+
+    def describe(self):
+        return f"{self.label or self.expr} == {self.expected!r}"
+
+    def reason(self, value):
+        return None  # evaluated by GuardSet.first_failure with the frame roots
+
+
+@dataclass(frozen=True, eq=False)
+class HasAttrGuard(Guard):
+    """Whether an object has an attribute (``hasattr``/``getattr`` with a default)."""
+
+    name: str = ""
+    expected: bool = True
+
+    def key(self):
+        return ("HasAttr", str(self.source), self.name)
+
+    def conditions(self, v, consts):
+        return [f"hasattr({v}, {self.name!r}) is {self.expected}"]
+
+    def describe(self):
+        return f"hasattr({self.source}, {self.name!r}) is {self.expected}"
+
+    def mismatch(self, value):
+        return f"expected hasattr(..., {self.name!r}) to be {self.expected}"
+
+
+@dataclass(frozen=True, eq=False)
+class NoHooksGuard(Guard):
+    """An nn.Module whose call was inlined has no hooks (hooks would change what runs)."""
+
+    HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+    def conditions(self, v, consts):
+        return [f"not {v}.{d}" for d in self.HOOK_DICTS]
+
+    def describe(self):
+        return f"{self.source} has no forward/backward hooks"
+
+    def mismatch(self, value):
+        return "has hooks registered now (hooks were absent at capture)"
+
+
+@dataclass(frozen=True, eq=False)
+class NoTensorHooksGuard(Guard):
+    """A tensor whose gradient the graph computes has no gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``): a captured backward would not run them."""
+
+    def conditions(self, v, consts):
+        return [f"not {v}._backward_hooks", f"not {v}._post_accumulate_grad_hooks"]
+
+    def describe(self):
+        return f"{self.source} has no gradient hooks"
+
+    def mismatch(self, value):
+        return "has gradient hooks registered now (they were absent at capture)"
+
+
+def global_module_hooks() -> bool:
+    """Whether any global ``nn.Module`` hook (``register_module_forward_hook`` ...) is set."""
+    from torch.nn.modules import module as m
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or
+                m._global_backward_hooks or m._global_backward_pre_hooks)
+
+
+@dataclass(frozen=True, eq=False)
+class NoGlobalHooksGuard(Guard):
+    """No global module hook was registered since capture (it would run around every module
+    call the graph inlined)."""
+
+    def key(self):
+        return ("NoGlobalHooks",)
+
+    def conditions(self, v, consts):
+        return [f"not {const_name(consts, global_module_hooks)}()"]
+
+    def describe(self):
+        return "no global nn.Module hooks are registered"
+
+    def mismatch(self, value):
+        return "global nn.Module hooks are registered now"
+
+    def reason(self, value):
+        return f"{self.mismatch(value)}{self._at()}" if global_module_hooks() else None
+
+
+@dataclass(frozen=True, eq=False)
+class NotShadowedGuard(Guard):
+    """A builtin name is not shadowed by a module global of the same name."""
+
+    name: str = ""
+
+    def key(self):
+        return ("NotShadowed", self.name)
+
+    def conditions(self, v, consts):
+        return [f"{self.name!r} not in G"]
+
+    def describe(self):
+        return f"global {self.name!r} does not shadow the builtin"
+
+    def reason(self, value):
+        return None if value is None else f"global {self.name!r} now shadows the builtin{self._at()}"
+
+
+@dataclass(frozen=True, eq=False)
+class AliasGuard(Guard):
+    """Two sources gave the same tensor at capture; the graph reads it once."""
+
+    other: Source = None
+
+    def key(self):
+        return ("Alias", str(self.source), str(self.other))
+
+    def conditions(self, v, consts):
+        return [f"{v} is {self.other.expr()}"]
+
+    def describe(self):
+        return f"{self.source} is {self.other}"
+
+    def reason_from_roots(self, roots: dict) -> str | None:
+        try:
+            same = eval(self.source.expr(), {}, roots) is eval(self.other.expr(), {}, roots)
+        except Exception as e:
+            return f"{self} could not be checked ({type(e).__name__}: {e})"
+        return None if same else f"{self.source} is no longer the same object as {self.other}{self._at()}"
+
+
+def storages_distinct(written: tuple, others: tuple) -> bool:
+    """No two of ``written`` share memory, and none shares memory with any of ``others``."""
+    keys = {t.untyped_storage().data_ptr() for t in written if t.numel()}
+    if len(keys) != sum(1 for t in written if t.numel()):
+        return False
+    return not any(t.numel() and t.untyped_storage().data_ptr() in keys for t in others)
+
+
+def objects_distinct(written: tuple, others: tuple) -> bool:
+    """No object of ``written`` is one of ``others`` (or appears twice in ``written``)."""
+    ids = {id(o) for o in written}
+    return len(ids) == len(written) and not any(id(o) in ids for o in others)
+
+
+@dataclass(frozen=True, eq=False)
+class DistinctGuard(Guard):
+    """What the call writes (tensors: by memory; lists, dicts, objects: by identity) is not
+    reachable through another source that was distinct at capture: the graph and its deferred
+    writes assumed a read through ``others`` does not see the write."""
+
+    written: tuple = ()
+    others: tuple = ()
+    memory: bool = True  # tensors compared by storage, other objects by identity
+
+    def key(self):
+        return ("Distinct", self.memory, tuple(map(str, self.written)), tuple(map(str, self.others)))
+
+    def conditions(self, v, consts, name_of=lambda s: s.expr()):
+        """``name_of(source)``: the expression of a source (the check function passes the
+        variable it already holds the source's value in)."""
+        check = const_name(consts, storages_distinct if self.memory else objects_distinct)
+        written = "".join(f"{name_of(s)}, " for s in self.written)
+        others = "".join(f"{name_of(s)}, " for s in self.others)
+        return [f"{check}(({written}), ({others}))"]
+
+    def describe(self):
+        what = "share no memory with" if self.memory else "are not the same object as"
+        others = ", ".join(map(str, self.others[:4])) + (", ..." if len(self.others) > 4 else "")
+        return f"written {', '.join(map(str, self.written))} {what} each other or {others}"
+
+    def reason_from_roots(self, roots: dict) -> str | None:
+        try:
+            ok = eval(self.conditions("None", consts := {})[0], {**consts}, roots)
+        except Exception:
+            ok = False
+        return None if ok else f"aliasing changed: expected {self.describe()}{self._at()}"
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalStateGuard(Guard):
+    """Process state that changes what torch ops compute: grad mode, autocast (CPU and CUDA)
+    and the default dtype (used by factory functions such as ``torch.zeros``)."""
+
+    grad_enabled: bool = True
+    autocast: tuple = (False, False)
+    default_dtype: Any = None
+
+    @staticmethod
+    def now() -> "GlobalStateGuard":
+        return GlobalStateGuard(None, grad_enabled=torch.is_grad_enabled(), autocast=_autocast(),
+                                default_dtype=torch.get_default_dtype())
+
+    def key(self):
+        return ("GlobalState",)
+
+    def conditions(self, v, consts):
+        return [f"{const_name(consts, torch.is_grad_enabled)}() is {self.grad_enabled}",
+                f"{const_name(consts, _autocast)}() == {self.autocast!r}",
+                f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}"]
+
+    def describe(self):
+        return (f"torch.is_grad_enabled() is {self.grad_enabled}, autocast(cpu, cuda) is "
+                f"{self.autocast}, default dtype is {self.default_dtype}")
+
+    def reason(self, value):
+        now = GlobalStateGuard.now()
+        for name in ("grad_enabled", "autocast", "default_dtype"):
+            if getattr(now, name) != getattr(self, name):
+                return f"global state {name} expected {getattr(self, name)!r}, got {getattr(now, name)!r}"
+        return None
+
+
+def _autocast() -> tuple:
+    return (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))

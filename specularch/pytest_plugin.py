@@ -1,0 +1,116 @@
+"""pytest plugin (entry point ``pytest11``), active once specularch is installed.
+
+* ``pytest --specularch=on`` runs the suite with the global switch (see ``policy.py``);
+* ``pytest --specularch=compare`` does the same in validation mode: every optimized call is
+  also run eagerly on copies of its arguments and compared (``validate.py``); a difference
+  fails the test with a report naming the function, the graph, its guards and the value;
+* ``--specularch=off`` (default) changes nothing;
+* ``@pytest.mark.specularch_skip`` excludes a test;
+* the fixture ``specularch_compare(fn, *args, backends=["fx", ...])`` compares ``fn`` eager
+  against each backend explicitly and returns the ``explain`` reports;
+* a test fails when a mismatch was raised during it, also when the test caught it;
+* the run ends with a summary: optimized calls, graphs, fallback calls by kind, mismatches.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("specularch")
+    group.addoption("--specularch", choices=("off", "on", "compare"), default="off",
+                    help="run tests with specularch enabled globally (on), in validation "
+                         "mode against eager (compare), or not at all (off, default)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "specularch_skip: do not run this test under specularch")
+    mode = config.getoption("--specularch", default="off")
+    if mode == "off":
+        return
+    from . import dispatcher, startup, validate
+    from .config import check_environment
+    errors, _ = check_environment()  # the backend may be registered later, by a conftest
+    if errors:
+        raise pytest.UsageError(f"specularch: {errors[0]}")
+    startup.activate()
+    if mode == "compare":
+        dispatcher.VALIDATOR = validate.validator
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    mode = item.config.getoption("--specularch", default="off")
+    if mode == "off":
+        yield
+        return
+    from . import dispatcher, frames, validate
+    skipped = item.get_closest_marker("specularch_skip") is not None
+    validator = dispatcher.VALIDATOR
+    if skipped:
+        frames.disable_globally()
+        dispatcher.VALIDATOR = None
+    before = len(validate.MISMATCHES)
+    try:
+        outcome = yield
+    finally:
+        dispatcher.VALIDATOR = validator
+        if skipped:
+            frames.enable_globally()
+    # A mismatch raised inside the test may have been caught by the test's own ``except``.
+    if len(validate.MISMATCHES) > before and outcome.exception is None:
+        outcome.force_exception(validate.SpecularchMismatch(
+            "caught by the test, but a specularch mismatch was raised:\n"
+            + validate.MISMATCHES[before]))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("--specularch", default="off") == "off":
+        return
+    from . import dispatcher, validate
+    states = [s for s in [*dispatcher.states().values(), *list(dispatcher._OWNED)] if s.stats.calls]
+    records = [f for s in states for f in s.fallbacks.values()]
+    calls, sites = collections.Counter(), collections.Counter()
+    for record in records:
+        calls[record.kind] += record.count  # calls that ran eagerly because of this record
+        sites[record.kind] += 1
+    stats = [s.stats for s in states]
+    write = terminalreporter.write_line
+    terminalreporter.section("specularch")
+    write(f"optimized code objects: {len(states)}, graphs: {sum(len(s.entries) for s in states)}, "
+          f"calls: {sum(s.calls for s in stats)} (graph hits: {sum(s.graph_hits for s in stats)}, "
+          f"captures: {sum(s.captures for s in stats)}, profiled eagerly: "
+          f"{sum(s.profiled_calls for s in stats)}, fell back to eager: "
+          f"{sum(s.fallback_calls for s in stats)})")
+    write("fallback calls by kind: " + (", ".join(
+        f"{k}={calls[k]} ({sites[k]} site{'s' if sites[k] > 1 else ''})"
+        for k in sorted(calls)) or "none"))
+    write(f"mismatches: {len(validate.MISMATCHES)}")
+
+
+@pytest.fixture
+def specularch_compare():
+    """``specularch_compare(fn, *args, backends=("fx",))``: eager vs each backend, exact for
+    ``fx`` and within float tolerance for compiling backends; returns the reports."""
+    import torch
+
+    import specularch
+
+    def compare(fn, *args, backends=("fx",), **kwargs):
+        expected = fn(*args, **kwargs)
+        reports = []
+        for backend in backends:
+            optimized = specularch.optimize(fn, backend=backend)
+            with specularch.config.patch(profile_calls=0):
+                for _ in range(2):  # capture, then a cache hit
+                    got = optimized(*args, **kwargs)
+                    if backend == "fx":
+                        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+                    else:
+                        torch.testing.assert_close(got, expected)
+            reports.append(specularch.explain(optimized))
+        return reports
+
+    return compare

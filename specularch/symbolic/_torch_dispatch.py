@@ -1,0 +1,81 @@
+"""Compat: the one place the symbolic executor touches torch's Python dispatch mode.
+
+Capture runs real torch ops on real inputs (so every value is concrete). To make that safe,
+``MutationCheck`` watches every ATen op below autograd and refuses, *before it runs*, any op
+that writes into a tensor whose storage was not created during this capture: arguments,
+parameters, buffers, globals. Refusal raises ``ExternalMutation``; nothing was written.
+
+``_should_skip_dynamo`` returns False so that torch does not wrap our ``__torch_dispatch__``
+in ``torch._disable_dynamo`` (which would import ``torch._dynamo``, ~2 s, for nothing).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class ExternalMutation(Exception):
+    def __init__(self, op_name: str, key: int):
+        super().__init__(op_name)
+        self.op_name = op_name
+        self.key = key  # storage key of the tensor the op would have written
+
+
+# Ops whose schema does not declare that they write some arguments (a known schema gap):
+# op name -> (written argument positions, position of the `training` flag that enables it).
+UNDECLARED_WRITES = {
+    "aten::native_batch_norm": ((3, 4), 5),
+    "aten::_batch_norm_impl_index": ((3, 4), 5),
+    "aten::cudnn_batch_norm": ((3, 4), 5),
+    "aten::miopen_batch_norm": ((3, 4), 5),
+}
+
+
+def storage_key(t: torch.Tensor) -> int:
+    if t.layout is not torch.strided:  # sparse, nested, ...: no single storage; keyed by object
+        return -id(t)
+    return t.untyped_storage().data_ptr()
+
+
+class MutationCheck(TorchDispatchMode):
+    """Allows writes only into storages in ``fresh``; records storages ops create."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self, fresh: set[int]):
+        super().__init__()
+        self.fresh = fresh
+        self.wrote = False  # did any op write in place (into a fresh tensor)?
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.name == "aten::lift_fresh":  # torch.tensor(data): new storage made outside
+            self.fresh.add(storage_key(args[0]))
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            self.wrote = True
+            val = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            for t in tree_leaves(val):
+                if isinstance(t, torch.Tensor) and t.numel() and storage_key(t) not in self.fresh:
+                    raise ExternalMutation(str(func), storage_key(t))
+        undeclared = UNDECLARED_WRITES.get(schema.name)
+        if undeclared is not None and len(args) > undeclared[1] and args[undeclared[1]]:
+            self.wrote = True
+            for i in undeclared[0]:
+                t = args[i] if i < len(args) else None
+                if isinstance(t, torch.Tensor) and t.numel() and storage_key(t) not in self.fresh:
+                    raise ExternalMutation(str(func), storage_key(t))
+        out = func(*args, **kwargs)
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key not in inputs:
+                    self.fresh.add(key)
+        return out

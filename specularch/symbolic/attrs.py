@@ -1,0 +1,269 @@
+"""Attribute reads (``obj.name``) over values, following Python's lookup rules.
+
+nn.Module attributes resolve the way ``nn.Module.__getattr__`` would, but through sources
+that read ``_parameters``/``_buffers``/``_modules`` directly, so parameters and buffers
+become graph inputs read on every call (never constants baked into the graph).
+"""
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+import torch.nn as nn
+
+from ..guards.sources import AttrSource, ModuleDictSource
+from ..records import Unsupported
+from ..shadow_heap import DELETED
+from .tracer import _is_trusted_module
+from .values import Const, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
+
+_MISSING = object()
+
+# Tensor attributes that are metadata (guarded through the tensor's own guard).
+TENSOR_META = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout",
+               "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "is_cpu",
+               "is_leaf", "itemsize", "nbytes"}
+# Tensor attributes that produce a tensor (recorded as ``getattr`` nodes).
+TENSOR_VIEWS = {"T", "mT", "H", "mH", "real", "imag", "data"}
+
+
+def load_attr(tracer, frame, v: Value, name: str) -> Value:
+    if isinstance(v, TensorV):
+        return _tensor_attr(tracer, v, name)
+    if isinstance(v, Obj):
+        return _object_attr(tracer, frame, v, name)
+    if isinstance(v, SuperV):
+        return _super_attr(tracer, v, name)
+    if isinstance(v, NewObjV):
+        return _new_object_attr(tracer, v, name)
+    if isinstance(v, UntrackedContainer):
+        return MethodV(v, None, name)
+    if isinstance(v, TupleV) and v.cls is not tuple and not callable(getattr(v.cls, name, None)):
+        return _tuple_field(v, name)
+    if isinstance(v, Const):
+        try:
+            attr = getattr(v.value, name)
+        except AttributeError as e:
+            raise Unsupported("exception_handling", f"AttributeError: {e}") from None
+        if callable(attr) and not isinstance(attr, type):
+            return MethodV(v, None, name)
+        return tracer.wrap_python(attr)
+    if hasattr(v, "items") and not name.startswith("__"):
+        return MethodV(v, None, name)
+    raise Unsupported("unsupported_call", f"attribute {name!r} of {type(v).__name__}")
+
+
+def _tensor_attr(tracer, v: TensorV, name: str) -> Value:
+    if name == "shape":
+        return tracer.sym_shape(v)
+    if name in TENSOR_META:
+        return tracer.wrap_python(getattr(v.example, name))
+    if name in TENSOR_VIEWS:
+        return tracer.call_op("call_function", getattr, [v, Const(name)], {}, name=name)
+    if name == "grad":
+        from .training import read_grad
+        return read_grad(tracer, v)
+    attr = getattr(v.example, name, _MISSING)
+    if attr is _MISSING:
+        raise Unsupported("exception_handling", f"Tensor has no attribute {name!r}")
+    if callable(attr):
+        return MethodV(v, None, name)
+    raise Unsupported("unsupported_call", f"tensor attribute {name!r}")
+
+
+def _tuple_field(v: TupleV, name: str) -> Value:
+    example = v.concrete()
+    field = getattr(example, name, _MISSING)
+    for item, concrete in zip(v.items, example):
+        if concrete is field:
+            return item
+    raise Unsupported("exception_handling", f"{v.cls.__name__} has no field {name!r}")
+
+
+def _object_attr(tracer, frame, v: Obj, name: str) -> Value:
+    obj = v.obj
+    written = tracer.heap.read_attr(obj, name)
+    if written is DELETED:
+        raise Unsupported("exception_handling", f"AttributeError: {name!r} was deleted in this call")
+    if written is not None:
+        return written
+    if isinstance(obj, types.ModuleType):
+        try:
+            attr = getattr(obj, name)
+        except AttributeError as e:
+            raise Unsupported("exception_handling", f"AttributeError: {e}") from None
+        trusted = _is_trusted_module(obj)
+        return tracer.wrap(attr, None if trusted or v.source is None else AttrSource(v.source, name))
+    if isinstance(obj, type):
+        try:
+            attr = getattr(obj, name)
+        except AttributeError as e:
+            raise Unsupported("exception_handling", f"AttributeError: {e}") from None
+        return tracer.wrap(attr, _source(v, name, trusted_owner=obj))
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
+        if name in ("__name__", "__qualname__", "__module__", "__doc__"):
+            return Const(getattr(obj, name))
+        raise Unsupported("unsupported_call", f"reading {name!r} of a function")
+    return _instance_attr(tracer, v, name)
+
+
+def _source(v: Obj, name: str, trusted_owner=None):
+    if v.source is None:
+        return None
+    if trusted_owner is not None and getattr(trusted_owner, "__module__", "").split(".")[0] == "torch":
+        return None
+    return AttrSource(v.source, name)
+
+
+def _instance_attr(tracer, v: Obj, name: str) -> Value:
+    obj = v.obj
+    cls = type(obj)
+    if name in ("step", "zero_grad"):
+        from .optim_model import is_modelled
+        if is_modelled(obj):
+            return MethodV(v, None, name)  # captured by optim_model, not inlined
+        if isinstance(obj, torch.optim.Optimizer):
+            raise Unsupported("unsupported_call", f"{cls.__name__}.{name}() is not captured "
+                              "(captured optimizers: SGD, Adam, AdamW)")
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and name == "step":
+            raise Unsupported("unsupported_call", "an LR scheduler's step() inside the optimized "
+                              "function is not captured; call it between calls (the learning "
+                              "rate is a graph input: no recompile)")
+    if "__getattribute__" in _own_dicts(cls) and cls.__getattribute__ is not object.__getattribute__ \
+            and not isinstance(obj, nn.Module):
+        raise Unsupported("unsupported_call", f"{cls.__name__} defines __getattribute__")
+    static = inspect.getattr_static(cls, name, _MISSING)
+    if isinstance(obj, nn.Module) and name not in obj.__dict__:
+        from . import module_model
+        if module_model.is_modelled(obj, name):
+            return MethodV(v, None, name)
+    if static is not _MISSING and _is_data_descriptor(static):
+        if isinstance(static, property) and static.fget is not None:
+            from .calls import call
+            return call(tracer, tracer.wrap(static.fget, None), [v], {})
+        try:
+            return tracer.wrap(getattr(obj, name), _source(v, name))
+        except AttributeError as e:
+            raise Unsupported("exception_handling", f"AttributeError: {e}") from None
+    inst = getattr(obj, "__dict__", {})
+    if name in inst:
+        return tracer.wrap(inst[name], _source(v, name))
+    if static is not _MISSING:
+        if isinstance(static, staticmethod):
+            return tracer.wrap(static.__func__, None)
+        if isinstance(static, classmethod):
+            return MethodV(Obj(cls), tracer.wrap(static.__func__, None), name)
+        if isinstance(static, types.FunctionType):
+            tracer.guard_method_lookup(v, name)
+            return MethodV(v, tracer.wrap(static, None), name)
+        if callable(static) and not isinstance(static, type):
+            return MethodV(v, None, name)
+        return tracer.wrap(static, _source(v, name))
+    if isinstance(obj, nn.Module):  # what nn.Module.__getattr__ finds, read directly
+        for table in ("_parameters", "_buffers", "_modules"):
+            entries = inst.get(table)
+            if entries is not None and name in entries:
+                src = None if v.source is None else ModuleDictSource(v.source, table, name)
+                return tracer.wrap(entries[name], src)
+    if hasattr(cls, "__getattr__") and not isinstance(obj, nn.Module):
+        raise Unsupported("unsupported_call", f"{cls.__name__}.__getattr__ for {name!r}")
+    raise Unsupported("exception_handling", f"{cls.__name__!r} object has no attribute {name!r}")
+
+
+def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
+    """``owner.name = value`` (``value`` None: ``del owner.name``). Objects created in this
+    call are plain values; writes to objects that existed before go to the shadow heap."""
+    if isinstance(owner, NewObjV):
+        if value is not None:
+            owner.attrs[name] = value
+        elif owner.attrs.pop(name, None) is None:
+            raise Unsupported("exception_handling", f"AttributeError: {name}")
+        return
+    if isinstance(owner, TensorV) and name == "grad":
+        from .training import write_grad
+        write_grad(tracer, owner, value)
+        return
+    if not isinstance(owner, Obj) or owner.source is None:
+        raise Unsupported("side_effect", f"assigning attribute {name!r} on {owner!r}, which cannot "
+                          "be addressed after the call")
+    obj = owner.obj
+    cls = type(obj)
+    static = inspect.getattr_static(cls, name, _MISSING)
+    if isinstance(obj, nn.Module) and name not in obj.__dict__:
+        from . import module_model
+        if module_model.is_modelled(obj, name):
+            return MethodV(v, None, name)
+    if static is not _MISSING and _is_data_descriptor(static):
+        raise Unsupported("side_effect", f"{cls.__name__}.{name} is a property/descriptor; "
+                          "assigning it runs code")
+    if isinstance(obj, nn.Module):
+        if name in obj._modules or (isinstance(value, Obj) and isinstance(value.obj, nn.Module)):
+            raise Unsupported("side_effect", f"assigning submodule {name!r} inside forward")
+        if name in obj._parameters and not (
+                (isinstance(value, Const) and value.value is None)
+                or (isinstance(value, (Obj, TensorV)) and isinstance(value.concrete(), nn.Parameter))):
+            raise Unsupported("exception_handling",
+                              f"TypeError: cannot assign a non-Parameter to parameter {name!r}")
+    elif cls.__setattr__ is not object.__setattr__ and not isinstance(obj, (type, types.ModuleType)):
+        raise Unsupported("side_effect", f"{cls.__name__} defines __setattr__")
+    where = tracer.where()
+    if value is None:
+        if tracer.heap.read_attr(obj, name) is None and not hasattr(obj, name):
+            raise Unsupported("exception_handling", f"AttributeError: {name}")
+        tracer.heap.delete_attr(owner, obj, name, where)
+    else:
+        tracer.heap.write_attr(owner, obj, name, value, where)
+
+
+def _super_attr(tracer, v: SuperV, name: str) -> Value:
+    mro = type(v.self_value.concrete()).__mro__
+    start = mro.index(v.cls) + 1
+    for klass in mro[start:]:
+        if name in klass.__dict__:
+            attr = klass.__dict__[name]
+            if isinstance(attr, staticmethod):
+                return tracer.wrap(attr.__func__, None)
+            if isinstance(attr, classmethod):
+                return MethodV(Obj(type(v.self_value.concrete())), tracer.wrap(attr.__func__, None), name)
+            if isinstance(attr, types.FunctionType):
+                return MethodV(v.self_value, tracer.wrap(attr, None), name)
+            if callable(attr):
+                return MethodV(v.self_value, Obj(attr), name)
+            return tracer.wrap(attr, None)
+    raise Unsupported("exception_handling", f"super() has no attribute {name!r}")
+
+
+def _new_object_attr(tracer, v: NewObjV, name: str) -> Value:
+    static = inspect.getattr_static(v.cls, name, _MISSING)
+    if static is not _MISSING and _is_data_descriptor(static):
+        if isinstance(static, property) and static.fget is not None:
+            from .calls import call
+            return call(tracer, tracer.wrap(static.fget, None), [v], {})
+        raise Unsupported("unsupported_call", f"descriptor {name!r} of {v.cls.__name__}")
+    if name in v.attrs:
+        return v.attrs[name]
+    if name == "__class__":
+        return Obj(v.cls)
+    if static is _MISSING:
+        raise Unsupported("exception_handling", f"{v.cls.__name__!r} object has no attribute {name!r}")
+    if isinstance(static, staticmethod):
+        return tracer.wrap(static.__func__, None)
+    if isinstance(static, classmethod):
+        return MethodV(Obj(v.cls), tracer.wrap(static.__func__, None), name)
+    if isinstance(static, types.FunctionType):
+        return MethodV(v, tracer.wrap(static, None), name)
+    source = None if v.cls_source is None else AttrSource(v.cls_source, name)
+    return tracer.wrap(static, source)
+
+
+def _own_dicts(cls) -> set:
+    names = set()
+    for klass in cls.__mro__[:-1]:
+        names.update(klass.__dict__)
+    return names
+
+
+def _is_data_descriptor(attr) -> bool:
+    t = type(attr)
+    return hasattr(t, "__get__") and (hasattr(t, "__set__") or hasattr(t, "__delete__"))

@@ -1,0 +1,179 @@
+"""Both directions of a branch on a tensor value, kept in one graph.
+
+A branch on a tensor value is first speculated (``Tracer.assume_truth``). Once it has gone
+both ways, the frame no longer speculates on it; instead, when the branch is a plain
+``if``/``else`` (or ``a if c else b``) whose two sides are free of side effects, both sides
+are executed symbolically and every value they leave behind is merged with
+``torch.where(predicate, then_value, else_value)``: the graph computes both and selects, so
+neither direction makes the call fall back. Two sides that both ``return`` are merged the
+same way (their return values). Anything else (one side returning and not the other, a side
+that jumps out, writes to the heap, draws random numbers, writes in place, speculates again, or produces
+values that cannot be selected between) keeps today's behaviour: the call runs eagerly
+with ``data_dependent_branch``.
+
+Gradients are kept out of it: a value that requires grad refuses the merge, because the
+derivative of the side not taken (``sqrt`` of a negative number, say) could turn the
+selected gradient into NaN, which eager never computes.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..records import Unsupported
+from .symint import SymV
+from .values import Const, DictV, ListV, TensorV, TupleV, Value
+
+_FORWARD_JUMPS = ("JUMP_FORWARD",)
+
+
+class _NoMerge(Exception):
+    pass
+
+
+def join_point(frame, ins) -> tuple[int, int] | None:
+    """(index of the first instruction of the fall-through side, index of the join) for a
+    forward conditional jump shaped like ``if``/``else``; None for other shapes."""
+    info = frame.info
+    start = frame.ip  # the instruction after the conditional jump
+    target = info.index_of[ins.argval]
+    if target <= start:
+        return None
+    before = info.instructions[target - 1]
+    if before.opname in _FORWARD_JUMPS and info.index_of[before.argval] > target:
+        return start, info.index_of[before.argval]  # if/else: the then-side jumps past else
+    return start, target  # plain if: the else-side is empty
+
+
+def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
+    """Run both sides of the branch at ``ins`` and merge them; return the index to resume
+    at (the join). Raises ``Unsupported`` when the branch cannot be merged."""
+    shape = join_point(frame, ins)
+    if shape is None:
+        raise _refuse("it is not a plain if/else", frame.tracer.user_position())
+    fall_through, join = shape
+    target = frame.info.index_of[ins.argval]
+    # the side taken when the jump does NOT happen starts right after it
+    taken_when_true = target if jump_if else fall_through
+    taken_when_false = fall_through if jump_if else target
+    tracer = frame.tracer
+    at = tracer.user_position()  # a refusal points at the branch, not into a side
+    before = _Mark(tracer)
+    saved_locals, saved_stack = dict(frame.locals), list(frame.stack)
+    try:
+        # the fall-through side first: if it returns, the other side must return too
+        first, second = sorted((taken_when_true, taken_when_false), key=lambda i: i != fall_through)
+        sides = {}
+        sides[first] = _run_side(frame, first, join, saved_locals, saved_stack)
+        returned = sides[first][0]
+        sides[second] = _run_side(frame, second, None if returned else join, saved_locals,
+                                  saved_stack)
+        if sides[second][0] != returned:
+            raise _NoMerge("one side returns and the other does not")
+        before.check(tracer)
+        _, true_locals, true_stack, true_result = sides[taken_when_true]
+        _, false_locals, false_stack, false_result = sides[taken_when_false]
+        cond = tracer.call_op("call_method", "bool", [predicate], {}, name="bool")
+        if returned:
+            frame.locals, frame.stack = saved_locals, saved_stack
+            frame.result = _select(tracer, cond, true_result, false_result)
+            return join
+        frame.locals = {}
+        for name in set(true_locals) | set(false_locals):
+            if name not in true_locals or name not in false_locals:
+                raise _NoMerge(f"`{name}` is assigned on one side only")
+            frame.locals[name] = _select(tracer, cond, true_locals[name], false_locals[name])
+        if len(true_stack) != len(false_stack):
+            raise _NoMerge("the two sides leave different stacks")
+        frame.stack = [_select(tracer, cond, a, b) for a, b in zip(true_stack, false_stack)]
+    except _NoMerge as e:
+        frame.locals, frame.stack, frame.result = saved_locals, saved_stack, None
+        raise _refuse(str(e), at) from None
+    except Unsupported as e:
+        frame.locals, frame.stack, frame.result = saved_locals, saved_stack, None
+        raise _refuse(f"a side cannot be captured ({e.explanation})", at) from None
+    return join
+
+
+def _refuse(why: str, at: tuple) -> Unsupported:
+    error = Unsupported("data_dependent_branch", "both directions of this branch on a tensor "
+                        f"value have been seen, and the two sides cannot be merged into one "
+                        f"graph ({why}); it is no longer speculated")
+    error.filename, error.lineno, error.function = at
+    return error
+
+
+def _run_side(frame, start: int, join: int | None, locals_: dict, stack: list):
+    """(returned?, locals, stack, returned value) after running one side from ``start``."""
+    before = _contents([*locals_.values(), *stack])
+    frame.locals, frame.stack, frame.result = dict(locals_), list(stack), None
+    frame.ip = start
+    returned = frame.run_span(join)
+    if _contents([*locals_.values(), *stack]) != before:
+        raise _NoMerge("a side changes a list or dict that existed before the branch")
+    result, frame.result = frame.result, None
+    return returned, frame.locals, frame.stack, result
+
+
+def _contents(values: list) -> dict:
+    """id -> item identities of every list/dict reachable from ``values``."""
+    seen: dict = {}
+    pending = list(values)
+    while pending:
+        v = pending.pop()
+        if isinstance(v, (ListV, TupleV, DictV)) and id(v) not in seen:
+            items = list(v.items.values()) if isinstance(v, DictV) else list(v.items)
+            seen[id(v)] = (v, tuple(map(id, items)),
+                           tuple(v.items) if isinstance(v, DictV) else ())
+            pending += items
+    return {k: (ids, keys) for k, (_, ids, keys) in seen.items()}
+
+
+class _Mark:
+    """What may not change while the two sides run: the heap log, the assumptions; and what
+    the new graph nodes may not do (write in place, draw random numbers)."""
+
+    def __init__(self, tracer):
+        self.heap = len(tracer.heap)
+        self.assertions = len(tracer.assertions)
+        self.last_node = list(tracer.graph.nodes)[-1] if len(tracer.graph.nodes) else None
+
+    def check(self, tracer) -> None:
+        from ..entry import is_random_node
+        if len(tracer.heap) != self.heap:
+            raise _NoMerge("a side writes state that outlives the call")
+        if len(tracer.assertions) != self.assertions:
+            raise _NoMerge("a side speculates on another tensor value")
+        nodes = list(tracer.graph.nodes)
+        new = nodes[nodes.index(self.last_node) + 1:] if self.last_node is not None else nodes
+        for node in new:
+            if node.meta.get("mutates"):
+                raise _NoMerge("a side writes into a tensor in place")
+            if is_random_node(node):
+                raise _NoMerge("a side draws random numbers")
+
+
+def _select(tracer, cond: TensorV, a: Value, b: Value) -> Value:
+    if a is b:
+        return a
+    if isinstance(a, TensorV) and isinstance(b, TensorV):
+        ea, eb = a.example, b.example
+        if (ea.shape, ea.dtype, ea.device) != (eb.shape, eb.dtype, eb.device):
+            raise _NoMerge("a value has a different shape, dtype or device on each side")
+        if ea.requires_grad or eb.requires_grad:
+            raise _NoMerge("a value requires grad (the side not taken could poison gradients)")
+        if a.dynamic or b.dynamic:
+            raise _NoMerge("a value has a dynamic size")
+        return tracer.call_op("call_function", torch.where, [cond, a, b], {}, name="where")
+    if isinstance(a, Const) and isinstance(b, Const) and type(a.value) is type(b.value) \
+            and a.value == b.value:
+        return a
+    if type(a) is type(b) and isinstance(a, (TupleV, ListV)) and len(a.items) == len(b.items) \
+            and a.source is None and b.source is None:
+        items = [_select(tracer, cond, x, y) for x, y in zip(a.items, b.items)]
+        return TupleV(items, a.cls) if isinstance(a, TupleV) else ListV(items)
+    if isinstance(a, DictV) and isinstance(b, DictV) and a.source is None and b.source is None \
+            and list(a.items) == list(b.items):
+        return DictV({k: _select(tracer, cond, a.items[k], b.items[k]) for k in a.items})
+    if isinstance(a, SymV) or isinstance(b, SymV):
+        raise _NoMerge("a Python number computed from sizes differs between the sides")
+    raise _NoMerge(f"{a!r} and {b!r} cannot be selected between")

@@ -1,0 +1,437 @@
+"""Builtins and other C callables, modelled over values.
+
+``BUILTINS`` maps a builtin object to a handler ``(tracer, args, kwargs) -> Value``. Pure
+functions of constants (``math``, ``operator``, ``str`` methods, ...) are computed right
+away; the few that touch tensors are graph nodes or a clear ``Unsupported``.
+"""
+from __future__ import annotations
+
+import builtins
+import cmath
+import functools
+import math
+import operator
+import types
+
+import torch
+
+from ..guards import HasAttrGuard
+from ..records import Unsupported
+from . import operators as ops
+from .values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
+                     SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
+
+BUILTINS: dict = {}
+
+
+def model(*objs):
+    def register(fn):
+        for obj in objs:
+            BUILTINS[obj] = fn
+        return fn
+    return register
+
+
+def _all_const(args, kwargs) -> bool:
+    return all(is_const(a) for a in args) and all(is_const(v) for v in kwargs.values())
+
+
+def _concrete_call(tracer, fn, args, kwargs) -> Value:
+    try:
+        result = fn(*[a.concrete() for a in args], **{k: v.concrete() for k, v in kwargs.items()})
+    except Exception as e:
+        raise Unsupported("exception_handling",
+                          f"{getattr(fn, '__name__', fn)}() raised {type(e).__name__}: {e}") from None
+    return tracer.wrap_python(result)
+
+
+@model(len)
+def _len(tracer, fn, args, kwargs):
+    if isinstance(args[0], TensorV) and args[0].dynamic and args[0].example.dim():
+        return tracer.sym_size(args[0], 0)
+    return Const(ops.length(tracer, args[0]))
+
+
+@model(isinstance)
+def _isinstance(tracer, fn, args, kwargs):
+    value, classes = args
+    cls = _classes(classes)
+    if isinstance(value, (Obj, Const, TensorV)):
+        return Const(isinstance(value.concrete(), cls))
+    return Const(issubclass(value.python_type(), cls))
+
+
+@model(issubclass)
+def _issubclass(tracer, fn, args, kwargs):
+    return Const(issubclass(_classes(args[0]), _classes(args[1])))
+
+
+def _classes(v: Value):
+    if isinstance(v, (Obj, Const)):
+        return v.concrete()
+    if isinstance(v, TupleV) and all(isinstance(i, (Obj, Const)) for i in v.items):
+        return tuple(i.concrete() for i in v.items)
+    raise Unsupported("unsupported_call", "isinstance()/issubclass() with a non-constant class")
+
+
+@model(type)
+def _type(tracer, fn, args, kwargs):
+    if len(args) != 1:
+        raise Unsupported("unsupported_call", "type() with 3 arguments creates a class")
+    v = args[0]
+    return Obj(v.python_type() if not isinstance(v, (Obj, Const)) else type(v.concrete()))
+
+
+@model(getattr)
+def _getattr(tracer, fn, args, kwargs):
+    from .attrs import load_attr
+    obj, name = args[0], args[1].concrete()
+    if len(args) == 2:
+        return load_attr(tracer, tracer.frames[-1], obj, name)
+    _guard_hasattr(tracer, obj, name)
+    try:
+        return load_attr(tracer, tracer.frames[-1], obj, name)
+    except Unsupported as e:
+        if e.kind == "exception_handling" and "attribute" in e.explanation:
+            return args[2]
+        raise
+
+
+@model(hasattr)
+def _hasattr(tracer, fn, args, kwargs):
+    from .attrs import load_attr
+    obj, name = args[0], args[1].concrete()
+    _guard_hasattr(tracer, obj, name)
+    try:
+        load_attr(tracer, tracer.frames[-1], obj, name)
+        return Const(True)
+    except Unsupported as e:
+        if e.kind == "exception_handling" and "attribute" in e.explanation:
+            return Const(False)
+        raise
+
+
+def _guard_hasattr(tracer, obj: Value, name: str) -> None:
+    if isinstance(obj, Obj) and obj.source is not None:
+        tracer.add_guard(HasAttrGuard, obj.source, name=name, expected=hasattr(obj.obj, name))
+
+
+@model(setattr, delattr, print, input, open, id, exec, eval, compile, globals, locals, vars,
+       breakpoint, __import__)
+def _impure(tracer, fn, args, kwargs):
+    label = getattr(fn, "__name__", "this builtin")
+    kind = "data_dependent_value" if label == "print" and any(contains_tensor(a) for a in args) \
+        else "unsupported_call"
+    raise Unsupported(kind, f"{label}() has effects outside the graph (I/O, identity or "
+                      "namespace access) and is not captured")
+
+
+@model(min, max)
+def _minmax(tracer, fn, args, kwargs):
+    items = args if len(args) > 1 else ops.iterate(tracer, args[0]).items
+    if _all_const(items, kwargs):
+        return _concrete_call(tracer, fn, [ListV(list(items))], kwargs)
+    key = kwargs.get("key")
+    if key is not None and not (isinstance(key, Const) and key.value is None) and items:
+        keys = _sort_keys(tracer, items, key)
+        # Python returns the first item whose key is extreme
+        best = fn(range(len(items)), key=lambda i: keys[i])
+        return items[best]
+    if any(isinstance(i, TensorV) for i in items):
+        raise Unsupported("data_dependent_branch",
+                          f"{fn.__name__}() of tensors compares tensor values in Python; "
+                          f"use torch.{'maximum' if fn is max else 'minimum'}")
+    raise Unsupported("unsupported_call", f"{fn.__name__}() of non-constant values")
+
+
+@model(abs)
+def _abs(tracer, fn, args, kwargs):
+    return ops.unary(tracer, operator.abs, args[0])
+
+
+@model(sum)
+def _sum(tracer, fn, args, kwargs):
+    start = args[1] if len(args) > 1 else kwargs.get("start", Const(0))
+    acc = start
+    for item in ops.iterate(tracer, args[0]).items:
+        acc = ops.binary(tracer, operator.add, acc, item)
+    return acc
+
+
+@model(int, float, complex, str, repr, ascii, bytes, format, chr, ord, hash, round, divmod,
+       pow, bin, hex, oct)
+def _scalar(tracer, fn, args, kwargs):
+    if _all_const(args, kwargs):
+        return _concrete_call(tracer, fn, args, kwargs)
+    if any(isinstance(a, TensorV) for a in args):
+        if fn in (round, divmod, pow):
+            return tracer.call_op("call_function", fn, args, kwargs)
+        raise Unsupported("data_dependent_value",
+                          f"{fn.__name__}() of a tensor reads its value into Python")
+    raise Unsupported("unsupported_call", f"{fn.__name__}() of {args[0]!r}")
+
+
+@model(bool)
+def _bool(tracer, fn, args, kwargs):
+    return Const(ops.truth(tracer, args[0]) if args else False)
+
+
+@model(callable)
+def _callable(tracer, fn, args, kwargs):
+    v = args[0]
+    if isinstance(v, (FuncV, MethodV)):
+        return Const(True)
+    return Const(callable(v.concrete()))
+
+
+@model(list)
+def _list(tracer, fn, args, kwargs):
+    return ListV(list(ops.iterate(tracer, args[0]).items) if args else [])
+
+
+@model(tuple)
+def _tuple(tracer, fn, args, kwargs):
+    items = list(ops.iterate(tracer, args[0]).items) if args else []
+    if all(isinstance(i, Const) for i in items):
+        return Const(tuple(i.value for i in items))
+    return TupleV(items)
+
+
+@model(dict)
+def _dict(tracer, fn, args, kwargs):
+    result: dict = {}
+    if args:
+        src = args[0]
+        if isinstance(src, DictV):
+            result.update(src.items)
+        else:
+            for pair in ops.iterate(tracer, src).items:
+                k, v = ops.iterate(tracer, pair).items
+                result[k.concrete()] = v
+    result.update(kwargs)
+    return DictV(result)
+
+
+@model(set, frozenset)
+def _set(tracer, fn, args, kwargs):
+    items = ops.iterate(tracer, args[0]).items if args else []
+    if not all(is_const(i) for i in items):
+        raise Unsupported("unsupported_call", "a set of tensors or objects")
+    values = {i.concrete() for i in items}
+    return SetV(values) if fn is set else Const(frozenset(values))
+
+
+@model(range, slice)
+def _range(tracer, fn, args, kwargs):
+    if not _all_const(args, kwargs):
+        raise Unsupported("data_dependent_value", f"{fn.__name__}() of a tensor value")
+    return _concrete_call(tracer, fn, args, kwargs)
+
+
+@model(enumerate)
+def _enumerate(tracer, fn, args, kwargs):
+    start = (args[1] if len(args) > 1 else kwargs.get("start", Const(0))).concrete()
+    items = ops.iterate(tracer, args[0]).items
+    return IterV([TupleV([Const(start + i), v]) for i, v in enumerate(items)])
+
+
+@model(zip)
+def _zip(tracer, fn, args, kwargs):
+    columns = [ops.iterate(tracer, a).items for a in args]
+    strict = kwargs.get("strict", Const(False)).concrete()
+    if strict and len({len(c) for c in columns}) > 1:
+        raise Unsupported("exception_handling", "zip(strict=True) of different lengths")
+    return IterV([TupleV(list(row)) for row in zip(*columns)])
+
+
+@model(reversed)
+def _reversed(tracer, fn, args, kwargs):
+    return IterV(list(reversed(ops.iterate(tracer, args[0]).items)))
+
+
+@model(sorted)
+def _sorted(tracer, fn, args, kwargs):
+    return ListV(sort_values(tracer, list(ops.iterate(tracer, args[0]).items), kwargs))
+
+
+def sort_values(tracer, items: list, kwargs: dict) -> list:
+    """``sorted(items, key=..., reverse=...)`` where the sort keys must be constants."""
+    key = kwargs.get("key")
+    if isinstance(key, Const) and key.value is None:
+        key = None
+    keys = _sort_keys(tracer, items, key)
+    reverse = kwargs["reverse"].concrete() if "reverse" in kwargs else False
+    order = sorted(range(len(items)), key=lambda i: keys[i], reverse=reverse)
+    return [items[i] for i in order]
+
+
+def _sort_keys(tracer, items: list, key: Value | None) -> list:
+    """The Python sort keys of ``items`` (under ``key``). They must be constants, except that
+    tuples whose first elements are distinct constants (``sorted(d.items())``) compare by
+    those alone, as Python does, even when later elements are tensors."""
+    from .calls import call
+    keys = items if key is None else [call(tracer, key, [i], {}) for i in items]
+    if all(is_const(k) for k in keys):
+        return [k.concrete() for k in keys]
+    firsts = [k.items[0] if isinstance(k, TupleV) and k.items else None for k in keys]
+    if all(f is not None and is_const(f) for f in firsts):
+        values = [f.concrete() for f in firsts]
+        if len(set(map(repr, values))) == len(values) and len(set(values)) == len(values):
+            return values
+    raise Unsupported("data_dependent_branch", "sorting or comparing by tensor values in Python")
+
+
+@model(iter)
+def _iter(tracer, fn, args, kwargs):
+    return ops.iterate(tracer, args[0])
+
+
+@model(next)
+def _next(tracer, fn, args, kwargs):
+    it = args[0]
+    if not isinstance(it, IterV):
+        raise Unsupported("unsupported_call", f"next() of {it!r}")
+    item = it.next()
+    if item is None:
+        if len(args) > 1:
+            return args[1]
+        raise Unsupported("exception_handling", "StopIteration during capture")
+    return item
+
+
+@model(map)
+def _map(tracer, fn, args, kwargs):
+    from .calls import call
+    columns = [ops.iterate(tracer, a).items for a in args[1:]]
+    return IterV([call(tracer, args[0], list(row), {}) for row in zip(*columns)])
+
+
+@model(filter)
+def _filter(tracer, fn, args, kwargs):
+    from .calls import call
+    items = ops.iterate(tracer, args[1]).items
+    if isinstance(args[0], Const) and args[0].value is None:
+        return IterV([i for i in items if ops.truth(tracer, i)])
+    return IterV([i for i in items if ops.truth(tracer, call(tracer, args[0], [i], {}))])
+
+
+@model(any, all)
+def _anyall(tracer, fn, args, kwargs):
+    want = fn is any
+    for item in ops.iterate(tracer, args[0]).items:
+        if ops.truth(tracer, item) == want:
+            return Const(want)
+    return Const(not want)
+
+
+@model(super)
+def _super(tracer, fn, args, kwargs):
+    if args:
+        return SuperV(args[0].concrete(), args[1])
+    frame = tracer.frames[-1]
+    cell = frame.cells.get("__class__")
+    if cell is None or frame.code.co_argcount == 0:
+        raise Unsupported("unsupported_call", "super() outside a method")
+    from .ops_loads import read_cell
+    first = frame.code.co_varnames[0]
+    self_v = frame.locals.get(first)
+    if self_v is None and first in frame.cells:
+        self_v = read_cell(frame, frame.cells[first])
+    return SuperV(read_cell(frame, cell).concrete(), self_v)
+
+
+# math / operator / cmath: pure functions; constants are computed, tensors become nodes.
+_PURE_MODULES = {"math", "cmath", "operator", "_operator"}
+
+
+def call_builtin_like(tracer, fn: Obj, args, kwargs) -> Value:
+    obj = fn.obj
+    module = getattr(obj, "__module__", None) or ""
+    if module in _PURE_MODULES or obj in _PURE_FUNCS:
+        if _all_const(args, kwargs):
+            return _concrete_call(tracer, obj, args, kwargs)
+        if any(contains_tensor(a) for a in args):
+            return tracer.call_op("call_function", obj, args, kwargs)
+        raise Unsupported("unsupported_call", f"{obj.__name__}() of non-constant values")
+    if isinstance(obj, type):
+        return _construct(tracer, obj, args, kwargs, fn.source)
+    if isinstance(obj, (types.MethodDescriptorType, types.BuiltinMethodType)) and _all_const(args, kwargs) \
+            and getattr(obj, "__objclass__", None) in (str, int, float, tuple, dict, list, bytes):
+        return _concrete_call(tracer, obj, args, kwargs)
+    name = getattr(obj, "__qualname__", None) or type(obj).__name__
+    raise Unsupported("unsupported_call", f"call to {module + '.' if module else ''}{name}, which "
+                      "specularch cannot see into (a C function or an object it does not model)")
+
+
+_PURE_FUNCS = {math.floor, math.ceil, math.sqrt, cmath.sqrt, builtins.divmod}
+
+
+def _construct(tracer, cls: type, args, kwargs, cls_source=None) -> Value:
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        fields = cls._fields
+        values = list(args)
+        for name in fields[len(values):]:
+            if name in kwargs:
+                values.append(kwargs[name])
+            elif name in getattr(cls, "_field_defaults", {}):
+                values.append(tracer.wrap_python(cls._field_defaults[name]))
+            else:
+                raise Unsupported("exception_handling", f"{cls.__name__}() missing field {name!r}")
+        return TupleV(values, cls)
+    if issubclass(cls, BaseException) and _all_const(args, kwargs):
+        return Obj(_concrete_call(tracer, cls, args, kwargs).concrete())
+    if cls is functools.partial:
+        return PartialV(args[0], list(args[1:]), dict(kwargs))
+    reason = _plain_class_problem(cls)
+    if reason:
+        raise Unsupported("unsupported_call",
+                          f"creating a {cls.__qualname__} object inside the optimized function ({reason})")
+    obj = NewObjV(cls, {}, cls_source)
+    init = cls.__init__
+    if init is object.__init__:
+        if args or kwargs:
+            raise Unsupported("exception_handling", f"TypeError: {cls.__name__}() takes no arguments")
+    else:
+        from .calls import call
+        call(tracer, tracer.wrap(init, None), [obj, *args], kwargs)
+    return obj
+
+
+def _plain_class_problem(cls: type) -> str | None:
+    """Why instances of ``cls`` cannot be modelled as attribute dicts (None if they can)."""
+    if type(cls) is not type:
+        return "it has a metaclass"
+    if cls.__new__ is not object.__new__:
+        return "it defines __new__"
+    for name in ("__setattr__", "__getattribute__", "__getattr__", "__delattr__"):
+        if getattr(cls, name, None) is not getattr(object, name, None):
+            return f"it defines {name}"
+    if any("__slots__" in k.__dict__ for k in cls.__mro__[:-1]):
+        return "it uses __slots__"
+    if not isinstance(cls.__init__, types.FunctionType) and cls.__init__ is not object.__init__:
+        return "its __init__ is not a Python function"
+    return None
+
+
+def construct_torch_class(tracer, cls: type, args, kwargs) -> Value:
+    from .values import GradModeV
+    if cls is torch.no_grad:
+        return GradModeV(False)
+    if cls is torch.enable_grad:
+        return GradModeV(True)
+    if cls in (torch.Size, torch.device) and _all_const(args, kwargs):
+        return _concrete_call(tracer, cls, args, kwargs)
+    raise Unsupported("unsupported_call", f"creating a {cls.__module__}.{cls.__qualname__} inside "
+                      "the optimized function")
+
+
+@model(torch.nn.utils.clip_grad_norm_)
+def _clip_grad_norm(tracer, fn, args, kwargs):
+    from .module_model import clip_grad_norm
+    return clip_grad_norm(tracer, fn, args, kwargs)
+
+
+@model(torch.nn.utils.clip_grad_value_)
+def _clip_grad_value(tracer, fn, args, kwargs):
+    from .module_model import clip_grad_value
+    return clip_grad_value(tracer, fn, args, kwargs)

@@ -1,0 +1,73 @@
+"""Code objects analysed before they are run: instructions, jump targets, handlers.
+
+Supported bytecode: CPython 3.11 only (``SUPPORTED_VERSIONS``). The instruction set, the
+NULL-below-callable call protocol and the exception-table layout are all 3.11-specific;
+importing the executor on another version raises a clear error instead of misreading code.
+"""
+from __future__ import annotations
+
+import dis
+import sys
+import types
+from dataclasses import dataclass
+
+SUPPORTED_VERSIONS = {(3, 11)}
+
+if sys.version_info[:2] not in SUPPORTED_VERSIONS:
+    raise ImportError(
+        f"specularch's symbolic executor reads CPython 3.11 bytecode; this is Python "
+        f"{sys.version_info[0]}.{sys.version_info[1]}. Use Python 3.11.")
+
+CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR = 0x20, 0x80, 0x200
+CO_VARARGS, CO_VARKEYWORDS = 0x04, 0x08
+
+
+@dataclass(frozen=True)
+class CodeInfo:
+    code: types.CodeType
+    instructions: tuple
+    index_of: dict          # offset -> index into instructions
+    catches_exceptions: bool  # has a try/except or try/finally handler (not just `with`)
+    is_generator: bool
+
+    @property
+    def filename(self) -> str:
+        return self.code.co_filename
+
+
+_CACHE: dict[int, tuple[types.CodeType, CodeInfo]] = {}
+
+
+def analyse(code: types.CodeType) -> CodeInfo:
+    """Decode and check ``code`` once; cached by identity."""
+    hit = _CACHE.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    instructions = tuple(i for i in dis.get_instructions(code) if i.opname != "CACHE")
+    index_of = {ins.offset: n for n, ins in enumerate(instructions)}
+    for ins in instructions:
+        if ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs:
+            if ins.argval not in index_of:
+                raise ValueError(f"{code.co_qualname}: jump to {ins.argval} is not an instruction")
+    info = CodeInfo(code, instructions, index_of, _catches(code, instructions, index_of),
+                    bool(code.co_flags & (CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR)))
+    _CACHE[id(code)] = (code, info)
+    return info
+
+
+def _catches(code, instructions, index_of) -> bool:
+    """True if an exception handler other than a ``with`` block's cleanup exists."""
+    for entry in dis.Bytecode(code).exception_entries:
+        n = index_of.get(entry.target)
+        if n is None or instructions[n].opname != "PUSH_EXC_INFO":
+            continue  # the re-raise cleanup inside another handler
+        following = instructions[n + 1].opname if n + 1 < len(instructions) else ""
+        if following != "WITH_EXCEPT_START":
+            return True
+    return False
+
+
+def arg_names(code: types.CodeType) -> tuple[str, ...]:
+    n = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & CO_VARARGS)
+         + bool(code.co_flags & CO_VARKEYWORDS))
+    return code.co_varnames[:n]

@@ -1,0 +1,317 @@
+"""Calls: what ``f(*args, **kwargs)`` means for each kind of callee value.
+
+* Python functions, methods, lambdas, ``super()`` methods and ``nn.Module`` calls (forward)
+  are *inlined*: their bytecode runs in a new symbolic frame.
+* torch functions, ``torch.nn.functional`` and Tensor methods become graph nodes.
+* builtins, ``math`` and constant methods are modelled in ``builtins_model.py``.
+* everything else is ``Unsupported`` (the call runs eagerly).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import types
+import weakref
+
+import torch
+import torch.nn as nn
+
+from ..guards.sources import AttrSource, ClosureSource, DerefSource, ItemSource
+from ..records import Unsupported
+from .bytecode import CO_VARARGS, CO_VARKEYWORDS
+from .tracer import FORBIDDEN_TENSOR_METHODS, _is_torch_file
+from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, Obj, PartialV, TupleV,
+                     Value)
+
+# Set on wrappers made by specularch.optimize: the function they stand for.
+ORIGINAL_ATTR = "__specularch_original__"
+# Set on the forward that optimize(module) installs on the instance.
+MODULE_FORWARD_ATTR = "__specularch_module_forward__"
+
+_AUTOGRAD_ENTRY = {torch.autograd.backward, torch.autograd.grad}
+
+
+def call(tracer, fn: Value, args: list[Value], kwargs: dict[str, Value]) -> Value:
+    if isinstance(fn, MethodV):
+        if fn.func is not None:
+            return call(tracer, fn.func, [fn.self_value, *args], kwargs)
+        from .methods import call_method
+        return call_method(tracer, fn.self_value, fn.name, args, kwargs)
+    if isinstance(fn, FuncV):
+        return inline(tracer, fn.code, fn.globals, args, kwargs, defaults=fn.defaults,
+                      kwdefaults=fn.kwdefaults, closure=fn.closure, name=fn.name)
+    if isinstance(fn, PartialV):
+        return call(tracer, fn.func, [*fn.args, *args], {**fn.kwargs, **kwargs})
+    if isinstance(fn, ModuleSliceV) and fn.callable and len(args) == 1 and not kwargs:
+        out = args[0]
+        for child in fn.items:  # Sequential.forward over the sliced children
+            out = call(tracer, child, [out], {})
+        return out
+    if isinstance(fn, NewObjV):
+        from .attrs import load_attr
+        return call(tracer, load_attr(tracer, None, fn, "__call__"), args, kwargs)
+    if isinstance(fn, CtxExitV):
+        from .methods import exit_context
+        return exit_context(tracer, fn.ctx)
+    if isinstance(fn, Obj):
+        return _call_object(tracer, fn, args, kwargs)
+    raise Unsupported("unsupported_call", f"calling {fn!r}")
+
+
+def _call_object(tracer, fn: Obj, args, kwargs) -> Value:
+    obj = fn.obj
+    original = getattr(obj, ORIGINAL_ATTR, None)
+    if original is not None:
+        return call(tracer, tracer.wrap(original, None), args, kwargs)
+    if isinstance(obj, nn.Module):
+        return call_module(tracer, fn, args, kwargs)
+    from .builtins_model import BUILTINS, call_builtin_like
+    handler = BUILTINS.get(obj) if _hashable(obj) else None
+    if handler is not None:
+        return handler(tracer, obj, args, kwargs)
+    if obj in _AUTOGRAD_ENTRY if _hashable(obj) else False:
+        raise Unsupported("unsupported_call", "autograd (.backward()/autograd.grad) inside an "
+                          "optimized function is not captured yet")
+    if isinstance(obj, types.FunctionType):
+        if _is_torch_file(obj.__code__.co_filename) and not _is_module_code(obj):
+            return _torch_python_function(tracer, fn, args, kwargs)
+        return inline_function(tracer, fn, args, kwargs)
+    if isinstance(obj, functools.partial):
+        src = fn.source
+        func = tracer.wrap(obj.func, None if src is None else AttrSource(src, "func"))
+        bound = [tracer.wrap(a, None if src is None else ItemSource(AttrSource(src, "args"), i))
+                 for i, a in enumerate(obj.args)]
+        kw = {k: tracer.wrap(a, None if src is None else ItemSource(AttrSource(src, "keywords"), k))
+              for k, a in obj.keywords.items()}
+        return call(tracer, func, [*bound, *args], {**kw, **kwargs})
+    if isinstance(obj, weakref.ReferenceType) and not args and not kwargs:
+        referent = obj()
+        return tracer.wrap(referent, None if fn.source is None else DerefSource(fn.source))
+    if _is_torch_callable(obj):
+        return torch_call(tracer, obj, args, kwargs)
+    if not isinstance(obj, type) and isinstance(getattr(type(obj), "__call__", None), types.FunctionType):
+        return call(tracer, MethodV(fn, tracer.wrap(type(obj).__call__, None), "__call__"), args, kwargs)
+    return call_builtin_like(tracer, fn, args, kwargs)
+
+
+_NN_MODULES_DIR = os.path.join(os.path.dirname(torch.__file__), "nn", "modules") + os.sep
+
+
+def _is_module_code(func) -> bool:
+    """Methods of torch.nn modules (forward, _conv_forward, ModuleDict.items, ...) are
+    inlined like user code; other torch Python functions are graph nodes."""
+    return func.__code__.co_filename.startswith(_NN_MODULES_DIR)
+
+
+def _hashable(obj) -> bool:
+    try:
+        hash(obj)
+        return True
+    except TypeError:
+        return False
+
+
+def _is_torch_callable(obj) -> bool:
+    module = getattr(obj, "__module__", None) or ""
+    if module.split(".")[0] == "torch":
+        return True
+    owner = getattr(obj, "__objclass__", None)
+    return owner is not None and issubclass(owner, torch._C.TensorBase)
+
+
+def torch_call(tracer, obj, args, kwargs) -> Value:
+    """A torch function (C or Python) applied to values: one graph node."""
+    if isinstance(obj, type):
+        from .builtins_model import construct_torch_class
+        return construct_torch_class(tracer, obj, args, kwargs)
+    name = getattr(obj, "__name__", "")
+    if name in FORBIDDEN_TENSOR_METHODS:
+        raise Unsupported("data_dependent_value" if name != "backward" else "unsupported_call",
+                          f"torch.{name} reads tensor data or changes autograd state")
+    effect = outside_effect(obj, name)
+    if effect:
+        raise Unsupported("unsupported_call", f"{getattr(obj, '__module__', 'torch')}.{name} "
+                          f"{effect}; a graph cannot replay that, so the call runs eagerly")
+    return tracer.call_op("call_function", obj, args, kwargs, name=name)
+
+
+# torch functions that act outside the tensors they are given: captured, they would run once
+# (during capture) instead of on every call. Checked before the call runs.
+_EFFECT_MODULES = {"torch.random": "changes or reads the global random-number state",
+                   "torch.cuda.random": "changes or reads the CUDA random-number state",
+                   "torch.serialization": "reads or writes files",
+                   "torch.hub": "downloads or reads files",
+                   "torch.utils.data": "drives data loading",
+                   "torch.distributed": "communicates with other processes",
+                   "torch.profiler": "controls the profiler",
+                   "torch.autograd.profiler": "controls the profiler"}
+_EFFECT_NAMES = {"manual_seed": "changes the random-number state",
+                 "seed": "changes the random-number state",
+                 "initial_seed": "reads the random-number state",
+                 "save": "writes a file", "load": "reads a file",
+                 "use_deterministic_algorithms": "changes a global setting",
+                 "synchronize": "waits for a device"}
+
+
+def outside_effect(obj, name: str) -> str:
+    """Why calling torch function ``obj`` acts outside its tensor arguments ('' if it does
+    not, as far as we know)."""
+    module = getattr(obj, "__module__", None) or ""
+    for prefix, why in _EFFECT_MODULES.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return why
+    if name in _EFFECT_NAMES:
+        return _EFFECT_NAMES[name]
+    if name.startswith(("set_", "_set_")):
+        return "changes a global setting"
+    return ""
+
+
+def _grad_mode_decorator(obj) -> bool | None:
+    """For a function decorated with ``@torch.no_grad()`` / ``@torch.enable_grad()``: the grad
+    mode it runs its function in; None for anything else."""
+    if obj.__code__.co_name != "decorate_context" or "ctx_factory" not in obj.__code__.co_freevars:
+        return None
+    factory = obj.__closure__[obj.__code__.co_freevars.index("ctx_factory")].cell_contents
+    owner = getattr(factory, "__self__", None)  # ``no_grad().clone``: not called (no effects)
+    if type(owner) is torch.no_grad:
+        return False
+    if type(owner) is torch.enable_grad:
+        return True
+    return None
+
+
+def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
+    obj = fn.obj
+    enabled = _grad_mode_decorator(obj) if hasattr(obj, "__wrapped__") else None
+    if enabled is not None:
+        from .methods import _set_grad
+        prior = torch.is_grad_enabled()
+        _set_grad(tracer, enabled)
+        try:
+            inner = tracer.wrap(obj.__wrapped__, None if fn.source is None
+                                else AttrSource(fn.source, "__wrapped__"))
+            return call(tracer, inner, args, kwargs)
+        finally:
+            _set_grad(tracer, prior)
+    if hasattr(obj, "__wrapped__"):
+        raise Unsupported("unsupported_call",
+                          f"{obj.__qualname__} wraps another function (a decorator from torch)")
+    for a in [*args, *kwargs.values()]:
+        if isinstance(a, (Obj, FuncV, MethodV)) and not isinstance(getattr(a, "obj", None), torch.Generator):
+            raise Unsupported("unsupported_call",
+                              f"{obj.__module__}.{obj.__qualname__} called with a {a!r} argument")
+    return torch_call(tracer, obj, args, kwargs)
+
+
+def call_module(tracer, mod: Obj, args, kwargs) -> Value:
+    m = mod.obj
+    tracer.guard_module_call(mod)
+    forward = m.__dict__.get("forward")
+    if forward is not None and not getattr(forward, MODULE_FORWARD_ATTR, False):
+        raise Unsupported("unsupported_call", f"{type(m).__name__} has an instance-level forward")
+    func = type(m).forward
+    if not isinstance(func, types.FunctionType):
+        raise Unsupported("unsupported_call", f"{type(m).__name__}.forward is not a Python function")
+    if forward is None:  # an instance-level forward patched in later must be seen
+        tracer.guard_method_lookup(mod, "forward")
+    return inline_function(tracer, Obj(func), [mod, *args], kwargs)
+
+
+def inline_function(tracer, fn: Obj, args, kwargs) -> Value:
+    func = fn.obj
+    closure = ()
+    if func.__closure__:
+        names = func.__code__.co_freevars
+        closure = tuple(
+            CellV(None, real=cell,
+                  source=None if fn.source is None else ClosureSource(fn.source, i, names[i]))
+            for i, cell in enumerate(func.__closure__))
+        if fn.source is None and any(n != "__class__" for n in names):
+            _check_trusted_closure(func)
+    defaults = tuple(tracer.wrap(d, _default_source(fn, "__defaults__", i))
+                     for i, d in enumerate(func.__defaults__ or ()))
+    kwdefaults = {k: tracer.wrap(d, _default_source(fn, "__kwdefaults__", k))
+                  for k, d in (func.__kwdefaults__ or {}).items()}
+    return inline(tracer, func.__code__, func.__globals__, args, kwargs, defaults=defaults,
+                  kwdefaults=kwdefaults, closure=closure, name=func.__qualname__)
+
+
+def _check_trusted_closure(func) -> None:
+    # A method found on a class (no source of its own): its closure cannot be re-read at run
+    # time, so only cells whose contents are classes or functions (decorator plumbing) are
+    # baked in; anything else is refused rather than silently frozen.
+    for cell in func.__closure__:
+        try:
+            contents = cell.cell_contents
+        except ValueError:
+            continue
+        if not isinstance(contents, (type, types.FunctionType, types.BuiltinFunctionType)):
+            raise Unsupported("unsupported_call",
+                              f"{func.__qualname__} is a closure over values that cannot be guarded")
+
+
+def _default_source(fn: Obj, table: str, key):
+    return None if fn.source is None else ItemSource(AttrSource(fn.source, table), key)
+
+
+def inline(tracer, code: types.CodeType, globals_: dict, args: list[Value], kwargs: dict[str, Value],
+           *, defaults=(), kwdefaults=None, closure=(), name="") -> Value:
+    from .frame import Frame
+    from .bytecode import analyse
+    bound = bind_arguments(code, args, kwargs, defaults, kwdefaults or {}, name)
+    cells = {n: c for n, c in zip(code.co_freevars, closure)}
+    info = analyse(code)
+    if info.is_generator:
+        if code.co_name != "<genexpr>":
+            raise Unsupported("generator", f"calling generator function {name} inside capture")
+        frame = Frame(tracer, code, globals_, bound, cells, generator=True)
+        frame.run()
+        return IterV(frame.yielded)
+    return Frame(tracer, code, globals_, bound, cells).run()
+
+
+def bind_arguments(code, args, kwargs, defaults, kwdefaults, name) -> dict[str, Value]:
+    """Python's argument binding, on values. A binding error means eager raises TypeError."""
+    def fail(msg):
+        raise Unsupported("exception_handling", f"TypeError during capture: {name}() {msg}")
+    npos = code.co_argcount
+    names = code.co_varnames
+    bound: dict[str, Value] = {}
+    has_va, has_vk = code.co_flags & CO_VARARGS, code.co_flags & CO_VARKEYWORDS
+    if len(args) > npos and not has_va:
+        fail(f"takes {npos} positional arguments but {len(args)} were given")
+    for n, value in zip(names[:npos], args):
+        bound[n] = value
+    kwonly = names[npos:npos + code.co_kwonlyargcount]
+    extra_kw: dict[str, Value] = {}
+    posonly = set(names[:code.co_posonlyargcount])
+    for k, value in kwargs.items():
+        if k in bound and k not in posonly:
+            fail(f"got multiple values for argument {k!r}")
+        if (k in names[:npos] and k not in posonly) or k in kwonly:
+            bound[k] = value
+        elif has_vk:
+            extra_kw[k] = value
+        else:
+            fail(f"got an unexpected keyword argument {k!r}")
+    first_default = npos - len(defaults)
+    for i, n in enumerate(names[:npos]):
+        if n not in bound:
+            if i >= first_default:
+                bound[n] = defaults[i - first_default]
+            else:
+                fail(f"missing required positional argument {n!r}")
+    for n in kwonly:
+        if n not in bound:
+            if n in kwdefaults:
+                bound[n] = kwdefaults[n]
+            else:
+                fail(f"missing required keyword-only argument {n!r}")
+    idx = npos + code.co_kwonlyargcount
+    if has_va:
+        bound[names[idx]] = TupleV(list(args[npos:]))
+        idx += 1
+    if has_vk:
+        bound[names[idx]] = DictV(extra_kw)
+    return bound

@@ -1,0 +1,243 @@
+"""Capture: run one call's bytecode symbolically and produce an FX graph, its guards, its
+inputs (as sources) and a description of how to rebuild the Python return value.
+
+``capture`` never changes user-visible state: real ops run on real inputs but writes into
+pre-existing tensors are refused (``_torch_dispatch.MutationCheck``), the RNG state and the
+grad mode are restored afterwards, and every write to Python objects is ``Unsupported``.
+"""
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ..entry import is_random_node
+from ..guards import GuardSet
+from ..guards.sources import CellSource, LocalSource, Source
+from ..records import Unsupported
+from .frame import Frame
+from .symint import SymV
+from .tracer import Tracer
+from .training import ScalarV
+from .values import (CellV, Const, DictV, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
+                     UntrackedContainer, Value)
+
+
+@dataclass
+class Capture:
+    graph_module: torch.fx.GraphModule
+    guards: GuardSet
+    input_sources: list[Source]
+    output: tuple          # how to rebuild the return value (see ``SpecBuilder``)
+    seconds: float = 0.0
+    writes: list = field(default_factory=list)       # shadow-heap commit, in program order
+    distributed_leaves: list = field(default_factory=list)  # broadcast from rank 0 once
+    assertions: list = field(default_factory=list)   # (output index, expected, where, site)
+
+    @property
+    def code(self) -> str:
+        return self.graph_module.code.strip()
+
+
+def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
+            cells: tuple | None, *, max_instructions: int, inline_depth: int,
+            unstable_sites: frozenset = frozenset(), dynamic_dims: dict | None = None,
+            symbolic_scalars: frozenset = frozenset(),
+            symbolic_sources: frozenset = frozenset(),
+            append_only: frozenset = frozenset(),
+            keyed_dicts: frozenset = frozenset()) -> Capture:
+    """``dynamic_dims`` (slot -> dims) and ``symbolic_scalars`` (slots) say which argument
+    sizes and Python numbers the graph must not specialise on (profiling/relaxation)."""
+    start = time.perf_counter()
+    tracer = Tracer(code, globals_, max_instructions, inline_depth)
+    tracer.unstable_sites = set(unstable_sites)
+    tracer.symbolic_sources = set(symbolic_sources)
+    tracer.append_only = set(append_only)
+    tracer.keyed_dicts = set(keyed_dicts)
+    try:
+        dynamic_dims = dynamic_dims or {}
+        locals_ = {name: tracer.wrap_argument(value, LocalSource(i, name),
+                                              frozenset(dynamic_dims.get(i, ())),
+                                              i in symbolic_scalars)
+                   for i, (name, value) in enumerate(zip(argnames, slots))}
+    except Unsupported as e:
+        e.guards = tracer.guards
+        raise
+    free = {name: CellV(None, real=cell, source=CellSource(i, name))
+            for i, (name, cell) in enumerate(zip(code.co_freevars, cells or ()))}
+    try:
+        with _restore_process_state(tracer):
+            result = Frame(tracer, code, globals_, locals_, free).run()
+            tracer.guard_aliasing()
+            specs = SpecBuilder()
+            writes = [specs.write(w, globals_) for w in tracer.heap.pending()]
+            spec = specs.build(result)
+            assertions = [(specs.out(node)[1], expected, where, site)
+                          for node, expected, where, site in tracer.assertions]
+            if tracer.generators and assertions:
+                raise Unsupported("data_dependent_branch", "speculating on a tensor value in a "
+                                  "graph that draws from a torch.Generator is not supported (a "
+                                  "failed assumption could not give the generator its state back)")
+    except Unsupported as e:
+        e.guards = tracer.guards  # the path to the failure: later calls on it run eagerly
+        raise
+    tracer.graph.output(tuple(specs.outputs))
+    _eliminate_dead_code(tracer.graph)
+    inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
+    tracer.graph.lint()
+    root = torch.nn.Module()
+    for name, tensor in tracer.constants.items():
+        setattr(root, name, tensor)
+    gm = torch.fx.GraphModule(root, tracer.graph, class_name=f"Captured_{_ident(code.co_name)}")
+    gm.meta["constructed_by"] = "specularch.symbolic.capture"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.meta["scalar_inputs"] = any(isinstance(n.meta.get("example"), (int, float)) for n in placeholders)
+    gm.meta["dynamic_dims"] = bool(tracer._sizes) or any(
+        getattr(n.meta.get("value"), "dynamic", False) for n in placeholders)
+    gm.meta["dynamic"] = gm.meta["scalar_inputs"] or gm.meta["dynamic_dims"]
+    gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
+                                   for n in placeholders)
+    gm.meta["non_tensor_outputs"] = bool(assertions) or any(
+        not isinstance(n.meta.get("example"), torch.Tensor) for n in specs.outputs)
+    gm.meta["outputs_require_grad"] = any(
+        isinstance(n.meta.get("example"), torch.Tensor) and n.meta["example"].requires_grad
+        for i, n in enumerate(specs.outputs) if i in specs.as_values)
+    if tracer.distributed_leaves and assertions:
+        raise Unsupported("data_dependent_branch", "a distributed training step cannot speculate "
+                          "on tensor values yet (all ranks must take the same path)")
+    return Capture(gm, tracer.guards, inputs, spec, time.perf_counter() - start,
+                   writes=writes, assertions=assertions,
+                   distributed_leaves=tracer.distributed_leaves)
+
+
+class _restore_process_state:
+    """Capture runs real ops: put back the RNG streams (the default ones and every
+    ``torch.Generator`` the code drew from) and the grad mode afterwards."""
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+
+    def __enter__(self):
+        self.grad = torch.is_grad_enabled()
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def __exit__(self, *exc):
+        torch.set_grad_enabled(self.grad)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        for generator, state in self.tracer.generators.values():
+            generator.set_state(state)
+        return False
+
+
+class SpecBuilder:
+    """Describes how to rebuild Python values after the graph ran, as small tuples:
+
+    ('out', i) graph output i | ('const', x) | ('source', s) the pre-call object at s |
+    ('object', x) a pinned object | ('tuple', [..], cls) | ('list', [..], uid) |
+    ('dict', [(k, ..)], uid) | ('set', x) | ('new', cls, [(name, ..)], uid).
+    Containers created in the call carry ``uid`` so one object stays one object.
+    """
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.fx.Node] = []
+        self._index: dict[torch.fx.Node, int] = {}
+        self._building: set[int] = set()
+        self.as_values: set[int] = set()  # outputs used as values (not only via .item())
+
+    def out(self, node: torch.fx.Node, as_value: bool = True) -> tuple:
+        if node not in self._index:
+            self._index[node] = len(self.outputs)
+            self.outputs.append(node)
+        if as_value:
+            self.as_values.add(self._index[node])
+        return ("out", self._index[node])
+
+    def build(self, v: Value) -> tuple:
+        if isinstance(v, TensorV):
+            if v.updated:  # the real tensor, which the commit fills with the new values
+                return ("source", v.source)
+            return self.out(v.node)
+        if isinstance(v, Const):
+            return ("const", v.value)
+        if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)
+            return self.out(v.node)
+        if isinstance(v, ScalarV):  # `t.item()`: read from the graph's output afterwards
+            return ("item", self.out(v.node, as_value=False)[1])
+        if isinstance(v, (ListV, DictV, UntrackedContainer)) and v.source is not None:
+            return ("source", v.source)
+        if isinstance(v, Obj):
+            return ("source", v.source) if v.source is not None else ("object", v.obj)
+        if isinstance(v, SetV):
+            return ("set", frozenset(v.items))
+        if id(v) in self._building:
+            raise Unsupported("unsupported_call", "a value that contains itself cannot be rebuilt")
+        self._building.add(id(v))
+        try:
+            if isinstance(v, TupleV):
+                return ("tuple", [self.build(i) for i in v.items], v.cls)
+            if isinstance(v, ListV):
+                return ("list", [self.build(i) for i in v.items], id(v))
+            if isinstance(v, DictV):
+                return ("dict", [(k, self.build(i)) for k, i in v.items.items()], id(v))
+            if isinstance(v, NewObjV):
+                return ("new", v.cls, [(k, self.build(i)) for k, i in v.attrs.items()], id(v))
+        finally:
+            self._building.discard(id(v))
+        raise Unsupported("unsupported_call",
+                          f"{v!r} is returned or stored, and cannot be rebuilt after the graph runs")
+
+    def write(self, w, top_globals: dict) -> tuple:
+        """A shadow-heap write as a commit instruction."""
+        if w.kind in ("setattr", "delattr"):
+            value = self.build(w.value) if w.kind == "setattr" else None
+            return (w.kind, ("source", w.target.source), w.name, value)
+        if w.kind == "global":
+            where = ("globals",) if w.target is top_globals else ("object", w.target)
+            return ("global", where, w.name, self.build(w.value))
+        if w.kind == "cell":
+            return ("cell", w.target.source, self.build(w.value))
+        if w.kind == "container":
+            c = w.target
+            if isinstance(c, ListV):
+                return ("list_contents", ("source", c.source), [self.build(i) for i in c.items])
+            return ("dict_contents", ("source", c.source),
+                    [(k, self.build(i)) for k, i in c.items.items()])
+        if w.kind == "append":
+            return ("append", ("source", w.target.source), self.build(w.value))
+        if w.kind == "item":
+            return ("item", self.build(w.target), self.build(w.name), self.build(w.value))
+        if w.kind == "tensor":
+            return ("tensor", ("source", w.target.source), self.out(w.target.node))
+        raise ValueError(f"unknown write kind {w.kind!r}")
+
+
+def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
+    """Drop unused nodes, keeping in-place ops (FX's own DCE cannot see them) and random
+    ops (an unused draw still advances the RNG)."""
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("placeholder", "output") or node.users or node.meta.get("mutates") \
+                or is_random_node(node):
+            continue
+        graph.erase_node(node)
+
+
+def _drop_unused_inputs(graph: torch.fx.Graph, sources: list[Source]) -> list[Source]:
+    """Inputs read only for their metadata (guarded anyway) need not be passed in."""
+    kept = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, source in zip(placeholders, sources):
+        if node.users:
+            kept.append(source)
+        else:
+            graph.erase_node(node)
+    return kept
+
+
+def _ident(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name) or "fn"

@@ -1,0 +1,388 @@
+"""Python operator semantics over values: arithmetic, comparison, identity, truth,
+subscripts, membership and iteration.
+
+Rule of thumb: anything touching a tensor becomes a graph node (``tracer.call_op``);
+anything made only of constants is computed right now with real Python; containers built
+during capture are handled item by item; anything else is ``Unsupported``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn as nn
+
+from ..guards import DictKeysGuard
+from ..guards.sources import ModuleDictSource
+from ..records import Unsupported
+from . import symint, untracked
+from .symint import SymV
+from .training import ScalarV
+from .values import (Const, DictV, FuncV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
+                     TensorV, TupleV, UntrackedContainer, Value, contains_tensor, is_const)
+
+# BINARY_OP's argument -> (operator, symbol); 13.. are the in-place forms (dis._nb_ops order).
+_NB = [(operator.add, "+"), (operator.and_, "&"), (operator.floordiv, "//"),
+       (operator.lshift, "<<"), (operator.matmul, "@"), (operator.mul, "*"),
+       (operator.mod, "%"), (operator.or_, "|"), (operator.pow, "**"), (operator.rshift, ">>"),
+       (operator.sub, "-"), (operator.truediv, "/"), (operator.xor, "^")]
+_INPLACE = [operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imatmul,
+            operator.imul, operator.imod, operator.ior, operator.ipow, operator.irshift,
+            operator.isub, operator.itruediv, operator.ixor]
+BINARY_OPS = [op for op, _ in _NB] + _INPLACE
+COMPARE_OPS = {"<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
+               ">": operator.gt, ">=": operator.ge}
+
+_SEQUENCE_MODULES = (nn.Sequential, nn.ModuleList, nn.ParameterList)
+
+
+def concrete_op(tracer, fn, *values: Value) -> Value:
+    """Apply ``fn`` to constant values now; an exception means eager would raise too."""
+    try:
+        result = fn(*[v.concrete() for v in values])
+    except Exception as e:
+        raise Unsupported("exception_handling",
+                          f"{getattr(fn, '__name__', fn)} raised {type(e).__name__} during capture: {e}") from None
+    return tracer.wrap_python(result)
+
+
+def _no_item_values(*values: Value) -> None:
+    for v in values:
+        if isinstance(v, ScalarV):
+            v.concrete()  # raises: computing on `.item()` reads tensor data in Python
+
+
+def binary(tracer, op, a: Value, b: Value) -> Value:
+    _no_item_values(a, b)
+    if isinstance(a, TensorV) or isinstance(b, TensorV):
+        return tracer.call_op("call_function", op, [a, b], {})
+    if (isinstance(a, SymV) or isinstance(b, SymV)) and op in symint.ARITHMETIC \
+            and symint.is_symbolic_operand(a) and symint.is_symbolic_operand(b):
+        return symint.arithmetic(tracer, op, a, b)
+    if is_const(a) and is_const(b):
+        if op in _INPLACE and isinstance(a, (ListV, DictV, SetV)):
+            return _inplace_container(tracer, op, a, b)
+        return concrete_op(tracer, op, a, b)
+    if isinstance(a, (TupleV, ListV)) and isinstance(b, (TupleV, ListV, Const)):
+        return _sequence_op(tracer, op, a, b)
+    if contains_tensor(a) or contains_tensor(b):
+        if isinstance(a, (TupleV, ListV)) or isinstance(b, (TupleV, ListV)):
+            return _sequence_op(tracer, op, a, b)
+    raise Unsupported("unsupported_call",
+                      f"operator {op.__name__} on {_kind(a)} and {_kind(b)} is not supported")
+
+
+def _sequence_op(tracer, op, a, b) -> Value:
+    if op in (operator.add, operator.iadd) and isinstance(b, (TupleV, ListV, Const)):
+        b_items = b.items if not isinstance(b, Const) else [tracer.wrap_python(x) for x in b.value]
+        if op is operator.iadd and isinstance(a, ListV):
+            ensure_local(tracer, a, "+=")
+            a.items.extend(b_items)
+            return a
+        if isinstance(a, ListV):
+            return ListV(a.items + list(b_items))
+        return TupleV(a.items + list(b_items))
+    if op in (operator.mul, operator.imul) and isinstance(b, Const) and isinstance(b.value, int):
+        items = a.items * b.value
+        return ListV(items) if isinstance(a, ListV) else TupleV(items)
+    raise Unsupported("unsupported_call", f"operator {op.__name__} on {_kind(a)} and {_kind(b)}")
+
+
+def _inplace_container(tracer, op, a, b) -> Value:
+    ensure_local(tracer, a, f"{op.__name__}")
+    result = concrete_op(tracer, op, a, b)
+    if isinstance(a, ListV):
+        a.items[:] = result.items
+    elif isinstance(a, DictV):
+        a.items.clear()
+        a.items.update(result.items)
+    else:
+        a.items.clear()
+        a.items.update(result.items)
+    return a
+
+
+def ensure_local(tracer, container: Value, what: str) -> None:
+    """Before mutating ``container``: if it existed before the call, log it in the shadow
+    heap so its final contents are committed after the call succeeds."""
+    if container.source is None:
+        return
+    if isinstance(container, (ListV, DictV)):
+        tracer.heap.touch_container(container, tracer.where())
+        return
+    raise Unsupported("side_effect",
+                      f"`{what}` mutates {container.source}, which existed before the call")
+
+
+def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
+    op = COMPARE_OPS[symbol]
+    _no_item_values(a, b)
+    if isinstance(a, TensorV) or isinstance(b, TensorV):
+        return tracer.call_op("call_function", op, [a, b], {})
+    if (isinstance(a, SymV) or isinstance(b, SymV)) and symint.is_symbolic_operand(a) \
+            and symint.is_symbolic_operand(b):
+        return symint.compare(tracer, op, a, b)
+    if is_const(a) and is_const(b):
+        return concrete_op(tracer, op, a, b)
+    if symbol in ("==", "!=") and _identity_comparable(a) and _identity_comparable(b):
+        same = identical(a, b)
+        return Const(same if symbol == "==" else not same)
+    raise Unsupported("unsupported_call", f"comparison {symbol} of {_kind(a)} and {_kind(b)}")
+
+
+def _identity_comparable(v: Value) -> bool:
+    if isinstance(v, Const):
+        return True
+    if isinstance(v, Obj):
+        return type(v.obj).__eq__ is object.__eq__ or isinstance(v.obj, type)
+    return isinstance(v, (FuncV,))
+
+
+def identical(a: Value, b: Value) -> bool:
+    """Python's ``a is b`` for values."""
+    if a is b:
+        return True
+    if isinstance(a, (Const, Obj, TensorV)) and isinstance(b, (Const, Obj, TensorV)):
+        return a.concrete() is b.concrete()
+    return False
+
+
+def _untracked(*values: Value) -> None:
+    for v in values:
+        if isinstance(v, UntrackedContainer):
+            v.concrete()  # raises RelaxationRefused: its whole contents are needed after all
+
+
+def truth(tracer, v: Value) -> bool:
+    _no_item_values(v)
+    _untracked(v)
+    if isinstance(v, Const):
+        return bool(v.value)
+    if isinstance(v, TensorV):
+        return tracer.assume_truth(v)
+    if isinstance(v, SymV):
+        return bool(v.concrete())
+    if isinstance(v, (TupleV, ListV)):
+        return len(v.items) > 0
+    if isinstance(v, (DictV, SetV)):
+        return len(v.items) > 0
+    if isinstance(v, Obj):
+        obj = v.obj
+        if isinstance(obj, (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList)):
+            return len(module_items(tracer, v)) > 0
+        cls = type(obj)
+        if isinstance(obj, nn.Module) or not (hasattr(cls, "__bool__") or hasattr(cls, "__len__")):
+            return True
+        if isinstance(obj, (type, type(len))):
+            return True
+        raise Unsupported("unsupported_call", f"truth value of a {cls.__name__} object")
+    if isinstance(v, (FuncV, MethodV)):
+        return True
+    if isinstance(v, NewObjV):
+        if hasattr(v.cls, "__bool__") or hasattr(v.cls, "__len__"):
+            from .calls import call
+            from .attrs import load_attr
+            name = "__bool__" if hasattr(v.cls, "__bool__") else "__len__"
+            return truth(tracer, call(tracer, load_attr(tracer, None, v, name), [], {}))
+        return True
+    raise Unsupported("unsupported_call", f"truth value of {_kind(v)}")
+
+
+def unary(tracer, op, v: Value) -> Value:
+    _no_item_values(v)
+    if isinstance(v, TensorV):
+        return tracer.call_op("call_function", op, [v], {})
+    if isinstance(v, SymV) and op is operator.neg:
+        return symint.arithmetic(tracer, operator.sub, Const(0), v)
+    if is_const(v):
+        return concrete_op(tracer, op, v)
+    raise Unsupported("unsupported_call", f"{op.__name__} of {_kind(v)}")
+
+
+# ---- subscripts --------------------------------------------------------------------------
+def getitem(tracer, container: Value, key: Value) -> Value:
+    if isinstance(container, UntrackedContainer):
+        return untracked.getitem(tracer, container, key)
+    if isinstance(container, TensorV):
+        return tracer.call_op("call_function", operator.getitem, [container, key], {})
+    if isinstance(key, TensorV):
+        raise Unsupported("data_dependent_value", "indexing a Python container with a tensor")
+    if isinstance(container, (TupleV, ListV)):
+        k = key.concrete()
+        try:
+            picked = container.items[k]
+        except Exception as e:
+            raise Unsupported("exception_handling", f"indexing raised {type(e).__name__}: {e}") from None
+        if isinstance(k, slice):
+            if isinstance(container, ListV):
+                return ListV(picked)
+            return TupleV(picked, torch.Size if container.cls is torch.Size else tuple)
+        return picked
+    if isinstance(container, DictV):
+        k = key.concrete()
+        if k not in container.items:
+            raise Unsupported("exception_handling", f"KeyError: {k!r} during capture")
+        return container.items[k]
+    if isinstance(container, Const) and is_const(key):
+        return concrete_op(tracer, operator.getitem, container, key)
+    if isinstance(container, Obj) and isinstance(container.obj, nn.Module):
+        return _module_getitem(tracer, container, key.concrete())
+    raise Unsupported("unsupported_call", f"subscript of {_kind(container)}")
+
+
+def _module_getitem(tracer, mod: Obj, key) -> Value:
+    m = mod.obj
+    if isinstance(m, nn.ModuleDict) and isinstance(key, str):
+        _guard_keys(tracer, mod, "_modules")
+        return tracer.wrap(m._modules[key], _table(mod, "_modules", key))
+    if isinstance(m, _SEQUENCE_MODULES) and isinstance(key, (int, slice)):
+        items = module_items(tracer, mod)
+        if isinstance(key, slice):
+            return ModuleSliceV(items[key], callable=isinstance(m, nn.Sequential))
+        try:
+            return items[key]
+        except IndexError:
+            raise Unsupported("exception_handling", f"index {key} out of range for {type(m).__name__}") from None
+    raise Unsupported("unsupported_call", f"subscript {key!r} of {type(m).__name__}")
+
+
+def _table(mod: Obj, table: str, key: str):
+    return None if mod.source is None else ModuleDictSource(mod.source, table, key)
+
+
+def _guard_keys(tracer, mod: Obj, table: str) -> None:
+    if mod.source is not None:
+        from ..guards.sources import AttrSource
+        tracer.add_guard(DictKeysGuard, AttrSource(mod.source, table), dict,
+                         tuple(getattr(mod.obj, table)))
+
+
+def module_items(tracer, mod: Obj) -> list[Value]:
+    """Children of a Sequential/ModuleList/ParameterList (guarding their names)."""
+    m = mod.obj
+    table = "_parameters" if isinstance(m, nn.ParameterList) else "_modules"
+    _guard_keys(tracer, mod, table)
+    entries = getattr(m, table)
+    return [tracer.wrap(v, _table(mod, table, k)) for k, v in entries.items()]
+
+
+def setitem(tracer, container: Value, key: Value, value: Value) -> None:
+    if isinstance(container, UntrackedContainer):
+        untracked.setitem(tracer, container, key, value)
+        return
+    if isinstance(container, TensorV):
+        tracer.call_op("call_function", operator.setitem, [container, key, value], {},
+                       keep_node=True)
+        return
+    if isinstance(container, ListV):
+        ensure_local(tracer, container, "item assignment")
+        k = key.concrete()
+        if isinstance(k, slice):  # `l[1:3] = iterable`: assign its items
+            value = iterate(tracer, value).items
+        try:
+            container.items[k] = value
+        except Exception as e:
+            raise Unsupported("exception_handling", f"item assignment raised {type(e).__name__}") from None
+        return
+    if isinstance(container, DictV):
+        ensure_local(tracer, container, "item assignment")
+        if not is_const(key):
+            raise Unsupported("unsupported_call", "dict keys must be constants")
+        container.items[key.concrete()] = value
+        return
+    raise Unsupported("side_effect", f"item assignment on {_kind(container)}")
+
+
+def delitem(tracer, container: Value, key: Value) -> None:
+    _untracked(container)
+    if isinstance(container, (ListV, DictV)):
+        ensure_local(tracer, container, "del")
+        try:
+            del container.items[key.concrete()]
+        except Exception as e:
+            raise Unsupported("exception_handling", f"del raised {type(e).__name__}") from None
+        return
+    raise Unsupported("side_effect", f"del of an item of {_kind(container)}")
+
+
+def contains(tracer, item: Value, container: Value) -> bool:
+    if isinstance(container, UntrackedContainer):
+        return untracked.contains(tracer, item, container)
+    if isinstance(container, DictV):
+        return item.concrete() in container.items
+    if isinstance(container, (TupleV, ListV)):
+        if is_const(item) and all(is_const(i) for i in container.items):
+            return item.concrete() in [i.concrete() for i in container.items]
+        if any(identical(item, i) for i in container.items):
+            return True
+        if contains_tensor(item) or contains_tensor(container):
+            raise Unsupported("data_dependent_branch", "`in` comparing tensors by value")
+        return item.concrete() in [i.concrete() for i in container.items]
+    if isinstance(container, SetV) or (isinstance(container, Const) and is_const(item)):
+        return item.concrete() in container.concrete()
+    if isinstance(container, Obj) and isinstance(container.obj, nn.ModuleDict):
+        _guard_keys(tracer, container, "_modules")
+        return item.concrete() in container.obj._modules
+    raise Unsupported("unsupported_call", f"`in` on {_kind(container)}")
+
+
+# ---- iteration ---------------------------------------------------------------------------
+def iterate(tracer, v: Value) -> IterV:
+    _untracked(v)
+    if isinstance(v, IterV):
+        return v
+    if isinstance(v, (TupleV, ListV)):
+        return IterV(list(v.items))
+    if isinstance(v, DictV):
+        return IterV([Const(k) for k in v.items])
+    if isinstance(v, SetV):
+        return IterV([Const(k) for k in v.items])
+    if isinstance(v, Const):
+        try:
+            return IterV([tracer.wrap_python(x) for x in v.value])
+        except TypeError as e:
+            raise Unsupported("exception_handling", f"{e}") from None
+    if isinstance(v, TensorV):
+        if v.example.dim() == 0:
+            raise Unsupported("exception_handling", "iteration over a 0-d tensor")
+        parts = tracer.call_op("call_method", "unbind", [v], {})
+        return IterV(list(parts.items))
+    if isinstance(v, Obj):
+        m = v.obj
+        if isinstance(m, _SEQUENCE_MODULES):
+            return IterV(module_items(tracer, v))
+        if isinstance(m, (nn.ModuleDict, nn.ParameterDict)):
+            table = "_modules" if isinstance(m, nn.ModuleDict) else "_parameters"
+            _guard_keys(tracer, v, table)
+            return IterV([Const(k) for k in getattr(m, table)])
+    raise Unsupported("unsupported_call", f"iterating over {_kind(v)}")
+
+
+def length(tracer, v: Value) -> int:
+    _untracked(v)
+    if isinstance(v, (TupleV, ListV)):
+        return len(v.items)
+    if isinstance(v, (DictV, SetV)):
+        return len(v.items)
+    if isinstance(v, Const):
+        return len(v.value)
+    if isinstance(v, TensorV):
+        if v.example.dim() == 0:
+            raise Unsupported("exception_handling", "len() of a 0-d tensor")
+        return tracer.sym_size(v, 0).concrete()
+    if isinstance(v, Obj) and isinstance(v.obj, (nn.Sequential, nn.ModuleList, nn.ParameterList,
+                                                  nn.ModuleDict, nn.ParameterDict)):
+        if isinstance(v.obj, (nn.ModuleDict, nn.ParameterDict)):
+            return len(iterate(tracer, v).items)
+        return len(module_items(tracer, v))
+    raise Unsupported("unsupported_call", f"len() of {_kind(v)}")
+
+
+def _kind(v: Value) -> str:
+    if isinstance(v, TensorV):
+        return "a tensor"
+    if isinstance(v, Obj):
+        return f"a {type(v.obj).__name__}"
+    if isinstance(v, Const):
+        return f"a {type(v.value).__name__}"
+    return type(v).__name__.replace("V", "").lower()

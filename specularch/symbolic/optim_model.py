@@ -1,0 +1,247 @@
+"""``opt.zero_grad()`` and ``opt.step()`` of torch's SGD, Adam and AdamW, captured into the
+graph by replaying the same tensor operations torch's single-tensor (CPU default) update
+runs, in the same order, so the result is bit-for-bit eager's.
+
+Parameters, momentum buffers and Adam moments are updated in place through the shadow heap
+(computed functionally in the graph, committed after the call succeeded); new optimizer
+state entries are committed as ``opt.state[p] = {...}``. The learning rate and Adam's step
+count are graph inputs (read before the graph runs), so an LR scheduler stepping between
+calls and the growing step count do not recompile. Unsupported options (amsgrad, fused,
+foreach, capturable, differentiable, complex or sparse parameters, hooks) fall back.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..guards import ExprGuard
+from ..guards.sources import AttrSource, ItemSource, KeyedSource, ScalarOfSource, Source
+from ..records import Unsupported
+from .symint import SymV, arithmetic
+from .values import Const, DictV, Obj, TensorV, Value
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam)  # AdamW is an Adam subclass in torch 2.13
+
+
+def is_modelled(opt) -> bool:
+    return type(opt) in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
+    opt = opt_v.obj
+    own = opt.__dict__.get(name)
+    wrapped_by_scheduler = own is not None and getattr(own, "_wrapped_by_lr_sched", False)
+    if own is not None and not wrapped_by_scheduler:
+        raise Unsupported("unsupported_call", f"optimizer.{name} was replaced on the instance")
+    if opt_v.source is None:
+        raise Unsupported("unsupported_call", "an optimizer that cannot be addressed after the call")
+    _guard_no_hooks(tracer, opt_v)
+    groups = _groups(tracer, opt_v)
+    if name == "zero_grad":
+        set_to_none = (args[0] if args else kwargs.get("set_to_none", Const(True))).concrete()
+        from .module_model import zero_grads
+        zero_grads(tracer, [p for _, params in groups for p in params], bool(set_to_none))
+        return Const(None)
+    if name == "step":
+        if args or any(not (isinstance(v, Const) and v.value is None) for v in kwargs.values()):
+            raise Unsupported("unsupported_call", "optimizer.step(closure) is not captured")
+        if wrapped_by_scheduler:  # what an LRScheduler's wrapper around step() records
+            from .attrs import store_attr
+            store_attr(tracer, opt_v, "_opt_called", Const(True))
+        prior = torch.is_grad_enabled()
+        _set_grad(tracer, False)
+        try:
+            for group, params in groups:
+                if isinstance(opt, torch.optim.Adam):
+                    _adam(tracer, opt_v, group, params)
+                else:
+                    _sgd(tracer, opt_v, group, params)
+        finally:
+            _set_grad(tracer, prior)
+        return Const(None)
+    raise Unsupported("unsupported_call", f"optimizer.{name}() is not captured")
+
+
+def _set_grad(tracer, enabled: bool) -> None:
+    torch.set_grad_enabled(enabled)
+    node = tracer.graph.call_function(torch.set_grad_enabled, (enabled,))
+    node.meta["mutates"] = True
+
+
+def _guard_no_hooks(tracer, opt_v: Obj) -> None:
+    opt = opt_v.obj
+    from torch.optim import optimizer as module
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or \
+            module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks:
+        raise Unsupported("module_hooks", "the optimizer has step hooks registered")
+    expr = opt_v.source.expr()
+    tracer.guards.add(ExprGuard(None, expr=f"(not {expr}._optimizer_step_pre_hooks and not "
+                                f"{expr}._optimizer_step_post_hooks)", expected=True,
+                                label=f"{opt_v.source} has no step hooks", where=tracer.where()))
+    tracer.guards.add(ExprGuard(None, expr=f"('step' in {expr}.__dict__)",
+                                expected="step" in opt.__dict__,
+                                label=f"an LRScheduler wraps {opt_v.source}.step", where=tracer.where()))
+
+
+_HYPER = {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach",
+          "differentiable", "fused", "betas", "eps", "amsgrad", "capturable",
+          "decoupled_weight_decay"}
+
+
+def _groups(tracer, opt_v: Obj) -> list[tuple[dict, list[TensorV]]]:
+    """(hyperparameters, parameter values) per param group, with guards on each value
+    read; ``lr`` is a graph input so schedulers do not cause recompiles."""
+    groups_src = AttrSource(opt_v.source, "param_groups")
+    raw_groups = opt_v.obj.param_groups
+    from ..guards import DictKeysGuard, LenGuard
+    tracer.add_guard(LenGuard, groups_src, list, len(raw_groups))
+    result = []
+    for gi, group in enumerate(raw_groups):
+        g_src = ItemSource(groups_src, gi)
+        tracer.add_guard(DictKeysGuard, g_src, dict, tuple(group))
+        unknown = set(group) - _HYPER - {"params", "initial_lr"}
+        if unknown:
+            raise Unsupported("unsupported_call", f"optimizer param group has options {sorted(unknown)}")
+        hyper = {}
+        for key in sorted(set(group) & _HYPER):
+            if key == "lr" and type(group["lr"]) is float:
+                hyper["lr"] = tracer.wrap_argument(group["lr"], ItemSource(g_src, "lr"),
+                                                   frozenset(), True)
+            else:
+                hyper[key] = tracer.wrap(group[key], ItemSource(g_src, key))
+            if isinstance(group[key], torch.Tensor):
+                raise Unsupported("unsupported_call", f"optimizer option {key} is a tensor "
+                                  "(a tensor learning rate) and is not captured")
+        for flag in ("foreach", "fused", "differentiable", "capturable", "amsgrad"):
+            if flag in hyper and hyper[flag].concrete():
+                raise Unsupported("unsupported_call", f"optimizer option {flag}=True is not captured")
+        params_src = ItemSource(g_src, "params")
+        tracer.add_guard(LenGuard, params_src, list, len(group["params"]))
+        params = []
+        for pi, p in enumerate(group["params"]):
+            v = tracer.wrap(p, ItemSource(params_src, pi))
+            if not isinstance(v, TensorV) or p.is_sparse or p.is_complex():
+                raise Unsupported("unsupported_call", "sparse or complex parameters")
+            params.append(v)
+        result.append((hyper, params))
+    return result
+
+
+def _state(tracer, opt_v: Obj, p: TensorV) -> tuple[DictV | None, Source]:
+    """The optimizer's state entry for ``p`` (None when absent), read through a guarded source."""
+    written = tracer.opt_state.get((id(opt_v.obj), id(p.real)))
+    src = KeyedSource(AttrSource(opt_v.source, "state"), p.source)
+    if written is not None:
+        return written, src
+    entry = tracer.wrap(opt_v.obj.state.get(p.real), src)
+    if isinstance(entry, Const) and entry.value is None:
+        return None, src
+    if not isinstance(entry, DictV):
+        raise Unsupported("unsupported_call", "unexpected optimizer state entry")
+    return entry, src
+
+
+def _new_state(tracer, opt_v: Obj, p: TensorV, items: dict) -> DictV:
+    entry = DictV(items)
+    tracer.opt_state[(id(opt_v.obj), id(p.real))] = entry
+    state_v = Obj(opt_v.obj.state, AttrSource(opt_v.source, "state"))
+    tracer.heap.write_item(state_v, p, entry, tracer.where())
+    return entry
+
+
+def _m(tracer, t: Value, name: str, *args, **kwargs) -> Value:
+    return tracer.call_op("call_method", name, [t, *args],
+                          {k: (v if isinstance(v, Value) else Const(v)) for k, v in kwargs.items()},
+                          name=name)
+
+
+def _num(tracer, op, a, b) -> Value:
+    """Python-number arithmetic that stays symbolic when an operand is a graph input."""
+    a = a if isinstance(a, Value) else Const(a)
+    b = b if isinstance(b, Value) else Const(b)
+    if isinstance(a, SymV) or isinstance(b, SymV):
+        return arithmetic(tracer, op, a, b)
+    return Const(op(a.value, b.value))
+
+
+def _grad(tracer, p: TensorV) -> Value:
+    from .training import read_grad
+    return read_grad(tracer, p)
+
+
+def _sgd(tracer, opt_v, hyper, params) -> None:
+    lr, momentum = hyper["lr"], hyper["momentum"].concrete()
+    dampening, wd = hyper["dampening"].concrete(), hyper["weight_decay"].concrete()
+    nesterov, maximize = hyper["nesterov"].concrete(), hyper["maximize"].concrete()
+    for p in params:
+        grad = _grad(tracer, p)
+        if isinstance(grad, Const):
+            continue
+        if maximize:
+            grad = _m(tracer, grad, "neg")
+        if wd != 0:
+            grad = _m(tracer, grad, "add", p, alpha=wd)
+        if momentum != 0:
+            state, _ = _state(tracer, opt_v, p)
+            buf = None if state is None else state.items.get("momentum_buffer")
+            if buf is None or (isinstance(buf, Const) and buf.value is None):
+                buf = _m(tracer, _m(tracer, grad, "detach"), "clone")
+                if state is None:
+                    _new_state(tracer, opt_v, p, {"momentum_buffer": buf})
+                else:
+                    raise Unsupported("unsupported_call", "an SGD state entry without a momentum buffer")
+            else:
+                buf = _m(tracer, _m(tracer, buf, "mul_", Const(momentum)), "add_", grad,
+                         alpha=1 - dampening)
+            grad = _m(tracer, grad, "add", buf, alpha=momentum) if nesterov else buf
+        _m(tracer, p, "add_", grad, alpha=_num(tracer, operator.sub, 0, lr))
+
+
+def _adam(tracer, opt_v, hyper, params) -> None:
+    lr = hyper["lr"]
+    beta1, beta2 = hyper["betas"].concrete()
+    eps, wd = hyper["eps"].concrete(), hyper["weight_decay"].concrete()
+    maximize = hyper["maximize"].concrete()
+    decoupled = hyper["decoupled_weight_decay"].concrete() if "decoupled_weight_decay" in hyper else False
+    for p in params:
+        grad = _grad(tracer, p)
+        if isinstance(grad, Const):
+            continue
+        state, src = _state(tracer, opt_v, p)
+        if state is None:
+            step_t = tracer.call_op("call_function", torch.tensor, [Const(0.0)],
+                                    {"dtype": Const(torch.get_default_dtype())}, name="tensor")
+            exp_avg = tracer.call_op("call_function", torch.zeros_like, [p],
+                                     {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
+            exp_avg_sq = tracer.call_op("call_function", torch.zeros_like, [p],
+                                        {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
+            _new_state(tracer, opt_v, p, {"step": step_t, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+            steps_before: Value = Const(0.0)
+        else:
+            if set(state.items) != {"step", "exp_avg", "exp_avg_sq"}:
+                raise Unsupported("unsupported_call", f"Adam state with keys {sorted(state.items)}")
+            step_t, exp_avg, exp_avg_sq = (state.items[k] for k in ("step", "exp_avg", "exp_avg_sq"))
+            steps_before = tracer.wrap_argument(step_t.real.item(), ScalarOfSource(ItemSource(src, "step")),
+                                                frozenset(), True)
+        if maximize:
+            grad = _m(tracer, grad, "neg")
+        step_t = _m(tracer, step_t, "add_", Const(1))
+        if wd != 0:
+            if decoupled:
+                _m(tracer, p, "mul_", _num(tracer, operator.sub, 1, _num(tracer, operator.mul, lr, wd)))
+            else:
+                grad = _m(tracer, grad, "add", p, alpha=wd)
+        exp_avg = _m(tracer, exp_avg, "lerp_", grad, Const(1 - beta1))
+        exp_avg_sq = _m(tracer, _m(tracer, exp_avg_sq, "mul_", Const(beta2)), "addcmul_", grad, grad,
+                        value=1 - beta2)
+        step = _num(tracer, operator.add, steps_before, 1.0)
+        bias_correction1 = _num(tracer, operator.sub, 1, _num(tracer, operator.pow, beta1, step))
+        bias_correction2 = _num(tracer, operator.sub, 1, _num(tracer, operator.pow, beta2, step))
+        step_size = _num(tracer, operator.truediv, lr, bias_correction1)
+        bc2_sqrt = _num(tracer, operator.pow, bias_correction2, 0.5)
+        denom = _m(tracer, tracer.call_op("call_function", operator.truediv,
+                                          [_m(tracer, exp_avg_sq, "sqrt"), bc2_sqrt], {}),
+                   "add_", Const(eps))
+        _m(tracer, p, "addcdiv_", exp_avg, denom,
+           value=_num(tracer, operator.sub, 0, step_size))

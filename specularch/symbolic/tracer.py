@@ -1,0 +1,651 @@
+"""The capture context: one FX graph, its guards and its inputs, built while frames run.
+
+``Tracer`` owns what a whole capture shares across inlined frames: the ``torch.fx.Graph``,
+the ``GuardSet``, the graph inputs (each with the source it is read from at run time), and
+the rules that turn real Python objects into values (``wrap``) and real torch calls into
+graph nodes (``call_op``). Frames (``frame.py``) only interpret bytecode.
+"""
+from __future__ import annotations
+
+import builtins
+import collections
+import functools
+import types
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from ..guards import (AliasGuard, AttrSource, ContainsGuard, DictKeysGuard, DistinctGuard,
+                      GlobalStateGuard, GuardSet, IdGuard, ItemSource, LenGuard, NoGlobalHooksGuard,
+                      NoHooksGuard, ObjectSource, TensorGuard, TypeGuard, ValueGuard, pin)
+from ..guards.guard import global_module_hooks
+from ..guards.sources import Source
+from ..records import Unsupported
+from ..shadow_heap import ShadowHeap
+from ._torch_dispatch import ExternalMutation, MutationCheck, storage_key
+from .symint import SymV
+from .values import (AppendOnlyListV, Const, DictV, GeneratorV, KeyedDictV, ListV, MethodV, Obj, SetV, TensorV,
+                     TupleV, UntrackedContainer, Value, contains_tensor, leaves)
+
+CONST_TYPES = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis),
+               type(NotImplemented), torch.dtype, torch.device, torch.layout, torch.memory_format,
+               torch.Size, range, slice)
+
+# Attributes of these modules are trusted not to be rebound: reading ``torch.relu`` or
+# ``math.pi`` installs no guard (the global ``torch`` itself is id-guarded).
+TRUSTED_MODULE_ROOTS = {"torch", "math", "operator", "builtins", "functools", "itertools",
+                        "collections", "typing", "numbers", "abc", "enum", "types", "warnings",
+                        "numpy", "dataclasses", "copy", "inspect"}
+
+# Tensor methods/functions that return Python values derived from metadata only (shape,
+# dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
+# scalar from a tensor reads its data.
+METADATA_NAMES = {"_has_torch_function", "_has_torch_function_unary",
+                  "_has_torch_function_variadic", "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous",
+                  "is_floating_point", "is_complex", "element_size", "get_device",
+                  "is_tensor", "is_storage", "storage_offset", "is_nonzero_shape", "__len__",
+                  "is_grad_enabled", "is_autocast_enabled", "get_default_dtype", "is_inference",
+                  "is_signed", "has_names", "is_sparse", "is_quantized", "is_meta", "is_leaf",
+                  "requires_grad", "type", "is_inference_mode_enabled",
+                  "has_torch_function", "has_torch_function_unary", "has_torch_function_variadic",
+                  "_has_compatible_shallow_copy_type", "is_same_size"}
+
+# Calls that would change state outside the graph during capture and at run time.
+FORBIDDEN_TENSOR_METHODS = {"backward", "register_hook", "retain_grad", "requires_grad_",
+                            "share_memory_", "record_stream", "tolist", "item", "numpy",
+                            "__bool__", "__int__", "__float__", "__index__", "data_ptr"}
+
+
+def _is_trusted_module(mod: types.ModuleType) -> bool:
+    return mod.__name__.split(".")[0] in TRUSTED_MODULE_ROOTS
+
+
+class Tracer:
+    """State shared by every frame of one capture."""
+
+    def __init__(self, code: types.CodeType, globals_: dict, max_instructions: int,
+                 inline_depth: int):
+        self.code = code
+        self.globals = globals_
+        self.builtins = globals_.get("__builtins__", builtins)
+        if isinstance(self.builtins, types.ModuleType):
+            self.builtins = self.builtins.__dict__
+        self.graph = torch.fx.Graph()
+        self.guards = GuardSet()
+        self.input_sources: list[Source] = []
+        self.constants: dict[str, torch.Tensor] = {}
+        self.frames: list = []  # the running Frame stack (for user file:line)
+        self.instructions_left = max_instructions
+        self.inline_depth = inline_depth
+        self.fresh: set[int] = set()
+        self._by_source: dict[Source, Value] = {}
+        self._by_tensor_id: dict[int, TensorV] = {}
+        self._by_container_id: dict[int, Value] = {}
+        self.heap = ShadowHeap()
+        # (predicate node, expected truth, where, site) checked after the graph runs
+        self.assertions: list[tuple] = []
+        self.unstable_sites: set = set()
+        self._external: dict[int, TensorV] = {}  # storage key -> tensor that outlives the call
+        self.viewed: set[int] = set()            # external storages that have views
+        self._sizes: dict = {}                   # (node, dim) -> SymV of a dynamic size
+        self.opt_state: dict = {}                # (id(optimizer), id(param)) -> new state entry
+        self.symbolic_sources: set = set()       # int/float sources read as graph inputs
+        self.distributed_leaves: list = []       # parameters a distributed step averages
+        self.append_only: set = set()            # list sources only appended to
+        self.keyed_dicts: set = set()            # dict sources used through single keys
+        self.generators: dict = {}               # id -> (torch.Generator, state before capture)
+        self._mutable: dict = {}                 # source -> (id, type) of lists, dicts, objects
+        self._last_placeholder: torch.fx.Node | None = None
+        self.guards.add(GlobalStateGuard.now())
+
+    # ---- where are we -------------------------------------------------------------------
+    def where(self) -> str:
+        filename, lineno, _ = self.user_position()
+        return f"{filename}:{lineno}"
+
+    def user_position(self) -> tuple[str, int, str]:
+        """The innermost frame that is user code (not torch's own Python)."""
+        for frame in reversed(self.frames):
+            if not _is_library_file(frame.code.co_filename):
+                return frame.code.co_filename, frame.lineno, frame.code.co_qualname
+        if self.frames:
+            f = self.frames[0]
+            return f.code.co_filename, f.lineno, f.code.co_qualname
+        return self.code.co_filename, self.code.co_firstlineno, self.code.co_qualname
+
+    def add_guard(self, guard_cls, source: Source, *args, **kw) -> None:
+        self.guards.add(guard_cls(source, *args, where=self.where(), **kw))
+
+    # ---- turning real objects into values -----------------------------------------------
+    def wrap(self, obj: Any, source: Source | None) -> Value:
+        """The value for ``obj`` read from ``source``; installs the guards the read implies.
+
+        With ``source=None`` the object is trusted (it came from a trusted module, or was
+        computed from constants) and no guard is installed.
+        """
+        if source is not None:
+            seen = self._by_source.get(source)
+            if seen is not None:
+                return seen
+        value = self._wrap_new(obj, source)
+        if source is not None:
+            self._by_source[source] = value
+        return value
+
+    def _wrap_new(self, obj: Any, source: Source | None) -> Value:
+        t = type(obj)
+        if isinstance(obj, torch.Tensor):
+            return self._wrap_tensor(obj, source)
+        if t in CONST_TYPES:
+            if source is not None and t in (int, float) and source in self.symbolic_sources:
+                return self.wrap_argument(obj, source, frozenset(), True)
+            if source is not None:
+                self.add_guard(ValueGuard, source, obj)
+            return Const(obj, source)
+        if t is tuple or (isinstance(obj, tuple) and hasattr(t, "_fields")):
+            if source is not None:
+                self.add_guard(LenGuard, source, t, len(obj))
+            items = [self.wrap(x, _item(source, i)) for i, x in enumerate(obj)]
+            if all(isinstance(i, Const) for i in items) and t is tuple:
+                return Const(obj, source)
+            return TupleV(items, t, source)
+        # an OrderedDict read from outside (nn.Module's tables) is rebuilt as itself
+        is_dict = t is dict or (t is collections.OrderedDict and source is not None)
+        if source is not None and (t is list or is_dict or not isinstance(
+                obj, (nn.Module, types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType))):
+            self._mutable.setdefault(source, (id(obj), t))
+        if t is list or is_dict:
+            seen = self._by_container_id.get(id(obj))
+            if seen is not None:  # one object reached by two paths: one value, aliasing guarded
+                if source is not None and seen.source is not None:
+                    self.add_guard(AliasGuard, source, other=seen.source)
+                return seen
+        if t is list and source is not None and source in self.append_only:
+            self.add_guard(TypeGuard, source, list)
+            value = AppendOnlyListV(source)
+            self._by_container_id[id(obj)] = value
+            return value
+        if is_dict and source is not None and source in self.keyed_dicts:
+            self.add_guard(TypeGuard, source, t)
+            value = KeyedDictV(source, real=obj)
+            self._by_container_id[id(obj)] = value
+            return value
+        if t is list:
+            if source is not None:
+                self.add_guard(LenGuard, source, list, len(obj))
+            value = ListV([], source)
+            self._by_container_id[id(obj)] = value
+            value.items.extend(self.wrap(x, _item(source, i)) for i, x in enumerate(obj))
+            return value
+        if is_dict:
+            if not all(type(k) in (str, int) for k in obj):
+                raise Unsupported("unsupported_call", "a dict argument with non-str/int keys")
+            if source is not None:
+                self.add_guard(DictKeysGuard, source, t, tuple(obj), relaxable=True)
+            value = DictV({}, source)
+            self._by_container_id[id(obj)] = value
+            value.items.update((k, self.wrap(v, _item(source, k))) for k, v in obj.items())
+            return value
+        if isinstance(obj, types.MethodType):
+            self_src = _attr(source, "__self__")
+            func_src = _attr(source, "__func__")
+            return MethodV(self.wrap(obj.__self__, self_src), self.wrap(obj.__func__, func_src),
+                           obj.__name__)
+        if isinstance(obj, nn.Module):
+            if source is not None:
+                self.add_guard(IdGuard, source, obj)
+            return Obj(obj, source)
+        if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType,
+                            functools.partial, types.MethodWrapperType, types.WrapperDescriptorType,
+                            types.MethodDescriptorType, types.ClassMethodDescriptorType,
+                            torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+            if source is not None:
+                self.add_guard(IdGuard, source, obj)
+            return Obj(obj, source)
+        if isinstance(obj, torch.Generator):
+            return self._wrap_generator(obj, source)
+        if source is not None:
+            self.add_guard(TypeGuard, source, t)
+        return Obj(obj, source)
+
+    def _wrap_generator(self, g: torch.Generator, source: Source | None) -> "GeneratorV":
+        """A ``torch.Generator`` is a graph input (the graph draws from the caller's generator
+        on every call); capture draws from it too, so its state is put back afterwards."""
+        if source is None:
+            raise Unsupported("unsupported_call", "a torch.Generator that is not reached through "
+                              "an argument, a global or an attribute cannot be passed to the graph")
+        self.generators.setdefault(id(g), (g, g.get_state()))
+        self.add_guard(TypeGuard, source, type(g))
+        node = self._placeholder(_node_name(source))
+        node.meta["example"] = g
+        self.input_sources.append(source)
+        return GeneratorV(g, source, node=node)
+
+    def wrap_argument(self, obj: Any, source: Source, dynamic_dims: frozenset,
+                      symbolic: bool) -> Value:
+        """An argument slot, generalised as profiling/relaxation decided."""
+        if dynamic_dims and isinstance(obj, torch.Tensor) and id(obj) not in self._by_tensor_id:
+            return self._wrap_tensor(obj, source, frozenset(d for d in dynamic_dims if d < obj.dim()))
+        if symbolic and type(obj) in (int, float):
+            self.add_guard(TypeGuard, source, type(obj))
+            node = self._placeholder(_node_name(source))
+            node.meta["example"] = obj
+            self.input_sources.append(source)
+            value = SymV(obj, node, source.expr(), self, str(source))
+            self._by_source[source] = value
+            return value
+        return self.wrap(obj, source)
+
+    def graph_inputs(self) -> list[TensorV]:
+        """Tensors read from outside the frame (placeholders), in the order first read."""
+        return [v for v in self._by_tensor_id.values() if v.source is not None]
+
+    def sym_size(self, t: TensorV, dim: int) -> Value:
+        """``t.shape[dim]``: a constant unless the tensor's shape may vary between calls."""
+        size = t.example.shape[dim]
+        if not t.dynamic or (t.source is not None and dim % t.example.dim() not in t.dyn_dims):
+            return Const(size)
+        key = (t.node, dim)
+        cached = self._sizes.get(key)
+        if cached is None:
+            node = self.graph.call_method("size", (t.node, dim))
+            expr = label = None
+            if t.source is not None and not t.updated:
+                expr, label = f"{t.source.expr()}.shape[{dim}]", f"{t.source}.shape[{dim}]"
+            cached = self._sizes[key] = SymV(size, node, expr, self, label or "")
+        return cached
+
+    def specialize_shape(self, t: TensorV) -> None:
+        """Guard (or assert in the graph) every dynamic size of ``t`` at its current value."""
+        for d in range(t.example.dim()):
+            size = self.sym_size(t, d)
+            if isinstance(size, SymV):
+                size.concrete()
+
+    def sym_shape(self, t: TensorV) -> Value:
+        dims = [self.sym_size(t, d) for d in range(t.example.dim())]
+        if all(isinstance(d, Const) for d in dims):
+            return Const(t.example.shape)
+        return TupleV(dims, torch.Size)
+
+    def _wrap_tensor(self, t: torch.Tensor, source: Source | None,
+                     dyn_dims: frozenset = frozenset()) -> TensorV:
+        seen = self._by_tensor_id.get(id(t))
+        if seen is not None:
+            if source is not None and seen.source is not None:
+                self.add_guard(AliasGuard, source, other=seen.source)
+            return seen
+        if source is None:
+            name = f"_const{len(self.constants)}"
+            self.constants[name] = t
+            node = self.graph.get_attr(name)
+        else:
+            self.add_guard(TensorGuard, source, t.__class__, t.dtype, t.device, tuple(t.shape),
+                           tuple(t.stride()), t.requires_grad, dynamic=dyn_dims,
+                           contiguous=t.is_contiguous())
+            node = self._placeholder(_node_name(source))
+            self.input_sources.append(source)
+        node.meta["example"] = t
+        value = TensorV(node, t, source, dynamic=bool(dyn_dims), dyn_dims=dyn_dims, real=t)
+        node.meta["value"] = value
+        self._by_tensor_id[id(t)] = value
+        if t.numel():
+            key = storage_key(t)
+            sharer = self._external.setdefault(key, value)
+            if sharer is not value:  # another input shares this memory (a view made earlier)
+                if sharer.updated:
+                    raise Unsupported("input_mutation", f"{source} shares memory with "
+                                      f"{sharer.source}, which this call wrote in place before")
+                self.viewed.add(key)  # in-place writes into this memory are refused
+        return value
+
+    def _placeholder(self, name: str) -> torch.fx.Node:
+        anchor = self._last_placeholder
+        if anchor is None:
+            first = next(iter(self.graph.nodes), None)
+            ctx = self.graph.inserting_before(first) if first is not None else _nullctx()
+        else:
+            ctx = self.graph.inserting_after(anchor)
+        with ctx:
+            node = self.graph.placeholder(name)
+        self._last_placeholder = node
+        return node
+
+    def guard_aliasing(self) -> None:
+        """The deferred writes assume that what they write is reached only through the
+        sources that reached it at capture: guard that written tensors share no memory with
+        other tensor inputs, and that written lists, dicts and objects are still the same
+        object as their capture-time aliases and not the same as other sources of their type."""
+        pending = self.heap.pending()
+        written = list(dict.fromkeys(w.target.source for w in pending if w.kind == "tensor"
+                                     and w.target.source is not None))
+        if written:
+            others = tuple(v.source for v in self.graph_inputs() if v.source not in written)
+            self.add_guard(DistinctGuard, None, written=tuple(written), others=others)
+        targets = dict.fromkeys(w.target.source for w in pending if w.kind in _OBJECT_WRITES
+                                and getattr(w.target, "source", None) in self._mutable)
+        for source in targets:
+            oid, typ = self._mutable[source]
+            others = []
+            for other, (other_id, other_type) in self._mutable.items():
+                if other == source:
+                    continue
+                if other_id == oid:
+                    self.add_guard(AliasGuard, other, other=source)
+                elif other_type is typ:
+                    others.append(other)
+            if others:
+                self.add_guard(DistinctGuard, None, written=(source,), others=tuple(others),
+                               memory=False)
+
+    def guard_module_call(self, module_value: Obj) -> None:
+        m = module_value.obj
+        if any(getattr(m, d) for d in NoHooksGuard.HOOK_DICTS) or global_module_hooks():
+            raise Unsupported("module_hooks", f"{type(m).__name__} has hooks registered")
+        self.add_guard(NoGlobalHooksGuard, None)
+        if module_value.source is not None:
+            self.add_guard(NoHooksGuard, module_value.source)
+
+    def guard_method_lookup(self, v: Obj, name: str) -> None:
+        """``v.name`` found a function on ``v``'s class (or nothing on the instance): guard
+        that the instance still does not shadow it and, for classes outside torch, that the
+        class attribute is still that function (a method swapped after capture is seen)."""
+        if v.source is None:
+            return
+        obj = v.obj
+        inst = getattr(obj, "__dict__", None)
+        if isinstance(inst, dict):
+            self.add_guard(ContainsGuard, AttrSource(v.source, "__dict__"), key_value=name,
+                           expected=name in inst)
+        cls = type(obj)
+        if cls.__module__.split(".")[0] in TRUSTED_MODULE_ROOTS:
+            return
+        for klass in cls.__mro__:
+            table = AttrSource(ObjectSource(pin(klass), f"{klass.__module__}.{klass.__qualname__}"),
+                               "__dict__")
+            if name in klass.__dict__:
+                self.add_guard(IdGuard, ItemSource(table, name), klass.__dict__[name])
+                return
+            self.add_guard(ContainsGuard, table, key_value=name, expected=False)
+
+    # ---- turning real calls into graph nodes --------------------------------------------
+    def call_op(self, kind: str, target: Any, args: list, kwargs: dict, *,
+                fn: Callable | None = None, name: str = "", keep_node: bool = False) -> Value:
+        """Run ``target`` on the concrete values and record it as one FX node.
+
+        ``kind`` is ``call_function`` or ``call_method``. Tensor results become graph values;
+        Python results are kept only when they come from metadata (shape, dtype, ...).
+        """
+        label = name or getattr(target, "__name__", str(target))
+        cargs = [_concrete(a) for a in args]
+        ckwargs = {k: _concrete(v) for k, v in kwargs.items()}
+        if fn is None:
+            fn = (lambda *a, **k: getattr(a[0], target)(*a[1:], **k)) if kind == "call_method" else target
+        check = MutationCheck(self.fresh)
+        try:
+            with check:
+                result = fn(*cargs, **ckwargs)
+        except ExternalMutation as e:
+            return self._functionalize(kind, target, args, kwargs, fn, label, e, keep_node)
+        except Unsupported:
+            raise
+        except Exception as e:
+            raise Unsupported("exception_handling",
+                              f"`{label}` raised {type(e).__name__} during capture: {e}") from None
+        has_tensor_input = any(contains_tensor(a) for a in args) or any(
+            contains_tensor(v) for v in kwargs.values())
+        dynamic = any(_is_dynamic(a) for a in [*args, *kwargs.values()])
+        if not _holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
+            return self._symbolic_metadata(label, args)
+        if not _holds_tensor(result) and dynamic and not check.wrote:
+            for a in [*args, *kwargs.values()]:
+                _specialize_all(a)
+            if has_tensor_input and label not in METADATA_NAMES and result is not None:
+                raise Unsupported("data_dependent_value",
+                                  f"`{label}` turns tensor data into a Python "
+                                  f"{type(result).__name__}")
+            return self.wrap_python(result)
+        if dynamic and type(result) in (tuple, list):
+            # how many tensors split/chunk/unbind return depends on sizes: fix those sizes
+            for a in [*args, *kwargs.values()]:
+                for leaf in leaves(a):
+                    if isinstance(leaf, TensorV) and leaf.dynamic:
+                        self.specialize_shape(leaf)
+        node = self.graph.create_node(kind, target, tuple(_arg(a) for a in args),
+                                      {k: _arg(v) for k, v in kwargs.items()})
+        node.meta["where"] = self.where()
+        node.meta["mutates"] = check.wrote
+        if not _holds_tensor(result):
+            return self.wrap_python(result)
+        out = self.wrap_output(node, result)
+        if dynamic:
+            _mark_dynamic(out)
+        return out
+
+    def _symbolic_metadata(self, label: str, args: list) -> Value:
+        t = args[0]
+        if label == "size" and len(args) == 1:
+            return self.sym_shape(t)
+        if label in ("size",):
+            d = args[1].concrete()
+            return self.sym_size(t, d)
+        if label == "__len__":
+            return self.sym_size(t, 0)
+        from .symint import arithmetic
+        total: Value = Const(1)
+        for d in range(t.example.dim()):
+            total = arithmetic(self, __import__("operator").mul, total, self.sym_size(t, d))
+        return total
+
+    def _functionalize(self, kind, target, args, kwargs, fn, label, error: ExternalMutation,
+                       keep_node: bool) -> Value:
+        """An op writes into a tensor that outlives the call: run it on a fresh copy in the
+        graph instead, and log the copy's final value for commit (shadow heap)."""
+        def refuse(why: str):
+            raise Unsupported("input_mutation",
+                              f"`{label}` writes in place into a tensor that existed before the "
+                              f"call ({error.op_name}): {why}")
+        external = self._external.get(error.key)
+        if external is None:
+            refuse("the tensor is not an input the graph can read")
+        if error.key in self.viewed:
+            refuse("views of that tensor were taken before the write")
+        if not any(a is external for a in [*args, *kwargs.values()]):
+            refuse("it writes through a view; write to the tensor itself")
+        if external.example.requires_grad and torch.is_grad_enabled():
+            refuse("the tensor requires grad (do the update under torch.no_grad())")
+        if external.source is None:
+            refuse("the tensor cannot be addressed after the call")
+        copy = self.call_op("call_method", "clone", [external], {}, name="clone")
+        swap = lambda v: copy if v is external else v  # noqa: E731
+        result = self.call_op(kind, target, [swap(a) for a in args],
+                              {k: swap(v) for k, v in kwargs.items()}, fn=fn, name=label,
+                              keep_node=True)
+        external.node, external.example = copy.node, copy.example
+        external.updated = True
+        self.heap.update_tensor(external, self.where())
+        if isinstance(result, TensorV) and result.example is copy.example:
+            return external  # `y = x.add_(1)`: y is x
+        return result
+
+    def speculation_stopped(self, frame) -> bool:
+        """Whether the branch the frame is at has gone both ways (no more speculation)."""
+        return (id(frame.code), frame.ip) in self.unstable_sites
+
+    def assume_truth(self, v: TensorV) -> bool:
+        """Speculate a branch on a tensor's value in the direction it takes now; the graph
+        computes the predicate and the entry checks it before committing anything."""
+        frame = self.frames[-1]
+        site = (id(frame.code), frame.ip)
+        if site in self.unstable_sites:
+            raise Unsupported("data_dependent_branch",
+                              "both directions of this branch on a tensor value have been seen; "
+                              "it is no longer speculated")
+        if v.example.numel() != 1:
+            raise Unsupported("data_dependent_branch", "truth value of a tensor with more than one element")
+        try:
+            with MutationCheck(self.fresh):
+                outcome = bool(v.example)
+        except Exception as e:
+            raise Unsupported("data_dependent_branch", f"bool() of a tensor raised {e}") from None
+        self.assertions.append((v.node, outcome, self.where(), site))
+        return outcome
+
+    def wrap_output(self, node: torch.fx.Node, result: Any) -> Value:
+        if isinstance(result, torch.Tensor):
+            node.meta["example"] = result
+            self._note_view(result)
+            return TensorV(node, result)
+        if isinstance(result, (tuple, list)):
+            items = []
+            for i, x in enumerate(result):
+                if isinstance(x, torch.Tensor):
+                    self._note_view(x)
+                    sub = self.graph.call_function(_getitem, (node, i))
+                    sub.meta["example"] = x
+                    items.append(TensorV(sub, x))
+                else:
+                    items.append(self.wrap_python(x))
+            if isinstance(result, list):
+                return ListV(items)
+            return TupleV(items, type(result))
+        raise Unsupported("unsupported_call", f"an op returned {type(result).__name__} holding tensors")
+
+    def _note_view(self, t: torch.Tensor) -> None:
+        """A value aliasing a tensor that outlives the call: in-place writes to that tensor
+        can no longer be moved into a functional copy."""
+        if t.numel():
+            external = self._external.get(storage_key(t))
+            if external is not None and external.example is not t:
+                self.viewed.add(storage_key(t))
+
+    def wrap_python(self, value: Any) -> Value:
+        """A Python value computed during capture from constants (no source, no guard)."""
+        t = type(value)
+        if t in CONST_TYPES:
+            return Const(value)
+        if t is tuple:
+            items = [self.wrap_python(x) for x in value]
+            return Const(value) if all(isinstance(i, Const) for i in items) else TupleV(items)
+        if t is list:
+            return ListV([self.wrap_python(x) for x in value])
+        if t is dict:
+            return DictV({k: self.wrap_python(v) for k, v in value.items()})
+        if t is set:
+            return SetV(set(value))
+        if isinstance(value, torch.Tensor):
+            return self._wrap_tensor(value, None)
+        return Obj(value)
+
+    def tick(self) -> None:
+        self.instructions_left -= 1
+        if self.instructions_left < 0:
+            raise Unsupported("recursion_limit", "capture ran more bytecode instructions than "
+                              "config.max_instructions (a very long unrolled loop?)")
+
+
+_getitem = __import__("operator").getitem
+_OBJECT_WRITES = ("setattr", "delattr", "container", "item", "append")
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _is_library_file(filename: str) -> bool:
+    """torch's or the standard library's own Python (not where a user's line is)."""
+    return _is_torch_file(filename) or (filename.startswith(_STDLIB_DIR)
+                                        and "site-packages" not in filename)
+
+
+def _is_torch_file(filename: str) -> bool:
+    return filename.startswith(_TORCH_DIR)
+
+
+import os as _os  # noqa: E402
+_TORCH_DIR = _os.path.dirname(torch.__file__) + _os.sep
+_STDLIB_DIR = _os.path.dirname(_os.__file__) + _os.sep
+
+
+def _is_dynamic(v: Value) -> bool:
+    return any(isinstance(leaf, SymV) or (isinstance(leaf, TensorV) and leaf.dynamic)
+               for leaf in leaves(v))
+
+
+def _specialize_all(v: Value) -> None:
+    for leaf in leaves(v):
+        if isinstance(leaf, SymV):
+            leaf.concrete()
+
+
+def _mark_dynamic(v: Value) -> None:
+    for leaf in leaves(v):
+        if isinstance(leaf, TensorV):
+            leaf.dynamic = True
+
+
+def _holds_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(isinstance(i, torch.Tensor) for i in x)
+    return False
+
+
+def _item(source: Source | None, key) -> Source | None:
+    from ..guards.sources import ItemSource
+    return None if source is None else ItemSource(source, key)
+
+
+def _attr(source: Source | None, name: str) -> Source | None:
+    from ..guards.sources import AttrSource
+    return None if source is None else AttrSource(source, name)
+
+
+def _node_name(source: Source) -> str:
+    text = "".join(c if c.isalnum() else "_" for c in str(source))
+    while "__" in text:
+        text = text.replace("__", "_")
+    return text.strip("_") or "input"
+
+
+def _concrete(v: Value) -> Any:
+    from .values import SetV
+    if isinstance(v, (Const, TensorV)):
+        return v.concrete()
+    if isinstance(v, SymV):
+        return v.value  # the op stays symbolic: no specialisation
+    if isinstance(v, TupleV):
+        return v.build([_concrete(i) for i in v.items])
+    if isinstance(v, ListV):
+        return [_concrete(i) for i in v.items]
+    if isinstance(v, DictV):
+        return {k: _concrete(i) for k, i in v.items.items()}
+    if isinstance(v, SetV):
+        return set(v.items)
+    if isinstance(v, Obj) and isinstance(v.obj, (torch.Generator,)):
+        return v.obj
+    if type(v).__name__ == "ScalarV" or isinstance(v, UntrackedContainer):
+        return v.concrete()  # raises data_dependent_value / RelaxationRefused
+    raise Unsupported("unsupported_call", f"passing {v!r} to a torch operation is not supported")
+
+
+def _arg(v: Value) -> Any:
+    """The FX argument for a value: a node for tensors, the constant otherwise."""
+    if isinstance(v, (TensorV, SymV, GeneratorV)):
+        return v.node
+    if isinstance(v, Const):
+        return v.value
+    if isinstance(v, TupleV):
+        return tuple(_arg(i) for i in v.items)
+    if isinstance(v, ListV):
+        return [_arg(i) for i in v.items]
+    if isinstance(v, DictV):
+        return {k: _arg(i) for k, i in v.items.items()}
+    return _concrete(v)

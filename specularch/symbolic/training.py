@@ -1,0 +1,116 @@
+"""Training inside a captured graph: ``loss.backward()``, ``.grad``, ``.item()`` for logging.
+
+``loss.backward()`` becomes one ``torch.autograd.grad`` node over the graph inputs that
+require grad (parameters and leaf arguments); each gradient is accumulated into ``.grad``
+through the shadow heap exactly as eager accumulates it (a new tensor when ``.grad`` was
+None, an in-place add otherwise), so nothing changes before the call has succeeded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..guards import NoTensorHooksGuard
+from ..guards.sources import AttrSource
+from ..records import Unsupported
+from .values import Const, TensorV, Value
+
+
+@dataclass(eq=False, repr=False)
+class ScalarV(Value):
+    """``t.item()``: a Python number the graph produces. It can be returned or stored (it
+    is read from the graph's output after the run), but not computed on or branched on."""
+
+    node: torch.fx.Node
+    value: Any
+
+    def concrete(self):
+        raise Unsupported("data_dependent_value",
+                          "a value from `.item()` is used in Python (arithmetic, a branch, "
+                          "formatting); only returning or storing it is captured")
+
+    def python_type(self):
+        return type(self.value)
+
+    def __repr__(self):
+        return f"ScalarV({self.value})"
+
+
+def item(tracer, t: TensorV) -> Value:
+    if t.example.numel() != 1:
+        raise Unsupported("exception_handling", "item() of a tensor with more than one element")
+    return ScalarV(t.node, t.example.item())
+
+
+def read_grad(tracer, t: TensorV) -> Value:
+    if t.real is None or t.source is None:
+        raise Unsupported("unsupported_call", "reading .grad of a tensor computed in the function")
+    written = tracer.heap.read_attr(t.real, "grad")
+    if written is not None:
+        return written
+    return tracer.wrap(t.real.grad, AttrSource(t.source, "grad"))
+
+
+def write_grad(tracer, t: TensorV, value: Value | None) -> None:
+    if t.real is None or t.source is None:
+        raise Unsupported("side_effect", "assigning .grad of a tensor computed in the function")
+    if value is None:
+        raise Unsupported("side_effect", "`del tensor.grad` is not captured")
+    tracer.heap.write_attr(t, t.real, "grad", value, tracer.where())
+
+
+def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
+    if args or any(not (isinstance(v, Const) and v.value in (None, False)) for v in kwargs.values()):
+        raise Unsupported("unsupported_call", "backward() with arguments (gradient, retain_graph, "
+                          "inputs, ...) is not captured; call it as loss.backward()")
+    if loss.example.numel() != 1:
+        raise Unsupported("exception_handling", "grad can be implicitly created only for scalar outputs")
+    if not loss.example.requires_grad:
+        raise Unsupported("exception_handling", "element 0 of tensors does not require grad")
+    leaves = [v for v in tracer.graph_inputs() if v.real is not None and v.real.requires_grad
+              and v.real.is_leaf and v.example is v.real]
+    if not leaves:
+        raise Unsupported("exception_handling", "backward(): no leaf tensor requires grad")
+    for leaf in leaves:  # checked before capture runs backward (hooks must not run here)
+        if leaf.real._backward_hooks or leaf.real._post_accumulate_grad_hooks:
+            raise Unsupported("module_hooks", f"{leaf.source} has gradient hooks (register_hook "
+                              "/ register_post_accumulate_grad_hook); a captured backward "
+                              "would not run them as eager does")
+        tracer.add_guard(NoTensorHooksGuard, leaf.source)
+    from .. import distributed
+    if distributed.active():
+        # In the graph: once the ranks agreed to run this step, gradients averaged across
+        # ranks, all-reduce overlapped with backward. While capturing: plain local gradients
+        # (no collectives during capture). The leaves' sources identify the buckets.
+        from ..distributed import agreement, eager
+        tracer.distributed_leaves = [leaf.real for leaf in leaves]
+        eager.note_backward_captured()
+        ids = {"step": Const(tracer.code.co_qualname),
+               "layout": Const(agreement.layout_hash([str(leaf.source) for leaf in leaves]))}
+        grads = tracer.call_op("call_function", distributed.grad_and_allreduce,
+                               [loss, _list(leaves)], ids, name="autograd.grad",
+                               fn=lambda l, p, **_: torch.autograd.grad(l, p, allow_unused=True))
+    else:
+        grads = tracer.call_op("call_function", torch.autograd.grad,
+                               [loss, _list(leaves)], {"allow_unused": Const(True)},
+                               name="autograd.grad")
+    for leaf, grad in zip(leaves, grads.items):
+        if isinstance(grad, Const):  # unused leaf: eager leaves its .grad alone
+            continue
+        if grad.example.layout is not torch.strided:
+            raise Unsupported("unsupported_call", f"the gradient of {leaf.source} is sparse "
+                              "(e.g. nn.Embedding(sparse=True)); sparse gradients are not captured")
+        current = read_grad(tracer, leaf)
+        if isinstance(current, Const) and current.value is None:
+            write_grad(tracer, leaf, grad)
+        else:  # in-place accumulation into the existing .grad (committed by the heap)
+            tracer.call_op("call_method", "add_", [current, grad], {}, name="add_")
+    return Const(None)
+
+
+def _list(values):
+    from .values import ListV
+    return ListV(list(values))

@@ -1,0 +1,393 @@
+"""Values of the symbolic executor: what sits on the stack and in locals during capture.
+
+Every value knows its concrete Python counterpart (capture runs with real inputs, so a
+tensor value carries the real result of the op that made it) and, when it was read from
+outside the frame, its ``source``. Tensors also carry the FX node that computes them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..guards.sources import Source
+
+
+class Value:
+    source: Source | None = None
+
+    def concrete(self) -> Any:
+        """The real Python object this value stands for at capture time."""
+        raise NotImplementedError
+
+    def python_type(self) -> type:
+        return type(self.concrete())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.concrete()!r})"
+
+
+@dataclass(eq=False, repr=False)
+class Const(Value):
+    """An immutable Python value (int, str, None, dtype, torch.Size, tuple of consts, ...)."""
+
+    value: Any
+    source: Source | None = None
+
+    def concrete(self):
+        return self.value
+
+
+@dataclass(eq=False, repr=False)
+class TensorV(Value):
+    node: torch.fx.Node
+    example: torch.Tensor
+    source: Source | None = None
+    updated: bool = False  # an outliving tensor written in place (committed by the heap)
+    dynamic: bool = False  # its shape may differ between calls (sizes are SymV)
+    real: Any = None       # graph inputs: the real tensor object (example may become a copy)
+    dyn_dims: frozenset = frozenset()  # for graph inputs: which dims are dynamic
+
+    def concrete(self):
+        return self.example
+
+    def python_type(self):
+        return type(self.example)
+
+    def __repr__(self):
+        return f"TensorV({self.node.name}, {tuple(self.example.shape)})"
+
+
+@dataclass(eq=False, repr=False)
+class TupleV(Value):
+    items: list
+    cls: type = tuple  # a namedtuple / structseq class when not a plain tuple
+    source: Source | None = None
+
+    def concrete(self):
+        return self.build([i.concrete() for i in self.items])
+
+    def build(self, vals: list):
+        if self.cls is tuple:
+            return tuple(vals)
+        if hasattr(self.cls, "_make"):
+            return self.cls._make(vals)
+        return self.cls(vals)
+
+    def python_type(self):
+        return self.cls
+
+
+@dataclass(eq=False, repr=False)
+class ListV(Value):
+    """A list. With a source it existed before the call (and must not be mutated here)."""
+
+    items: list
+    source: Source | None = None
+
+    def concrete(self):
+        return [i.concrete() for i in self.items]
+
+    def python_type(self):
+        return list
+
+
+@dataclass(eq=False, repr=False)
+class ModuleSliceV(ListV):
+    """``layers[1:]`` of a ModuleList / Sequential / ParameterList: a list of the children
+    (iterated, indexed, ``len``); a slice of a Sequential can also be called (the children
+    in turn, as ``Sequential.forward`` does)."""
+
+    callable: bool = False
+
+
+@dataclass(eq=False, repr=False)
+class DictV(Value):
+    """A dict with constant keys (kept as Python objects) and Value values."""
+
+    items: dict
+    source: Source | None = None
+
+    def concrete(self):
+        return {k: v.concrete() for k, v in self.items.items()}
+
+    def python_type(self):
+        return dict
+
+
+@dataclass(eq=False, repr=False)
+class SetV(Value):
+    """A set of constants built during capture."""
+
+    items: set
+    source: Source | None = None
+
+    def concrete(self):
+        return set(self.items)
+
+    def python_type(self):
+        return set
+
+
+@dataclass(eq=False, repr=False)
+class Obj(Value):
+    """Any other object: modules, functions, classes, nn.Modules, user objects."""
+
+    obj: Any
+    source: Source | None = None
+
+    def concrete(self):
+        return self.obj
+
+    def __repr__(self):
+        return f"Obj({type(self.obj).__name__})"
+
+
+@dataclass(eq=False, repr=False)
+class GeneratorV(Obj):
+    """A ``torch.Generator`` read from outside the frame: a graph input (``node``)."""
+
+    node: Any = None
+
+
+@dataclass(eq=False, repr=False)
+class FuncV(Value):
+    """A function created during capture (lambda, nested def, comprehension body)."""
+
+    code: Any
+    globals: dict
+    name: str
+    defaults: tuple = ()
+    kwdefaults: dict = field(default_factory=dict)
+    closure: tuple = ()  # of CellV
+
+    def concrete(self):
+        raise _NoConcrete("a function created during capture")
+
+    def python_type(self):
+        import types
+        return types.FunctionType
+
+    def __repr__(self):
+        return f"FuncV({self.name})"
+
+
+@dataclass(eq=False, repr=False)
+class CellV(Value):
+    """A closure cell: a captured local of a traced frame, or a real outer cell.
+
+    A real cell (``real``) is read lazily and guarded through ``source``; writing into a real
+    cell (``nonlocal x = ...`` in the optimized function) outlives the call.
+    """
+
+    contents: Value | None = None
+    real: Any = None
+    source: Source | None = None
+
+    def concrete(self):
+        raise _NoConcrete("a closure cell")
+
+    def __repr__(self):
+        return f"CellV({self.contents!r})"
+
+
+@dataclass(eq=False, repr=False)
+class MethodV(Value):
+    """``self.name`` resolved to a callable: a Python function to inline (``func``) or a
+    method of a tensor/container/constant, identified by ``name``."""
+
+    self_value: Value
+    func: Value | None = None
+    name: str = ""
+
+    def concrete(self):
+        return getattr(self.self_value.concrete(), self.name)
+
+    def __repr__(self):
+        return f"MethodV({self.self_value!r}.{self.name})"
+
+
+@dataclass(eq=False, repr=False)
+class IterV(Value):
+    """An iterator over already-known items (capture unrolls loops)."""
+
+    items: list
+    pos: int = 0
+
+    def next(self) -> Value | None:
+        if self.pos >= len(self.items):
+            return None
+        self.pos += 1
+        return self.items[self.pos - 1]
+
+    def concrete(self):
+        raise _NoConcrete("an iterator")
+
+    def __repr__(self):
+        return f"IterV({len(self.items) - self.pos} left)"
+
+
+@dataclass(eq=False, repr=False)
+class SuperV(Value):
+    cls: type
+    self_value: Value
+
+    def concrete(self):
+        return super(self.cls, self.self_value.concrete())
+
+
+@dataclass(eq=False, repr=False)
+class GradModeV(Value):
+    """``torch.no_grad()`` / ``enable_grad()`` / ``set_grad_enabled(b)`` as a context manager."""
+
+    enabled: bool
+    prior: bool | None = None
+
+    def concrete(self):
+        raise _NoConcrete("a grad-mode context manager")
+
+
+@dataclass(eq=False, repr=False)
+class CtxExitV(Value):
+    """The bound ``__exit__`` pushed by BEFORE_WITH."""
+
+    ctx: Value
+
+    def concrete(self):
+        raise _NoConcrete("a context manager exit")
+
+
+@dataclass(eq=False, repr=False)
+class NewObjV(Value):
+    """An instance of a plain Python class created during capture (its attributes are
+    values; it becomes a real object only if it is returned)."""
+
+    cls: type
+    attrs: dict
+    cls_source: Source | None = None
+
+    def concrete(self):
+        raise _NoConcrete(f"a {self.cls.__name__} created during capture")
+
+    def python_type(self):
+        return self.cls
+
+    def __repr__(self):
+        return f"NewObjV({self.cls.__name__})"
+
+
+@dataclass(eq=False, repr=False)
+class PartialV(Value):
+    """``functools.partial(func, *args, **kwargs)`` created during capture."""
+
+    func: Value
+    args: list
+    kwargs: dict
+
+    def concrete(self):
+        raise _NoConcrete("a functools.partial created during capture")
+
+    def __repr__(self):
+        return f"PartialV({self.func!r})"
+
+
+class UntrackedContainer(Value):
+    """A list or dict that existed before the call and that a relaxation stopped tracking as a
+    whole (its length/keys are not guarded). Only the accesses the subclass allows are
+    captured; anything else needs the whole contents after all, so ``concrete()`` raises
+    ``RelaxationRefused`` and the dispatcher tracks the container again."""
+
+    source: Source
+
+    def concrete(self):
+        raise RelaxationRefused(self.source)
+
+
+@dataclass(eq=False, repr=False)
+class AppendOnlyListV(UntrackedContainer):
+    """A list only appended to (a log, a history): its length is not guarded; appends are
+    committed as appends. The items appended in this call can be read back by negative index
+    (``log[-1]`` right after ``log.append(x)``), which does not depend on the old length."""
+
+    source: Source
+    appended: list = field(default_factory=list)
+
+    def python_type(self):
+        return list
+
+    def __repr__(self):
+        return f"AppendOnlyListV({self.source})"
+
+
+@dataclass(eq=False, repr=False)
+class KeyedDictV(UntrackedContainer):
+    """A dict used only through single keys (a cache, a memo table): its key set is not
+    guarded; a read of ``d[k]`` guards that one entry (and that ``k`` is present), ``k in d``
+    guards that one membership, and ``d[k] = v`` is committed as that one item write."""
+
+    source: Source
+    written: dict = field(default_factory=dict)  # key -> Value written in this call
+    real: Any = None                             # the dict itself (read at capture)
+
+    def python_type(self):
+        return dict
+
+    def __repr__(self):
+        return f"KeyedDictV({self.source})"
+
+
+class NullV(Value):
+    """The NULL that 3.11 pushes below a callable (PUSH_NULL / LOAD_GLOBAL with NULL)."""
+
+    def concrete(self):
+        raise _NoConcrete("NULL")
+
+    def __repr__(self):
+        return "NULL"
+
+
+NULL = NullV()
+
+
+class _NoConcrete(Exception):
+    pass
+
+
+class RelaxationRefused(Exception):
+    """The code reads something a relaxation stopped tracking (e.g. the items of a list
+    treated as append-only): the dispatcher undoes that relaxation and captures again."""
+
+    def __init__(self, source):
+        super().__init__(str(source))
+        self.source = source
+
+
+def is_const(v: Value) -> bool:
+    """True when ``v`` (recursively) holds no tensors, functions, cells or opaque objects."""
+    if isinstance(v, Const) or type(v).__name__ == "SymV":  # SymV specialises when read
+        return True
+    if isinstance(v, (TupleV, ListV)):
+        return all(is_const(i) for i in v.items)
+    if isinstance(v, DictV):
+        return all(is_const(i) for i in v.items.values())
+    if isinstance(v, SetV):
+        return True
+    return False
+
+
+def leaves(v: Value):
+    """The non-container values inside ``v`` (tuples, lists and dicts are walked)."""
+    if isinstance(v, (TupleV, ListV)):
+        for item in v.items:
+            yield from leaves(item)
+    elif isinstance(v, DictV):
+        for item in v.items.values():
+            yield from leaves(item)
+    else:
+        yield v
+
+
+def contains_tensor(v: Value) -> bool:
+    return any(isinstance(leaf, TensorV) for leaf in leaves(v))

@@ -1,0 +1,32 @@
+"""Shared test setup: ``tests/`` importable (``from differential import check``), and every test
+starts and ends with specularch's caches and records cleared and torch's RNG seeded."""
+import pathlib
+import sys
+
+import pytest
+import torch
+
+_TESTS = pathlib.Path(__file__).resolve().parent
+if str(_TESTS) not in sys.path:
+    sys.path.insert(0, str(_TESTS))
+if str(_TESTS.parent) not in sys.path:
+    # Appended, so an installed specularch still wins; lets plain `pytest` work from a checkout.
+    sys.path.append(str(_TESTS.parent))
+
+import specularch  # noqa: E402
+
+
+@pytest.fixture
+def no_profiling():
+    """Capture on the first call (config.profile_calls=0): for tests about capture itself,
+    not about the profiling phase."""
+    with specularch.config.patch(profile_calls=0):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_specularch():
+    specularch.reset()
+    torch.manual_seed(0)
+    yield
+    specularch.reset()
