@@ -50,6 +50,7 @@ def _optimize_function(fn: types.FunctionType, backend: str | None):
     state = dispatcher.new_state(target, backend)
     binder = target.binder_for(fn) if not target.is_generator else None
     closure = fn.__closure__
+    code = fn.__code__
     run = dispatcher.run
 
     if target.is_generator:
@@ -63,6 +64,13 @@ def _optimize_function(fn: types.FunctionType, backend: str | None):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # Python reads ``fn``'s defaults and code at each call: ``__defaults__``,
+        # ``__kwdefaults__`` or ``__code__`` assigned after ``optimize`` must be seen.
+        if (binder.__defaults__ is not fn.__defaults__ or fn.__code__ is not code
+                or binder.__kwdefaults__ is not fn.__kwdefaults__):
+            if fn.__code__ is not code:  # not the code that was optimized: run it as it is
+                return fn(*args, **kwargs)
+            target.binder_for(fn)  # copies the current defaults onto ``binder``
         # No hook on the hot path: a graph runs no user Python. The dispatcher turns the
         # hook on around the eager fallback, where nested optimized calls must be seen.
         return run(state, binder(*args, **kwargs), closure)

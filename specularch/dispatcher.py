@@ -141,6 +141,7 @@ def note_generator(state: CodeState) -> None:
     record = _remember(state, FallbackRecord(
         "generator", f"{target.name} is a generator function; generators run eagerly",
         FALLBACK_KINDS["generator"][1], target.filename, target.firstlineno, target.name))
+    record.count += 1
     if config.strict:
         raise SpecularchStrictError(f"specularch strict mode: {target.name} falls back.\n{record}")
 
@@ -387,7 +388,7 @@ def _distributed_graph_raised(state: CodeState, entry: GraphEntry, error: Except
             f"{agreement.rank()}), but the other ranks may have finished this step: stop "
             f"training.") from error
     record = _note_fallback(state, Unsupported("exception_handling", what), at_def=True)
-    _run_eager(state, slots, cells, record, first=True)  # the user's error: raised, others told
+    _run_eager(state, slots, cells, record)  # the user's error: raised, others told
     raise agreement.refuse(state.target.name, "backend_error",
                            f"{what}, but the original code does not")
 
@@ -484,7 +485,7 @@ def _distributed_entry(fn: Callable, buffers: list) -> Callable:
 def _fallback(state: CodeState, slots, cells, error: Unsupported, *, at_def: bool = False,
               reaches_backward: bool = False) -> Any:
     record = _note_fallback(state, error, at_def=at_def, reaches_backward=reaches_backward)
-    return _run_eager(state, slots, cells, record, first=True, reaches_backward=reaches_backward)
+    return _run_eager(state, slots, cells, record, reaches_backward=reaches_backward)
 
 
 def _note_fallback(state: CodeState, error: Unsupported, *, at_def: bool = False,
@@ -507,21 +508,25 @@ def _note_fallback(state: CodeState, error: Unsupported, *, at_def: bool = False
             state.eager.insert(0, EagerEntry(guards.compile(), guards, record, reaches_backward))
     if ran:
         state.stats.fallback_calls += 1
+        record.count += 1
     return record
 
 
 def _remember(state: CodeState, record: FallbackRecord) -> FallbackRecord:
+    """The stored record equal to ``record`` (or ``record``, now stored). Its ``count`` is
+    the calls that ran eagerly for it: whoever runs (or ran) the call adds one."""
     key = (record.kind, record.filename, record.lineno, record.explanation)
     existing = state.fallbacks.get(key)
     if existing is not None:
         return existing
+    record.count = 0
     if len(state.fallbacks) < config.max_fallback_records:
         state.fallbacks[key] = record
     log.emit("fallbacks", str(record))
     return record
 
 
-def _run_eager(state: CodeState, slots, cells, record: FallbackRecord, first: bool = False,
+def _run_eager(state: CodeState, slots, cells, record: FallbackRecord,
                reaches_backward: bool = False) -> Any:
     if config.strict:
         if distributed.active() and (reaches_backward or _is_distributed_step(state)):
@@ -529,8 +534,7 @@ def _run_eager(state: CodeState, slots, cells, record: FallbackRecord, first: bo
             distributed.agreement.refuse(state.target.name, record.kind, record.explanation)
         raise SpecularchStrictError(f"specularch strict mode: {state.target.name} would fall back "
                                     f"to eager.\n{record}")
-    if not first:
-        record.count += 1
+    record.count += 1
     state.stats.fallback_calls += 1
     if distributed.active():
         return _run_eager_distributed(state, slots, cells, record, reaches_backward)

@@ -503,6 +503,11 @@ def _judge(explanation, expect, fallback_kind, fallback_file, fallback_line, wha
     bugs = [str(f) for f in explanation.fallbacks if f.kind == "internal_error"]
     assert not bugs, f"{what}: specularch hit an internal error (a bug, even if the result " \
                      f"was right):\n" + "\n".join(bugs)
+    if len(explanation.fallbacks) < specularch.config.max_fallback_records:
+        counted = sum(f.count for f in explanation.fallbacks)
+        assert counted == explanation.stats.fallback_calls, (
+            f"{what}: the fallback records count {counted} eager calls, stats.fallback_calls "
+            f"says {explanation.stats.fallback_calls}\n{explanation}")
     if expect == "graph":
         assert fallback_kind is None, "test bug: fallback_kind given with expect='graph'"
         expect_graph(explanation, what)

@@ -476,3 +476,41 @@ def test_calling_an_optimized_function_from_another():
 def test_bound_method_optimized():
     poly = Polynomial([2.0, 0.5, -1.0])
     check(poly.evaluate, lambda: A(T(3)), expect="graph")
+
+
+def test_defaults_assigned_after_optimize_are_seen():
+    """Python reads ``__defaults__``/``__kwdefaults__`` at each call; so must the optimized
+    function (both sides of the pair call the same function object)."""
+    def scaled(x, scale=2.0, weight=None, *, shift=1.0):
+        y = x * scale + shift
+        return y if weight is None else y * weight
+
+    pair = Pair.of_function(scaled)
+    settings = [((2.0, None), {"shift": 1.0})] * 2 + [
+        ((5.0, None), {"shift": 1.0}),             # a new __defaults__ tuple
+        ((5.0, None), {"shift": -3.0}),            # a new __kwdefaults__ dict
+        ((5.0, T(3, seed=1)), {"shift": -3.0}),    # a tensor default appears
+        ((5.0, T(3, seed=2)), None)]               # keyword-only default removed: TypeError
+    for defaults, kwdefaults in settings:
+        scaled.__defaults__, scaled.__kwdefaults__ = defaults, kwdefaults
+        pair.step(lambda: A(T(3)))
+    scaled.__kwdefaults__ = {"shift": 0.5}
+    pair.step(lambda: A(T(3)))
+    scaled.__kwdefaults__["shift"] = 4.0  # changed in place
+    pair.step(lambda: A(T(3)))
+    assert specularch.explain(pair.opt).graphs
+
+
+def test_code_assigned_after_optimize_is_run():
+    def f(x):
+        return x + 1
+
+    def replacement(x):
+        return x * 100
+
+    pair = Pair.of_function(f)
+    for _ in range(2):
+        pair.step(lambda: A(T(3)))
+    f.__code__ = replacement.__code__
+    assert_same(pair.opt(torch.ones(2)), torch.full((2,), 100.0))
+    pair.step(lambda: A(T(3)))

@@ -7,6 +7,7 @@ buffers) are checked here to run as graphs with the heap left exactly as eager l
 record points at the offending line of this file, and that results, argument state, stdout and
 exceptions are exactly eager's. A few programs whose eager run raises or whose output shape
 depends on values are checked for equality with eager only."""
+import contextlib
 import os
 import time
 
@@ -432,3 +433,30 @@ def test_strict_mode_raises_instead_of_falling_back():
         with pytest.raises(specularch.records.SpecularchStrictError, match="data_dependent_value"):
             for _ in range(DEFAULT_CALLS + 2):
                 opt(torch.ones(3))
+
+
+def test_fallback_count_is_the_number_of_calls_that_ran_eagerly():
+    """Each record's ``count`` is how many calls ran eagerly for its reason, also when the
+    same reason recurs (the graph raising again, a generator called again)."""
+    def gather(x, idx):
+        return x[idx] * 2  # mark
+
+    opt = specularch.optimize(gather)
+    bad = [i % 3 == 1 for i in range(7)]
+    for is_bad in bad:
+        with pytest.raises(IndexError) if is_bad else contextlib.nullcontext():
+            opt(torch.arange(4.0), torch.tensor([1, 9 if is_bad else 2]))
+    e = specularch.explain(opt)
+    assert [(f.kind, f.count) for f in e.fallbacks] == [("exception_handling", sum(bad))], str(e)
+    assert e.stats.fallback_calls == sum(bad), str(e)
+
+    gen = specularch.optimize(generator_function)
+    for _ in range(3):
+        list(gen(torch.ones(2)))
+    assert [(f.kind, f.count) for f in specularch.explain(gen).fallbacks] == [("generator", 3)]
+
+    item = specularch.optimize(item_in_python_arithmetic)
+    for i in range(4):
+        item(T(i % 2 + 2))
+    e = specularch.explain(item)
+    assert sum(f.count for f in e.fallbacks) == e.stats.fallback_calls == 4, str(e)
