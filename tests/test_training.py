@@ -29,6 +29,10 @@ def _optimizer(name, params):
         return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99))
+    if name == "adam_amsgrad":
+        return torch.optim.Adam(params, lr=1e-2, amsgrad=True)
+    if name == "adamw_amsgrad":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True)
     raise ValueError(name)
 
 
@@ -58,7 +62,8 @@ def _assert_same_training(m_fast, m_ref, o_fast, o_ref):
             assert torch.equal(s_fast[key], s_ref[key]), f"optimizer state {key} differs"
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adamw"])
+@pytest.mark.parametrize("opt_name", ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adamw",
+                                      "adam_amsgrad", "adamw_amsgrad"])
 @pytest.mark.parametrize("profile", [0, 3])
 def test_training_step_matches_eager_bit_for_bit(opt_name, profile):
     m_fast, m_ref = _model(), _model()

@@ -113,7 +113,7 @@ def _groups(tracer, opt_v: Obj) -> list[tuple[dict, list[TensorV]]]:
             if isinstance(group[key], torch.Tensor):
                 raise Unsupported("unsupported_call", f"optimizer option {key} is a tensor "
                                   "(a tensor learning rate) and is not captured")
-        for flag in ("foreach", "fused", "differentiable", "capturable", "amsgrad"):
+        for flag in ("foreach", "fused", "differentiable", "capturable"):
             if flag in hyper and hyper[flag].concrete():
                 raise Unsupported("unsupported_call", f"optimizer option {flag}=True is not captured")
         params_src = ItemSource(g_src, "params")
@@ -202,7 +202,7 @@ def _adam(tracer, opt_v, hyper, params) -> None:
     lr = hyper["lr"]
     beta1, beta2 = hyper["betas"].concrete()
     eps, wd = hyper["eps"].concrete(), hyper["weight_decay"].concrete()
-    maximize = hyper["maximize"].concrete()
+    maximize, amsgrad = hyper["maximize"].concrete(), hyper["amsgrad"].concrete()
     decoupled = hyper["decoupled_weight_decay"].concrete() if "decoupled_weight_decay" in hyper else False
     for p in params:
         grad = _grad(tracer, p)
@@ -216,10 +216,16 @@ def _adam(tracer, opt_v, hyper, params) -> None:
                                      {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
             exp_avg_sq = tracer.call_op("call_function", torch.zeros_like, [p],
                                         {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
-            _new_state(tracer, opt_v, p, {"step": step_t, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+            items = {"step": step_t, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+            if amsgrad:
+                items["max_exp_avg_sq"] = tracer.call_op(
+                    "call_function", torch.zeros_like, [p],
+                    {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
+            _new_state(tracer, opt_v, p, items)
             steps_before: Value = Const(0.0)
         else:
-            if set(state.items) != {"step", "exp_avg", "exp_avg_sq"}:
+            keys = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if amsgrad else set())
+            if set(state.items) != keys:
                 raise Unsupported("unsupported_call", f"Adam state with keys {sorted(state.items)}")
             step_t, exp_avg, exp_avg_sq = (state.items[k] for k in ("step", "exp_avg", "exp_avg_sq"))
             steps_before = tracer.wrap_argument(step_t.real.item(), ScalarOfSource(ItemSource(src, "step")),
@@ -240,8 +246,14 @@ def _adam(tracer, opt_v, hyper, params) -> None:
         bias_correction2 = _num(tracer, operator.sub, 1, _num(tracer, operator.pow, beta2, step))
         step_size = _num(tracer, operator.truediv, lr, bias_correction1)
         bc2_sqrt = _num(tracer, operator.pow, bias_correction2, 0.5)
+        second_moment = exp_avg_sq
+        if amsgrad:  # torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+            max_sq = state.items["max_exp_avg_sq"] if state is not None else items["max_exp_avg_sq"]
+            larger = tracer.call_op("call_function", torch.maximum, [max_sq, exp_avg_sq], {},
+                                    name="maximum")
+            second_moment = _m(tracer, max_sq, "copy_", larger)
         denom = _m(tracer, tracer.call_op("call_function", operator.truediv,
-                                          [_m(tracer, exp_avg_sq, "sqrt"), bc2_sqrt], {}),
+                                          [_m(tracer, second_moment, "sqrt"), bc2_sqrt], {}),
                    "add_", Const(eps))
         _m(tracer, p, "addcdiv_", exp_avg, denom,
            value=_num(tracer, operator.sub, 0, step_size))
