@@ -514,3 +514,20 @@ def test_code_assigned_after_optimize_is_run():
     f.__code__ = replacement.__code__
     assert_same(pair.opt(torch.ones(2)), torch.full((2,), 100.0))
     pair.step(lambda: A(T(3)))
+
+
+def _forward_all(*xs, **options):
+    return sum(xs) * options.get("scale", 1)
+
+
+def forward_star_args_and_changing_kwargs(*xs, **options):
+    return _forward_all(*xs, **options), len(xs)
+
+
+def test_kwargs_with_changing_keys_forwarded_with_double_star():
+    """The key set of ``**options`` changes between calls (a relaxation stops guarding it);
+    forwarding it whole with ``**options`` must track it whole again, not fall back."""
+    assert_uses_opcode(forward_star_args_and_changing_kwargs, "DICT_MERGE")
+    check(forward_star_args_and_changing_kwargs,
+          lambda i: (tuple(T(2) for _ in range(i % 3 + 1)), {"scale": 2} if i % 2 else {}),
+          calls=6, expect="graph")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..records import Unsupported
 from .operators import iterate
 from .registry import handles
-from .values import Const, DictV, ListV, SetV, TupleV, is_const
+from .values import Const, DictV, ListV, SetV, TupleV, UntrackedContainer, is_const
 
 
 def _tuple(items):
@@ -93,6 +93,8 @@ def _dict_update(frame, ins):
     target = frame.stack[-ins.arg]
     if isinstance(source, Const) and isinstance(source.value, dict):
         source = DictV({k: frame.tracer.wrap_python(v) for k, v in source.value.items()})
+    if isinstance(source, UntrackedContainer):
+        source.concrete()  # raises RelaxationRefused: ``**d`` needs all of its items after all
     if not isinstance(source, DictV):
         raise Unsupported("unsupported_call", f"** unpacking of {source!r}")
     if ins.opname == "DICT_MERGE":
