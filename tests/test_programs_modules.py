@@ -287,6 +287,30 @@ def test_parameters_updated_in_place_between_calls():
     check_module(MLP, lambda: A(T(3, 6)), calls=4, grad=True, expect="graph", between=sgd_like, **GRAD_TOL)
 
 
+class MaxNormLinear(nn.Module):
+    """Parameters constrained in place under no_grad inside forward, then used with grad: the
+    gradients must still reach the parameters (they stay autograd leaves in eager)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            norms = self.fc.weight.norm(dim=1, keepdim=True).clamp(min=0.5)
+            self.fc.weight.div_(norms)
+            self.scale.clamp_(0.0, 2.0)
+        y = self.fc(x) + self.scale  # (`+` saves no tensor that the next write would change)
+        with torch.no_grad():
+            self.scale.mul_(1.5)  # a second write, read again below
+        return torch.cat([y, self.scale.expand(x.shape[0], 3)], 1), self.scale.requires_grad
+
+
+def test_parameters_written_under_no_grad_then_read_keep_their_gradients():
+    check_module(MaxNormLinear, lambda: A(T(2, 4)), calls=4, grad=True, expect="graph")
+
+
 def test_batchnorm_eval_graph_survives_a_train_toggle():
     """Eval calls run as graphs; one call in train mode (running stats update) must equal eager
     whatever path it takes; back in eval mode the eval graph is reused, not captured again."""

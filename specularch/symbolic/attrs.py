@@ -15,6 +15,7 @@ import torch.nn as nn
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
+from .leaf_writes import metadata_of
 from .tracer import _is_trusted_module
 from .values import Const, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
 
@@ -58,7 +59,7 @@ def _tensor_attr(tracer, v: TensorV, name: str) -> Value:
     if name == "shape":
         return tracer.sym_shape(v)
     if name in TENSOR_META:
-        return tracer.wrap_python(getattr(v.example, name))
+        return tracer.wrap_python(getattr(metadata_of(v), name))
     if name in TENSOR_VIEWS:
         return tracer.call_op("call_function", getattr, [v, Const(name)], {}, name=name)
     if name == "grad":

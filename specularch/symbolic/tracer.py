@@ -25,6 +25,7 @@ from ..guards.sources import Source
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import ExternalMutation, MutationCheck, storage_key
+from .leaf_writes import connect_reads
 from .symint import SymV
 from .values import (AppendOnlyListV, Const, DictV, GeneratorV, KeyedDictV, ListV, MethodV, Obj, SetV, TensorV,
                      TupleV, UntrackedContainer, Value, contains_tensor, leaves)
@@ -379,6 +380,8 @@ class Tracer:
         Python results are kept only when they come from metadata (shape, dtype, ...).
         """
         label = name or getattr(target, "__name__", str(target))
+        if torch.is_grad_enabled():
+            args, kwargs = connect_reads(self, args, kwargs)
         cargs = [_concrete(a) for a in args]
         ckwargs = {k: _concrete(v) for k, v in kwargs.items()}
         if fn is None:
@@ -463,6 +466,8 @@ class Tracer:
         result = self.call_op(kind, target, [swap(a) for a in args],
                               {k: swap(v) for k, v in kwargs.items()}, fn=fn, name=label,
                               keep_node=True)
+        if external.example.requires_grad and external.stale_leaf is None:
+            external.stale_leaf = (external.node, external.example)  # see leaf_writes.py
         external.node, external.example = copy.node, copy.example
         external.updated = True
         self.heap.update_tensor(external, self.where())

@@ -49,6 +49,7 @@ class TensorV(Value):
     dynamic: bool = False  # its shape may differ between calls (sizes are SymV)
     real: Any = None       # graph inputs: the real tensor object (example may become a copy)
     dyn_dims: frozenset = frozenset()  # for graph inputs: which dims are dynamic
+    stale_leaf: Any = None  # (node, tensor) of the leaf requiring grad it replaced (leaf_writes)
 
     def concrete(self):
         return self.example
