@@ -66,26 +66,50 @@ def pytest_runtest_call(item):
             + validate.MISMATCHES[before]))
 
 
+# What each test's optimized calls did, kept past ``specularch.reset()`` (which a suite's
+# fixtures may call after every test) for the summary: id(stats) -> (stats, fallback records,
+# graph count, code). The stats object is held so that its id is not reused.
+_SEEN: dict[int, tuple] = {}
+
+
+def _record_states() -> None:
+    from . import dispatcher
+    for state in [*dispatcher.states().values(), *list(dispatcher._OWNED)]:
+        if state.stats.calls:
+            target = state.target
+            _SEEN[id(state.stats)] = (state.stats, state.fallbacks, len(state.entries),
+                                      (target.filename, target.firstlineno, target.name))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    if item.config.getoption("--specularch", default="off") != "off":
+        _record_states()  # before the fixtures' teardown, which may reset specularch
+    yield
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("--specularch", default="off") == "off":
         return
-    from . import dispatcher, validate
-    states = [s for s in [*dispatcher.states().values(), *list(dispatcher._OWNED)] if s.stats.calls]
-    records = [f for s in states for f in s.fallbacks.values()]
-    calls, sites = collections.Counter(), collections.Counter()
+    from . import validate
+    _record_states()
+    seen = list(_SEEN.values())
+    records = [f for _, fallbacks, _, _ in seen for f in fallbacks.values()]
+    calls, sites = collections.Counter(), collections.defaultdict(set)
     for record in records:
         calls[record.kind] += record.count  # calls that ran eagerly because of this record
-        sites[record.kind] += 1
-    stats = [s.stats for s in states]
+        sites[record.kind].add((record.filename, record.lineno, record.function))
+    stats = [s for s, _, _, _ in seen]
+    codes = {code for _, _, _, code in seen}
     write = terminalreporter.write_line
     terminalreporter.section("specularch")
-    write(f"optimized code objects: {len(states)}, graphs: {sum(len(s.entries) for s in states)}, "
+    write(f"optimized code objects: {len(codes)}, graphs: {sum(g for _, _, g, _ in seen)}, "
           f"calls: {sum(s.calls for s in stats)} (graph hits: {sum(s.graph_hits for s in stats)}, "
           f"captures: {sum(s.captures for s in stats)}, profiled eagerly: "
           f"{sum(s.profiled_calls for s in stats)}, fell back to eager: "
           f"{sum(s.fallback_calls for s in stats)})")
     write("fallback calls by kind: " + (", ".join(
-        f"{k}={calls[k]} ({sites[k]} site{'s' if sites[k] > 1 else ''})"
+        f"{k}={calls[k]} ({len(sites[k])} site{'s' if len(sites[k]) > 1 else ''})"
         for k in sorted(calls)) or "none"))
     write(f"mismatches: {len(validate.MISMATCHES)}")
 

@@ -189,6 +189,40 @@ def test_summary_counts_fallback_calls_not_records(pytester, monkeypatch):
                                  "fallback calls by kind: unsupported_call=4 (1 site)"])
 
 
+def test_summary_counts_calls_of_tests_whose_fixtures_reset_specularch(pytester, monkeypatch):
+    # Like this repository's own conftest: every test ends with specularch.reset(), which
+    # empties the statistics; the summary still counts what each test ran.
+    pytester.makeconftest(textwrap.dedent("""
+        import pytest
+        import specularch
+
+        @pytest.fixture(autouse=True)
+        def fresh():
+            yield
+            specularch.reset()
+    """))
+    pytester.makepyfile(test_suite=textwrap.dedent("""
+        import torch
+
+        def train_step(x):
+            print("step")
+            return x + 1
+
+        def test_one():
+            for _ in range(3):
+                train_step(torch.ones(2))
+
+        def test_two():
+            for _ in range(2):
+                train_step(torch.ones(2))
+    """))
+    monkeypatch.setenv("SPECULARCH_PROFILE_CALLS", "0")
+    result = pytester.runpytest_subprocess("--specularch=on", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["optimized code objects: 1, graphs: 0, calls: 5 (*fell back to eager: 5)*",
+                                 "fallback calls by kind: unsupported_call=5 (1 site)"])
+
+
 def test_bad_variable_is_a_usage_error(pytester, monkeypatch):
     pytester.makepyfile(test_suite="def test_nothing():\n    pass\n")
     monkeypatch.setenv("SPECULARCH_STRICT", "sure")
