@@ -531,3 +531,36 @@ def test_kwargs_with_changing_keys_forwarded_with_double_star():
     check(forward_star_args_and_changing_kwargs,
           lambda i: (tuple(T(2) for _ in range(i % 3 + 1)), {"scale": 2} if i % 2 else {}),
           calls=6, expect="graph")
+
+
+def _changeable_helper(x, k=2.0, *, b=1.0):
+    return x * k + b
+
+
+def calls_changeable_helper(x):
+    return _changeable_helper(x)
+
+
+def test_inlined_helper_code_and_defaults_assigned_after_capture_are_seen():
+    helper = _changeable_helper
+    saved = helper.__code__, helper.__defaults__, helper.__kwdefaults__
+
+    def replacement(x, k=2.0, *, b=1.0):
+        return x - k * b
+
+    def change(i):
+        if i == 2:
+            helper.__defaults__ = (5.0,)
+        elif i == 3:
+            helper.__kwdefaults__["b"] = 10.0  # in place
+        elif i == 4:
+            helper.__kwdefaults__ = {"b": -1.0}
+        elif i == 5:
+            helper.__code__ = replacement.__code__
+        return A(T(3))
+
+    try:
+        e = check(calls_changeable_helper, change, calls=7, expect="graph")
+    finally:
+        helper.__code__, helper.__defaults__, helper.__kwdefaults__ = saved
+    assert any("__code__" in g for graph in e.graphs for g in graph.guards), str(e)

@@ -16,6 +16,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from ..guards import DictKeysGuard, IdGuard, LenGuard, ValueGuard
 from ..guards.sources import AttrSource, ClosureSource, DerefSource, ItemSource
 from ..records import Unsupported
 from .bytecode import CO_VARARGS, CO_VARKEYWORDS
@@ -229,6 +230,8 @@ def inline_function(tracer, fn: Obj, args, kwargs) -> Value:
             for i, cell in enumerate(func.__closure__))
         if fn.source is None and any(n != "__class__" for n in names):
             _check_trusted_closure(func)
+    if fn.source is not None:
+        _guard_code_and_signature(tracer, fn)
     defaults = tuple(tracer.wrap(d, _default_source(fn, "__defaults__", i))
                      for i, d in enumerate(func.__defaults__ or ()))
     kwdefaults = {k: tracer.wrap(d, _default_source(fn, "__kwdefaults__", k))
@@ -249,6 +252,24 @@ def _check_trusted_closure(func) -> None:
         if not isinstance(contents, (type, types.FunctionType, types.BuiltinFunctionType)):
             raise Unsupported("unsupported_call",
                               f"{func.__qualname__} is a closure over values that cannot be guarded")
+
+
+def _guard_code_and_signature(tracer, fn: Obj) -> None:
+    """Python reads a function's code and defaults at each call: a ``__code__``,
+    ``__defaults__`` or ``__kwdefaults__`` assigned after capture must fail a guard (the
+    default values themselves are guarded where they are read, by ``_default_source``)."""
+    func = fn.obj
+    tracer.add_guard(IdGuard, AttrSource(fn.source, "__code__"), func.__code__)
+    defaults, kwdefaults = func.__defaults__, func.__kwdefaults__
+    if defaults is None:
+        tracer.add_guard(ValueGuard, AttrSource(fn.source, "__defaults__"), None)
+    else:
+        tracer.add_guard(LenGuard, AttrSource(fn.source, "__defaults__"), tuple, len(defaults))
+    if kwdefaults is None:
+        tracer.add_guard(ValueGuard, AttrSource(fn.source, "__kwdefaults__"), None)
+    else:
+        tracer.add_guard(DictKeysGuard, AttrSource(fn.source, "__kwdefaults__"), dict,
+                         tuple(kwdefaults))
 
 
 def _default_source(fn: Obj, table: str, key):
