@@ -311,6 +311,31 @@ def test_parameters_written_under_no_grad_then_read_keep_their_gradients():
     check_module(MaxNormLinear, lambda: A(T(2, 4)), calls=4, grad=True, expect="graph")
 
 
+class LeakyHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def act(self, x, slope=0.1):
+        return torch.where(x > 0, x, x * slope)
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+def test_method_defaults_assigned_after_capture_are_seen():
+    saved = LeakyHelper.act.__defaults__
+
+    def change(m, i):
+        if i == 2 and type(m).act.__defaults__ == saved:  # once per class (both modules share it)
+            type(m).act.__defaults__ = (0.5,)
+
+    try:
+        check_module(LeakyHelper, lambda: A(T(4, 3)), calls=4, expect="graph", between=change)
+    finally:
+        LeakyHelper.act.__defaults__ = saved
+
+
 def test_batchnorm_eval_graph_survives_a_train_toggle():
     """Eval calls run as graphs; one call in train mode (running stats update) must equal eager
     whatever path it takes; back in eval mode the eval graph is reused, not captured again."""

@@ -156,8 +156,8 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
         if isinstance(static, classmethod):
             return MethodV(Obj(cls), tracer.wrap(static.__func__, None), name)
         if isinstance(static, types.FunctionType):
-            tracer.guard_method_lookup(v, name)
-            return MethodV(v, tracer.wrap(static, None), name)
+            # with its source, the method's code and defaults are guarded like a helper's
+            return MethodV(v, tracer.wrap(static, tracer.guard_method_lookup(v, name)), name)
         if callable(static) and not isinstance(static, type):
             return MethodV(v, None, name)
         return tracer.wrap(static, _source(v, name))

@@ -349,12 +349,13 @@ class Tracer:
         if module_value.source is not None:
             self.add_guard(NoHooksGuard, module_value.source)
 
-    def guard_method_lookup(self, v: Obj, name: str) -> None:
+    def guard_method_lookup(self, v: Obj, name: str) -> Source | None:
         """``v.name`` found a function on ``v``'s class (or nothing on the instance): guard
         that the instance still does not shadow it and, for classes outside torch, that the
-        class attribute is still that function (a method swapped after capture is seen)."""
+        class attribute is still that function (a method swapped after capture is seen).
+        Returns the source of that class attribute (None for torch's classes)."""
         if v.source is None:
-            return
+            return None
         obj = v.obj
         inst = getattr(obj, "__dict__", None)
         if isinstance(inst, dict):
@@ -362,14 +363,15 @@ class Tracer:
                            expected=name in inst)
         cls = type(obj)
         if cls.__module__.split(".")[0] in TRUSTED_MODULE_ROOTS:
-            return
+            return None
         for klass in cls.__mro__:
             table = AttrSource(ObjectSource(pin(klass), f"{klass.__module__}.{klass.__qualname__}"),
                                "__dict__")
             if name in klass.__dict__:
                 self.add_guard(IdGuard, ItemSource(table, name), klass.__dict__[name])
-                return
+                return ItemSource(table, name)
             self.add_guard(ContainsGuard, table, key_value=name, expected=False)
+        return None
 
     # ---- turning real calls into graph nodes --------------------------------------------
     def call_op(self, kind: str, target: Any, args: list, kwargs: dict, *,
