@@ -15,6 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("script")
     explain.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
+    if not os.path.exists(options.script):  # as `python script.py` says it, before anything runs
+        print(f"python -m specularch explain: can't open file {options.script!r}: "
+              "no such file", file=sys.stderr)
+        return 2
     from . import startup
     from .config import ConfigError
     try:

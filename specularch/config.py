@@ -181,7 +181,14 @@ def _parse_env(option: Option, text: str) -> Any:
         return option.parse(text)
     except (ValueError, TypeError):
         raise ConfigError(f"{option.env}={text!r} is not valid: expected {option.expected}. "
-                          f"Unset it to use the default ({option.default!r}).") from None
+                          f"Unset it to use the default ({_as_variable(option.default)}).") from None
+
+
+def _as_variable(default) -> str:
+    """A default as the variable would spell it: a set as its comma-separated names."""
+    if isinstance(default, frozenset):
+        return repr(",".join(sorted(default))) if default else "none"
+    return repr(default)
 
 
 def check_environment(environ=None, backends=None) -> tuple[list[str], list[str]]:

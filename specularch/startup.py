@@ -34,7 +34,7 @@ def activate(report_at_exit: bool = False) -> bool:
     if not _active:  # switch the hook off before interpreter teardown empties modules
         atexit.register(frames.disable_globally)
     if report_at_exit and not _active:
-        atexit.register(print_report)
+        atexit.register(_print_report_unless_printed)
     _active = True
     return True
 
@@ -64,5 +64,16 @@ def report() -> str:
     return "\n\n".join(str(explain_state(s)) for s in states)
 
 
+_printed = False
+
+
 def print_report() -> None:
+    global _printed
+    _printed = True
     print("\n" + report(), file=sys.stderr)
+
+
+def _print_report_unless_printed() -> None:
+    # `SPECULARCH_REPORT=1 python -m specularch explain ...`: explain has printed it already.
+    if not _printed:
+        print_report()

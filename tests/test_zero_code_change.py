@@ -237,6 +237,28 @@ def test_cli_explain_stops_on_a_bad_value(tmp_path):
     assert "SPECULARCH_BACKEND='nope' is not valid" in out.stderr
 
 
+
+def test_cli_explain_of_a_missing_script_says_so_and_runs_nothing(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "specularch", "explain", "missing.py"],
+                         cwd=tmp_path, env=_env({}), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == ("python -m specularch explain: can't open file 'missing.py': "
+                                  "no such file")
+
+
+@pytest.mark.skipif(not _pth_installed(), reason="the start-up .pth is not installed in this "
+                    "interpreter (pip install . or pip install -e .)")
+def test_cli_explain_with_report_variable_prints_the_report_once(tmp_path):
+    out = _run(tmp_path, {"SPECULARCH": "1", "SPECULARCH_REPORT": "1"}, "-m", "specularch", "explain")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("specularch report for train_step") == 1, out.stderr
+
+
+def test_bad_log_variable_names_its_default_as_the_variable_spells_it(tmp_path):
+    out = _run_with_pth(tmp_path, {"SPECULARCH": "1", "SPECULARCH_LOG": "graph"})
+    assert out.returncode == 2
+    assert "Unset it to use the default (none)." in out.stderr, out.stderr
+
 LOGGING_SCRIPT = textwrap.dedent("""
     import logging
     import torch
