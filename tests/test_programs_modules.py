@@ -336,6 +336,33 @@ def test_method_defaults_assigned_after_capture_are_seen():
         LeakyHelper.act.__defaults__ = saved
 
 
+class ScaledChild(nn.Module):
+    def forward(self, x, k=2.0):
+        return x * k
+
+
+class WithScaledChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.child = ScaledChild()
+
+    def forward(self, x):
+        return self.child(x) + 1
+
+
+def test_submodule_forward_defaults_assigned_after_capture_are_seen():
+    saved = ScaledChild.forward.__defaults__
+
+    def change(m, i):
+        if i == 2 and ScaledChild.forward.__defaults__ == saved:  # both modules share the class
+            ScaledChild.forward.__defaults__ = (7.0,)
+
+    try:
+        check_module(WithScaledChild, lambda: A(T(2, 3)), calls=4, expect="graph", between=change)
+    finally:
+        ScaledChild.forward.__defaults__ = saved
+
+
 def test_batchnorm_eval_graph_survives_a_train_toggle():
     """Eval calls run as graphs; one call in train mode (running stats update) must equal eager
     whatever path it takes; back in eval mode the eval graph is reused, not captured again."""

@@ -214,9 +214,12 @@ def call_module(tracer, mod: Obj, args, kwargs) -> Value:
     func = type(m).forward
     if not isinstance(func, types.FunctionType):
         raise Unsupported("unsupported_call", f"{type(m).__name__}.forward is not a Python function")
+    fn = Obj(func)
     if forward is None:  # an instance-level forward patched in later must be seen
-        tracer.guard_method_lookup(mod, "forward")
-    return inline_function(tracer, Obj(func), [mod, *args], kwargs)
+        source = tracer.guard_method_lookup(mod, "forward")
+        if source is not None:  # its code and defaults are guarded too
+            fn = Obj(func, source)
+    return inline_function(tracer, fn, [mod, *args], kwargs)
 
 
 def inline_function(tracer, fn: Obj, args, kwargs) -> Value:
