@@ -95,6 +95,30 @@ def test_static_backend_on_dynamic_graph_uses_fx_and_says_why():
     assert "dynamic" in e.graphs[0].note and "torchscript" in e.graphs[0].note, str(e)
 
 
+def test_clipped_training_step_with_a_short_last_batch_names_its_dynamic_sizes():
+    """A step whose batch size changed is dynamic (and then also checks its gradients'
+    sizes inside the graph): the note names the sizes, which the user can act on."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    step = specularch.optimize(train_step, backend="torchscript")
+    with specularch.config.patch(profile_calls=0):
+        for batch in (4, 4, 3, 3):
+            step(torch.randn(batch, 3), torch.randn(batch, 2))
+    e = specularch.explain(step)
+    assert e.graphs[0].backend == "fx", str(e)
+    assert e.graphs[0].note.startswith("backend 'torchscript' not used: it has dynamic sizes"), str(e)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cudagraphs_without_cuda_says_so_and_stays_correct():
     e = _train_compare("cudagraphs", steps=1)

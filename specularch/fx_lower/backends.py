@@ -117,10 +117,12 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
     compiled at all, for what every compiling backend refuses); None when it can."""
     if gm.meta.get("opaque_inputs"):
         return _OPAQUE
-    if gm.meta.get("non_tensor_outputs"):
-        return "it returns Python numbers or checks assumptions inside the graph"
+    # Dynamic sizes first: a dynamic graph also checks sizes inside the graph (e.g. the
+    # gradients' in a clipped training step), and the sizes are what the user can change.
     if gm.meta.get("dynamic_dims"):
         return f"it has dynamic sizes ({compiler} would specialise on them)"
+    if gm.meta.get("non_tensor_outputs"):
+        return "it returns Python numbers or checks assumptions inside the graph"
     if gm.meta.get("scalar_inputs") and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
     if _flattened(gm) and gm.meta.get("outputs_require_grad"):
