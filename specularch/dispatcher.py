@@ -86,11 +86,13 @@ class CodeState:
     notes: list = field(default_factory=list)  # backend notes (e.g. "no CUDA: used fx")
     broadcast: dict = field(default_factory=dict)  # id -> weakref of tensors sent from rank 0
     builtins: dict = None
+    value_dependent_failures: int = 0  # captures that failed on tensor values, not remembered
 
     def __post_init__(self):
         self.builtins = _builtins_of(self.target.globals)
 
 
+VALUE_DEPENDENT_RETRIES = 8  # captures failing on tensor values before the path stays eager
 _STATES: dict[int, CodeState] = {}
 _LOCK = threading.RLock()
 
@@ -501,7 +503,7 @@ def _note_fallback(state: CodeState, error: Unsupported, *, at_def: bool = False
     guards = getattr(error, "guards", None)
     if error.kind == "cache_limit":
         state.disabled = record
-    elif guards is not None:
+    elif guards is not None and not _retry_later(state, error):
         if len(state.eager) >= config.cache_limit:
             state.disabled = record
         else:
@@ -510,6 +512,17 @@ def _note_fallback(state: CodeState, error: Unsupported, *, at_def: bool = False
         state.stats.fallback_calls += 1
         record.count += 1
     return record
+
+
+def _retry_later(state: CodeState, error: Unsupported) -> bool:
+    """Whether to leave a failed capture's path without an eager entry: its failure depends
+    on tensor values the guards do not see (``x[idx]`` raised for this ``idx``; a ``raise``
+    under ``if x.sum() < 0:``), so the next call with other values may be capturable. After
+    ``VALUE_DEPENDENT_RETRIES`` such failures the path is remembered as eager like any other."""
+    if not error.value_dependent or state.value_dependent_failures >= VALUE_DEPENDENT_RETRIES:
+        return False
+    state.value_dependent_failures += 1
+    return True
 
 
 def _remember(state: CodeState, record: FallbackRecord) -> FallbackRecord:

@@ -111,6 +111,10 @@ class Unsupported(Exception):
         self.filename: str | None = None
         self.lineno: int | None = None
         self.function: str | None = None
+        # The failure depends on tensor values the guards do not cover (an op raised on
+        # these values, or code reached under a speculated tensor branch): other calls that
+        # pass the same guards may well be capturable.
+        self.value_dependent = False
 
     def record(self) -> FallbackRecord:
         return FallbackRecord(self.kind, self.explanation, self.hint,

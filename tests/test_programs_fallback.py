@@ -460,3 +460,42 @@ def test_fallback_count_is_the_number_of_calls_that_ran_eagerly():
         item(T(i % 2 + 2))
     e = specularch.explain(item)
     assert sum(f.count for f in e.fallbacks) == e.stats.fallback_calls == 4, str(e)
+
+
+def test_a_capture_failing_on_tensor_values_leaves_other_values_to_graphs(monkeypatch):
+    """A call that cannot be captured because of tensor values the guards do not see (an
+    index out of range; a ``raise`` under a speculated tensor branch) does not make every
+    later call with the same guards eager; after ``VALUE_DEPENDENT_RETRIES`` such calls the
+    path is remembered as eager, so captures stay bounded."""
+    captures = []
+    capture = specularch.dispatcher.capture
+    monkeypatch.setattr(specularch.dispatcher, "capture",
+                        lambda *a, **k: captures.append(1) or capture(*a, **k))
+
+    def gather(x, idx):
+        return x[idx] * 2
+
+    def checked(x):
+        if x.sum() < 0:
+            raise ValueError("negative input")
+        return x + 1
+
+    for fn, bad, good, error in [(gather, (T(4), torch.tensor([9])), (T(4), torch.tensor([1])),
+                                  IndexError),
+                                 (checked, (-torch.ones(3),), (torch.ones(3),), ValueError)]:
+        opt = specularch.optimize(fn)
+        with pytest.raises(error):
+            opt(*bad)
+        for _ in range(3):
+            assert_same(fn(*good), opt(*good))
+        e = specularch.explain(opt)
+        assert len(e.graphs) == 1 and e.stats.graph_hits == 2, str(e)
+
+    always_bad = specularch.optimize(gather)
+    captures.clear()
+    retries = specularch.dispatcher.VALUE_DEPENDENT_RETRIES
+    for _ in range(retries + 4):
+        with pytest.raises(IndexError):
+            always_bad(T(4), torch.tensor([9]))
+    assert len(captures) == retries + 1
+    assert specularch.explain(always_bad).stats.fallback_calls == retries + 4

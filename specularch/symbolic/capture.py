@@ -26,6 +26,10 @@ from .values import (CellV, Const, DictV, ListV, NewObjV, Obj, SetV, TensorV, Tu
                      UntrackedContainer, Value)
 
 
+# Failures that speculation itself decided on: their eager entries are meant to stay.
+_DECIDED_BY_SPECULATION = ("data_dependent_branch", "assumption_failed", "cache_limit")
+
+
 @dataclass
 class Capture:
     graph_module: torch.fx.GraphModule
@@ -83,6 +87,8 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
                                   "failed assumption could not give the generator its state back)")
     except Unsupported as e:
         e.guards = tracer.guards  # the path to the failure: later calls on it run eagerly
+        if tracer.assertions and e.kind not in _DECIDED_BY_SPECULATION:
+            e.value_dependent = True  # reached under a speculated tensor branch
         raise
     tracer.graph.output(tuple(specs.outputs))
     _eliminate_dead_code(tracer.graph)

@@ -397,8 +397,10 @@ class Tracer:
         except Unsupported:
             raise
         except Exception as e:
-            raise Unsupported("exception_handling",
-                              f"`{label}` raised {type(e).__name__} during capture: {e}") from None
+            error = Unsupported("exception_handling",
+                                f"`{label}` raised {type(e).__name__} during capture: {e}")
+            error.value_dependent = any(contains_tensor(a) for a in [*args, *kwargs.values()])
+            raise error from None
         has_tensor_input = any(contains_tensor(a) for a in args) or any(
             contains_tensor(v) for v in kwargs.values())
         dynamic = any(_is_dynamic(a) for a in [*args, *kwargs.values()])
