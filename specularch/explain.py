@@ -12,13 +12,13 @@ class GraphReport:
     guards: list[str]         # readable guards, each with the user line that caused it
     inputs: list[str]         # where each graph input is read from at run time
     backend: str
-    hits: int
+    hits: int                 # calls run through this graph, the capturing call included
     capture_seconds: float
     compile_seconds: float
     note: str = ""            # why the requested backend was not used, if it was not
 
     def __str__(self) -> str:
-        lines = [f"  backend={self.backend} hits={self.hits} "
+        lines = [f"  backend={self.backend} runs={self.hits} "
                  f"capture={self.capture_seconds * 1e3:.1f}ms compile={self.compile_seconds * 1e3:.1f}ms",
                  *([f"  note: {self.note}"] if self.note else []),
                  "  inputs: " + (", ".join(self.inputs) or "(none)"),
