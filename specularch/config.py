@@ -108,6 +108,10 @@ OPTIONS: dict[str, Option] = {
         Option("log", frozenset(), "What to log through the `specularch` logger (INFO level).",
                "SPECULARCH_LOG", _log_topics,
                f"a comma-separated list of {', '.join(LOG_TOPICS)} (or all)"),
+        Option("warn_fallbacks", True, "Log one WARNING (logger `specularch`) the first time "
+               "each kind of fallback happens at a user line, unless `fallbacks` is logged "
+               "anyway; expected assumption failures are not warned about.",
+               "SPECULARCH_WARN_FALLBACKS", _flag, "one of 1/0/true/false/yes/no/on/off"),
         Option("raise_internal_errors", False, "Re-raise specularch's own bugs instead of "
                "falling back (for developing specularch).", "SPECULARCH_RAISE_INTERNAL", _flag,
                "one of 1/0/true/false/yes/no/on/off"),

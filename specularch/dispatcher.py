@@ -133,6 +133,7 @@ def reset() -> None:
         for state in [*_STATES.values(), *list(_OWNED)]:
             fresh = CodeState(state.target, state.backend)
             state.__dict__.update(fresh.__dict__)
+        log.forget_warnings()
 
 
 def note_generator(state: CodeState) -> None:
@@ -368,9 +369,10 @@ def _graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, 
         outcome = eager_error
     else:
         kind, why, outcome = "backend_error", f"{what}, but the original code does not", None
-    _note_fallback(state, Unsupported(kind, why), at_def=True, ran=True)
+    record = _note_fallback(state, Unsupported(kind, why), at_def=True, ran=True)
     if outcome is not None:
         raise outcome
+    log.warn_fallback(record)
     return result
 
 
@@ -550,9 +552,12 @@ def _run_eager(state: CodeState, slots, cells, record: FallbackRecord,
     record.count += 1
     state.stats.fallback_calls += 1
     if distributed.active():
-        return _run_eager_distributed(state, slots, cells, record, reaches_backward)
-    with frames.hook_active():
-        return state.target.call_original(slots, cells)
+        result = _run_eager_distributed(state, slots, cells, record, reaches_backward)
+    else:
+        with frames.hook_active():
+            result = state.target.call_original(slots, cells)
+    log.warn_fallback(record)  # a call that returned without its graph (not one that raised)
+    return result
 
 
 def _run_eager_distributed(state: CodeState, slots, cells, record: FallbackRecord,

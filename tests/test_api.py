@@ -636,3 +636,50 @@ def test_logging_topics(caplog):
     caplog.clear()
     opt(x, w, True)  # logging off: nothing
     assert caplog.text == ""
+
+
+def prints_its_input(x):
+    y = x * 2
+    print(y)  # a tensor printed: the call runs eagerly
+    return y + 1
+
+
+def raises_on_negative(x):
+    if x.sum() < 0:
+        raise ValueError("negative")
+    return x + 1
+
+
+def test_fallbacks_are_warned_about_once_per_site(caplog, capsys):
+    """With no logging chosen, the first call that returns from the original Python for a
+    reason at a line logs one WARNING naming the function, kind, line and hint; calls that
+    raise and expected assumption failures do not, and ``warn_fallbacks=False`` silences it."""
+    warnings = lambda: [r for r in caplog.records
+                        if r.name == "specularch" and r.levelname == "WARNING"]
+    opt = specularch.optimize(prints_its_input)
+    for _ in range(3):
+        opt(torch.ones(2))
+    (only,) = warnings()
+    line = prints_its_input.__code__.co_firstlineno + 2
+    assert (f"prints_its_input runs eagerly [data_dependent_value] at {__file__}:{line}"
+            in only.getMessage()), only.getMessage()
+    assert "hint:" in only.getMessage() and "SPECULARCH_WARN_FALLBACKS=0" in only.getMessage()
+
+    caplog.clear()
+    checked = specularch.optimize(raises_on_negative)
+    checked(torch.ones(2))  # captured: the branch is speculated False
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            checked(-torch.ones(2))  # the assumption fails, then the path raises
+    assert warnings() == []
+    checked(torch.ones(2))  # no longer speculated: returns from eager, said once
+    checked(torch.ones(2))
+    assert [r.getMessage().split(":")[0] for r in warnings()] == [
+        f"raises_on_negative runs eagerly [data_dependent_branch] at {__file__}"]
+
+    caplog.clear()
+    specularch.reset()
+    with specularch.config.patch(warn_fallbacks=False):
+        opt(torch.ones(2))
+    assert warnings() == []
+    capsys.readouterr()
