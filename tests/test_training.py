@@ -303,3 +303,140 @@ def test_gradient_hooks_on_parameters_run_exactly_as_eager(kind, when):
     if when == "after_capture":  # graphs ran before the hook, a guard noticed the hook
         assert e.stats.graph_hits >= 1, str(e)
         assert any("has gradient hooks registered now" in str(r) for r in e.recompiles), str(e)
+
+
+def _scheduled(case, params):
+    """An optimizer and a scheduler that changes more than the learning rate every step."""
+    sched = torch.optim.lr_scheduler
+    if case == "sgd_onecycle":  # cycles SGD's momentum
+        opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3)
+        return opt, sched.OneCycleLR(opt, max_lr=0.1, total_steps=40)
+    if case == "adam_onecycle":  # cycles betas[0]
+        opt = torch.optim.Adam(params, lr=0.01)
+        return opt, sched.OneCycleLR(opt, max_lr=0.1, total_steps=40)
+    if case == "adamw_cyclic":  # cycle_momentum=True (the default) works with Adam: betas[0]
+        opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, amsgrad=True)
+        return opt, sched.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=4)
+    if case == "named_groups":  # user keys beside the options, a scheduler over both groups
+        params = list(params)
+        opt = torch.optim.Adam([{"params": params[:2], "name": "first", "lr": 0.02},
+                                {"params": params[2:], "name": "last"}], lr=0.01, betas=(0.8, 0.9))
+        return opt, sched.OneCycleLR(opt, max_lr=[0.1, 0.05], total_steps=40)
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["sgd_onecycle", "adam_onecycle", "adamw_cyclic", "named_groups"])
+def test_schedulers_cycling_momentum_and_named_groups_do_not_recompile(case):
+    """OneCycleLR/CyclicLR change lr and SGD's momentum or Adam's betas[0] every step and
+    keep bookkeeping keys (max_lr, initial_lr, base_momentum, ...) in the param groups: the
+    numbers are graph inputs and the keys are ignored, so one program serves every step."""
+    m_fast, m_ref = _model(), _model()
+    (o_fast, s_fast), (o_ref, s_ref) = _scheduled(case, m_fast.parameters()), \
+        _scheduled(case, m_ref.parameters())
+    fast = specularch.optimize(_make_step(m_fast, o_fast, nn.MSELoss()))
+    slow = _make_step(m_ref, o_ref, nn.MSELoss())
+    with specularch.config.patch(profile_calls=0):
+        for step in range(24):
+            x, y = _batch(step)
+            assert fast(x, y) == slow(x, y), f"loss differs at step {step}"
+            _assert_same_training(m_fast, m_ref, o_fast, o_ref)
+            s_fast.step()
+            s_ref.step()
+    e = specularch.explain(fast)
+    assert e.fallbacks == [], str(e)
+    assert 1 <= len(e.graphs) <= 2, str(e)   # the first step creates optimizer state
+    assert e.stats.graph_hits >= 24 - 2, str(e)
+    cycled = "momentum" if case.startswith("sgd") else "betas"
+    assert any(cycled in i for g in e.graphs for i in g.inputs), str(e)
+
+
+def test_momentum_varied_between_calls_and_set_to_zero_matches_eager():
+    """SGD's momentum is a graph input, but whether a momentum buffer is used is guarded:
+    momentum 0 skips the buffer (eager's `if momentum != 0`), a nonzero value uses it again."""
+    m_fast, m_ref = _model(), _model()
+    o_fast, o_ref = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (m_fast, m_ref))
+    fast = specularch.optimize(_make_step(m_fast, o_fast, nn.MSELoss()))
+    slow = _make_step(m_ref, o_ref, nn.MSELoss())
+    schedule = [0.9 - 0.02 * i for i in range(8)] + [0.0] * 4 + [0.5, 0.6, 0.7, 0.8]
+    with specularch.config.patch(profile_calls=0):
+        for step, momentum in enumerate(schedule):
+            for o in (o_fast, o_ref):
+                o.param_groups[0]["momentum"] = momentum
+            x, y = _batch(step)
+            assert fast(x, y) == slow(x, y), f"loss differs at step {step}"
+            _assert_same_training(m_fast, m_ref, o_fast, o_ref)
+    e = specularch.explain(fast)
+    assert e.fallbacks == [] and len(e.graphs) <= 3, str(e)
+    assert any("momentum" in str(r) for r in e.recompiles), str(e)
+
+
+def test_param_group_written_inside_the_step_is_not_read_stale():
+    """A warm-up that sets the learning rate inside the optimized function, before step():
+    the write waits in the shadow heap, so the step must not read the old value from the
+    real group (it runs eagerly)."""
+    m_fast, m_ref = _model(), _model()
+    o_fast, o_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (m_fast, m_ref))
+
+    def make(m, o):
+        def step(x, y, it):
+            for group in o.param_groups:
+                group["lr"] = 0.01 * (it + 1)
+            o.zero_grad()
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            o.step()
+            return loss.item()
+        return step
+
+    fast, slow = specularch.optimize(make(m_fast, o_fast)), make(m_ref, o_ref)
+    with specularch.config.patch(profile_calls=0):
+        for step in range(6):
+            x, y = _batch(step)
+            assert fast(x, y, step) == slow(x, y, step), f"loss differs at step {step}"
+            _assert_same_training(m_fast, m_ref, o_fast, o_ref)
+            assert o_fast.param_groups[0]["lr"] == o_ref.param_groups[0]["lr"]
+
+
+def test_unmodelled_optimizer_option_still_falls_back():
+    """Keys the optimizer never reads are ignored; an option it defines but the model does
+    not know (as a newer torch would add) runs eagerly."""
+    m_fast, m_ref = _model(), _model()
+    o_fast, o_ref = (torch.optim.Adam([{"params": m.parameters(), "name": "all"}], lr=0.01)
+                     for m in (m_fast, m_ref))
+    fast = specularch.optimize(_make_step(m_fast, o_fast, nn.MSELoss()))
+    slow = _make_step(m_ref, o_ref, nn.MSELoss())
+    with specularch.config.patch(profile_calls=0):
+        for step in range(6):
+            if step == 3:
+                for o in (o_fast, o_ref):
+                    o.defaults["new_option"] = True
+                    o.param_groups[0]["new_option"] = True
+            x, y = _batch(step)
+            assert fast(x, y) == slow(x, y)
+            _assert_same_training(m_fast, m_ref, o_fast, o_ref)
+    e = specularch.explain(fast)
+    assert e.stats.graph_hits >= 1, str(e)
+    assert [f.kind for f in e.fallbacks] and all(f.kind == "unsupported_call" for f in e.fallbacks), str(e)
+    assert any("new_option" in f.explanation for f in e.fallbacks), str(e)
+
+
+def test_cycled_momentum_step_compiled_by_torchscript_matches_eager():
+    """Python-number inputs (lr, momentum, betas[0]) become 0-d tensor inputs of the
+    flattened graph; training matches eager within float rounding, with no recompiles."""
+    for case in ("sgd_onecycle", "adam_onecycle"):
+        m_fast, m_ref = _model(), _model()
+        (o_fast, s_fast), (o_ref, s_ref) = _scheduled(case, m_fast.parameters()), \
+            _scheduled(case, m_ref.parameters())
+        fast = specularch.optimize(_make_step(m_fast, o_fast, nn.MSELoss()), backend="torchscript")
+        slow = _make_step(m_ref, o_ref, nn.MSELoss())
+        with specularch.config.patch(profile_calls=0):
+            for step in range(8):
+                x, y = _batch(step)
+                assert fast(x, y) == pytest.approx(slow(x, y), rel=1e-5, abs=1e-6)
+                s_fast.step()
+                s_ref.step()
+        e = specularch.explain(fast)
+        assert e.fallbacks == [] and len(e.graphs) <= 2, str(e)
+        assert all(g.backend == "torchscript" for g in e.graphs), str(e)
+        for p, q in zip(m_fast.parameters(), m_ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ replays it in program order (``commit``); if anything failed the log is dropped
 (``discard``) and no real object was touched.
 
 API (capture time): ``read_attr`` / ``write_attr`` / ``delete_attr``, ``read_global`` /
-``write_global``, ``write_cell``, ``touch_container``, ``update_tensor``, ``pending()``.
+``write_global``, ``write_cell``, ``touch_container``, ``touched``, ``update_tensor``, ``pending()``.
 The commit itself is generated code (``entry.py``), built from ``pending()``.
 """
 from __future__ import annotations
@@ -91,6 +91,10 @@ class ShadowHeap:
             self._touched.add(id(container))
             self._keep.append(container)
             self._log.append(Write("container", container, where=where))
+
+    def touched(self, value) -> bool:
+        """Whether ``value`` (a container or tensor value) was mutated in this call."""
+        return id(value) in self._touched
 
     def update_tensor(self, tensor_value, where: str = "") -> None:
         """An existing tensor was written in place; commit the graph's final value into it."""

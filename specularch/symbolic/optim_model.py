@@ -4,10 +4,12 @@ runs, in the same order, so the result is bit-for-bit eager's.
 
 Parameters, momentum buffers and Adam moments are updated in place through the shadow heap
 (computed functionally in the graph, committed after the call succeeded); new optimizer
-state entries are committed as ``opt.state[p] = {...}``. The learning rate and Adam's step
-count are graph inputs (read before the graph runs), so an LR scheduler stepping between
-calls and the growing step count do not recompile. Unsupported options (amsgrad, fused,
-foreach, capturable, differentiable, complex or sparse parameters, hooks) fall back.
+state entries are committed as ``opt.state[p] = {...}``. The learning rate, SGD's momentum,
+Adam's betas and step count are graph inputs (read before the graph runs), so an LR
+scheduler stepping between calls (OneCycleLR and CyclicLR cycle momentum / ``betas[0]``)
+and the growing step count do not recompile; only decisions on them (``momentum != 0``)
+are guarded. Unsupported options (fused, foreach, capturable, differentiable, tensor
+hyperparameters, complex or sparse parameters, hooks) fall back.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import torch
 from ..guards import ExprGuard
 from ..guards.sources import AttrSource, ItemSource, KeyedSource, ScalarOfSource, Source
 from ..records import Unsupported
-from .symint import SymV, arithmetic
-from .values import Const, DictV, Obj, TensorV, Value
+from .symint import SymV, arithmetic, compare
+from .values import Const, DictV, Obj, TensorV, TupleV, Value
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam)  # AdamW is an Adam subclass in torch 2.13
 
@@ -37,7 +39,7 @@ def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
     if opt_v.source is None:
         raise Unsupported("unsupported_call", "an optimizer that cannot be addressed after the call")
     _guard_no_hooks(tracer, opt_v)
-    groups = _groups(tracer, opt_v)
+    groups = _groups(tracer, opt_v, read_hyper=name == "step")
     if name == "zero_grad":
         set_to_none = (args[0] if args else kwargs.get("set_to_none", Const(True))).concrete()
         from .module_model import zero_grads
@@ -84,35 +86,65 @@ def _guard_no_hooks(tracer, opt_v: Obj) -> None:
                                 label=f"an LRScheduler wraps {opt_v.source}.step", where=tracer.where()))
 
 
-_HYPER = {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach",
-          "differentiable", "fused", "betas", "eps", "amsgrad", "capturable",
-          "decoupled_weight_decay"}
+# The param-group keys each modelled optimizer's step() reads (torch 2.13's ``step`` and
+# ``_init_group``). Other keys never reach the update: an LR scheduler's bookkeeping
+# (``initial_lr``, ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum``, ...) or a
+# user's ``"name"``; they are neither read nor guarded, so a scheduler may change them.
+_READS = {
+    torch.optim.SGD: frozenset({"params", "lr", "momentum", "dampening", "weight_decay", "nesterov",
+                                "maximize", "foreach", "differentiable", "fused"}),
+    torch.optim.Adam: frozenset({"params", "lr", "betas", "eps", "weight_decay", "amsgrad",
+                                 "maximize", "foreach", "capturable", "differentiable", "fused",
+                                 "decoupled_weight_decay"}),
+}
+# Values a scheduler changes between steps: graph inputs, not guarded constants.
+_SYMBOLIC = {"lr", "momentum"}
 
 
-def _groups(tracer, opt_v: Obj) -> list[tuple[dict, list[TensorV]]]:
-    """(hyperparameters, parameter values) per param group, with guards on each value
-    read; ``lr`` is a graph input so schedulers do not cause recompiles."""
+def _reads(opt) -> frozenset:
+    return _READS[torch.optim.Adam if isinstance(opt, torch.optim.Adam) else torch.optim.SGD]
+
+
+def _written_here(tracer, obj) -> bool:
+    """Whether this capture already mutated the list/dict ``obj`` (its writes wait in the
+    shadow heap, so the real object still holds the values from before the call)."""
+    value = tracer._by_container_id.get(id(obj))  # one Value per container read in this capture
+    return value is not None and tracer.heap.touched(value)
+
+
+def _groups(tracer, opt_v: Obj, read_hyper: bool = True) -> list[tuple[dict, list[TensorV]]]:
+    """(hyperparameters, parameter values) per param group, with guards on each value the
+    optimizer reads; ``lr``, SGD's ``momentum`` and Adam's betas are graph inputs so
+    schedulers do not cause recompiles."""
+    opt = opt_v.obj
+    if tracer.heap.read_attr(opt, "param_groups") is not None:
+        raise Unsupported("unsupported_call", "optimizer.param_groups was replaced in the captured "
+                          "function before the optimizer call")
     groups_src = AttrSource(opt_v.source, "param_groups")
-    raw_groups = opt_v.obj.param_groups
+    raw_groups = opt.param_groups
+    if _written_here(tracer, raw_groups) or any(
+            _written_here(tracer, g) or _written_here(tracer, g.get("params")) for g in raw_groups):
+        raise Unsupported("unsupported_call", "an optimizer param group is written in the captured "
+                          "function before the optimizer call (set the learning rate between calls)")
     from ..guards import DictKeysGuard, LenGuard
     tracer.add_guard(LenGuard, groups_src, list, len(raw_groups))
+    reads = _reads(opt)
+    # a key the optimizer defines that the model does not know (a newer torch's option)
+    unmodelled = (set(opt.defaults) - reads) & {k for g in raw_groups for k in g}
+    if unmodelled:
+        raise Unsupported("unsupported_call", f"optimizer param group has options {sorted(unmodelled)}")
     result = []
     for gi, group in enumerate(raw_groups):
         g_src = ItemSource(groups_src, gi)
         tracer.add_guard(DictKeysGuard, g_src, dict, tuple(group))
-        unknown = set(group) - _HYPER - {"params", "initial_lr"}
-        if unknown:
-            raise Unsupported("unsupported_call", f"optimizer param group has options {sorted(unknown)}")
+        if not reads <= set(group):
+            raise Unsupported("unsupported_call", f"optimizer param group lacks {sorted(reads - set(group))}")
         hyper = {}
-        for key in sorted(set(group) & _HYPER):
-            if key == "lr" and type(group["lr"]) is float:
-                hyper["lr"] = tracer.wrap_argument(group["lr"], ItemSource(g_src, "lr"),
-                                                   frozenset(), True)
-            else:
-                hyper[key] = tracer.wrap(group[key], ItemSource(g_src, key))
+        for key in sorted(reads - {"params"}) if read_hyper else ():
             if isinstance(group[key], torch.Tensor):
                 raise Unsupported("unsupported_call", f"optimizer option {key} is a tensor "
                                   "(a tensor learning rate) and is not captured")
+            hyper[key] = _hyper_value(tracer, key, group[key], ItemSource(g_src, key))
         for flag in ("foreach", "fused", "differentiable", "capturable"):
             if flag in hyper and hyper[flag].concrete():
                 raise Unsupported("unsupported_call", f"optimizer option {flag}=True is not captured")
@@ -126,6 +158,26 @@ def _groups(tracer, opt_v: Obj) -> list[tuple[dict, list[TensorV]]]:
             params.append(v)
         result.append((hyper, params))
     return result
+
+
+def _hyper_value(tracer, key: str, raw, src: Source) -> Value:
+    """A float that schedulers vary is a graph input; ``betas`` a tuple of two such inputs
+    (OneCycleLR and CyclicLR replace ``betas[0]`` every step); anything else a guarded constant."""
+    from ..guards import LenGuard
+    if key in _SYMBOLIC and type(raw) is float:
+        return tracer.wrap_argument(raw, src, frozenset(), True)
+    if key == "betas" and type(raw) is tuple and len(raw) == 2:
+        tracer.add_guard(LenGuard, src, tuple, 2)
+        items = []
+        for i, beta in enumerate(raw):
+            if isinstance(beta, torch.Tensor):
+                raise Unsupported("unsupported_call", "optimizer option betas holds tensors "
+                                  "and is not captured")
+            item_src = ItemSource(src, i)
+            items.append(tracer.wrap_argument(beta, item_src, frozenset(), True)
+                         if type(beta) is float else tracer.wrap(beta, item_src))
+        return TupleV(items, tuple, src)
+    return tracer.wrap(raw, src)
 
 
 def _state(tracer, opt_v: Obj, p: TensorV) -> tuple[DictV | None, Source]:
@@ -165,13 +217,31 @@ def _num(tracer, op, a, b) -> Value:
     return Const(op(a.value, b.value))
 
 
+def _compare(tracer, op, a, b) -> bool:
+    """A comparison that decides Python control flow: guarded when an operand is an input."""
+    if isinstance(a, SymV) or isinstance(b, SymV):
+        return compare(tracer, op, a if isinstance(a, Value) else Const(a),
+                       b if isinstance(b, Value) else Const(b)).value
+    return op(a.concrete() if isinstance(a, Value) else a, b.concrete() if isinstance(b, Value) else b)
+
+
+def _pair(betas: Value) -> tuple:
+    """``beta1, beta2 = group["betas"]``: graph inputs or constants."""
+    if isinstance(betas, TupleV):
+        return tuple(betas.items)
+    beta1, beta2 = betas.concrete()
+    return Const(beta1), Const(beta2)
+
+
 def _grad(tracer, p: TensorV) -> Value:
     from .training import read_grad
     return read_grad(tracer, p)
 
 
 def _sgd(tracer, opt_v, hyper, params) -> None:
-    lr, momentum = hyper["lr"], hyper["momentum"].concrete()
+    lr, momentum = hyper["lr"], hyper["momentum"]  # momentum: a number, maybe a graph input
+    # whether a momentum buffer is kept is decided here: guarded, so momentum 0 later recaptures
+    has_momentum = _compare(tracer, operator.ne, momentum, 0)
     dampening, wd = hyper["dampening"].concrete(), hyper["weight_decay"].concrete()
     nesterov, maximize = hyper["nesterov"].concrete(), hyper["maximize"].concrete()
     for p in params:
@@ -182,7 +252,7 @@ def _sgd(tracer, opt_v, hyper, params) -> None:
             grad = _m(tracer, grad, "neg")
         if wd != 0:
             grad = _m(tracer, grad, "add", p, alpha=wd)
-        if momentum != 0:
+        if has_momentum:
             state, _ = _state(tracer, opt_v, p)
             buf = None if state is None else state.items.get("momentum_buffer")
             if buf is None or (isinstance(buf, Const) and buf.value is None):
@@ -192,7 +262,7 @@ def _sgd(tracer, opt_v, hyper, params) -> None:
                 else:
                     raise Unsupported("unsupported_call", "an SGD state entry without a momentum buffer")
             else:
-                buf = _m(tracer, _m(tracer, buf, "mul_", Const(momentum)), "add_", grad,
+                buf = _m(tracer, _m(tracer, buf, "mul_", momentum), "add_", grad,
                          alpha=1 - dampening)
             grad = _m(tracer, grad, "add", buf, alpha=momentum) if nesterov else buf
         _m(tracer, p, "add_", grad, alpha=_num(tracer, operator.sub, 0, lr))
@@ -200,7 +270,7 @@ def _sgd(tracer, opt_v, hyper, params) -> None:
 
 def _adam(tracer, opt_v, hyper, params) -> None:
     lr = hyper["lr"]
-    beta1, beta2 = hyper["betas"].concrete()
+    beta1, beta2 = _pair(hyper["betas"])  # numbers, maybe graph inputs (a scheduler cycles beta1)
     eps, wd = hyper["eps"].concrete(), hyper["weight_decay"].concrete()
     maximize, amsgrad = hyper["maximize"].concrete(), hyper["amsgrad"].concrete()
     decoupled = hyper["decoupled_weight_decay"].concrete() if "decoupled_weight_decay" in hyper else False
@@ -238,9 +308,9 @@ def _adam(tracer, opt_v, hyper, params) -> None:
                 _m(tracer, p, "mul_", _num(tracer, operator.sub, 1, _num(tracer, operator.mul, lr, wd)))
             else:
                 grad = _m(tracer, grad, "add", p, alpha=wd)
-        exp_avg = _m(tracer, exp_avg, "lerp_", grad, Const(1 - beta1))
-        exp_avg_sq = _m(tracer, _m(tracer, exp_avg_sq, "mul_", Const(beta2)), "addcmul_", grad, grad,
-                        value=1 - beta2)
+        exp_avg = _m(tracer, exp_avg, "lerp_", grad, _num(tracer, operator.sub, 1, beta1))
+        exp_avg_sq = _m(tracer, _m(tracer, exp_avg_sq, "mul_", beta2), "addcmul_", grad, grad,
+                        value=_num(tracer, operator.sub, 1, beta2))
         step = _num(tracer, operator.add, steps_before, 1.0)
         bias_correction1 = _num(tracer, operator.sub, 1, _num(tracer, operator.pow, beta1, step))
         bias_correction2 = _num(tracer, operator.sub, 1, _num(tracer, operator.pow, beta2, step))
