@@ -91,6 +91,13 @@ class Renderer:
             if hasattr(cls, "_make"):
                 return f"{self.const(cls)}({body})"
             return f"{self.const(cls)}(({body}))"  # structseq: built from one sequence
+        if kind == "inference":  # once per output: two uses stay one tensor object
+            key = ("inference", spec[1][1])
+            if key not in self._made:
+                var = f"t{len(self._made)}"
+                self.prelude.append(f"{var} = AS_INFERENCE({self.expr(spec[1])})")
+                self._made[key] = var
+            return self._made[key]
         if kind in ("list", "dict", "new"):
             uid = spec[-1]
             if uid not in self._made:
@@ -143,6 +150,18 @@ def _new_object(cls: type, attrs: dict) -> Any:
     return obj
 
 
+def as_inference(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (computed by the graph under no_grad where eager ran ``inference_mode()``) as
+    the inference tensor eager returns: the same storage, sizes and strides, no copy."""
+    if t.is_inference():
+        return t
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_conj() or t.is_neg():
+        raise TypeError("as_inference: not a plain strided tensor")  # the call runs eagerly
+    with torch.inference_mode():
+        out = torch.empty(0, dtype=t.dtype, device=t.device)
+        return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 def _replace_dict(target: dict, items: dict) -> None:
     target.clear()
     target.update(items)
@@ -191,6 +210,7 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     text = "\n".join(src) + "\n"
     ns: dict[str, Any] = dict(consts, MISS=MISS, GRAPH=graph_fn, O=PINNED, NEW=_new_object,
                               FAILED=failed, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
+                              AS_INFERENCE=as_inference,
                               GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state)
     exec(compile(text, "<specularch entry>", "exec"), ns)
     return ns["entry"], text

@@ -427,17 +427,20 @@ class DistinctGuard(Guard):
 
 @dataclass(frozen=True, eq=False)
 class GlobalStateGuard(Guard):
-    """Process state that changes what torch ops compute: grad mode, autocast (CPU and CUDA)
-    and the default dtype (used by factory functions such as ``torch.zeros``)."""
+    """Process state that changes what torch ops compute: grad mode, inference mode (its
+    tensors are inference tensors), autocast (CPU and CUDA) and the default dtype (used by
+    factory functions such as ``torch.zeros``)."""
 
     grad_enabled: bool = True
     autocast: tuple = (False, False)
     default_dtype: Any = None
+    inference_mode: bool = False
 
     @staticmethod
     def now() -> "GlobalStateGuard":
         return GlobalStateGuard(None, grad_enabled=torch.is_grad_enabled(), autocast=_autocast(),
-                                default_dtype=torch.get_default_dtype())
+                                default_dtype=torch.get_default_dtype(),
+                                inference_mode=torch.is_inference_mode_enabled())
 
     def key(self):
         return ("GlobalState",)
@@ -445,15 +448,17 @@ class GlobalStateGuard(Guard):
     def conditions(self, v, consts):
         return [f"{const_name(consts, torch.is_grad_enabled)}() is {self.grad_enabled}",
                 f"{const_name(consts, _autocast)}() == {self.autocast!r}",
-                f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}"]
+                f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}",
+                f"{const_name(consts, torch.is_inference_mode_enabled)}() is {self.inference_mode}"]
 
     def describe(self):
         return (f"torch.is_grad_enabled() is {self.grad_enabled}, autocast(cpu, cuda) is "
-                f"{self.autocast}, default dtype is {self.default_dtype}")
+                f"{self.autocast}, default dtype is {self.default_dtype}, inference mode is "
+                f"{self.inference_mode}")
 
     def reason(self, value):
         now = GlobalStateGuard.now()
-        for name in ("grad_enabled", "autocast", "default_dtype"):
+        for name in ("grad_enabled", "autocast", "default_dtype", "inference_mode"):
             if getattr(now, name) != getattr(self, name):
                 return f"global state {name} expected {getattr(self, name)!r}, got {getattr(now, name)!r}"
         return None

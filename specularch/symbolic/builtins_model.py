@@ -414,11 +414,10 @@ def _plain_class_problem(cls: type) -> str | None:
 
 
 def construct_torch_class(tracer, cls: type, args, kwargs) -> Value:
-    from .values import GradModeV
-    if cls is torch.no_grad:
-        return GradModeV(False)
-    if cls is torch.enable_grad:
-        return GradModeV(True)
+    from .grad_mode import construct
+    ctx = construct(tracer, cls, args, kwargs)
+    if ctx is not None:
+        return ctx
     if cls in (torch.Size, torch.device) and _all_const(args, kwargs):
         return _concrete_call(tracer, cls, args, kwargs)
     raise Unsupported("unsupported_call", f"creating a {cls.__module__}.{cls.__qualname__} inside "

@@ -168,33 +168,34 @@ def outside_effect(obj, name: str) -> str:
     return ""
 
 
-def _grad_mode_decorator(obj) -> bool | None:
-    """For a function decorated with ``@torch.no_grad()`` / ``@torch.enable_grad()``: the grad
-    mode it runs its function in; None for anything else."""
+def _grad_mode_decorator(obj):
+    """For a function decorated with ``@torch.no_grad()``, ``@torch.enable_grad()``,
+    ``@torch.set_grad_enabled(b)`` or ``@torch.inference_mode(b)``: the context it runs its
+    function in (a ``GradModeV``); None for anything else."""
     if obj.__code__.co_name != "decorate_context" or "ctx_factory" not in obj.__code__.co_freevars:
         return None
     factory = obj.__closure__[obj.__code__.co_freevars.index("ctx_factory")].cell_contents
     owner = getattr(factory, "__self__", None)  # ``no_grad().clone``: not called (no effects)
-    if type(owner) is torch.no_grad:
-        return False
-    if type(owner) is torch.enable_grad:
-        return True
-    return None
+    from .grad_mode import decorator_context
+    return decorator_context(owner)
 
 
 def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
     obj = fn.obj
-    enabled = _grad_mode_decorator(obj) if hasattr(obj, "__wrapped__") else None
-    if enabled is not None:
-        from .methods import _set_grad
-        prior = torch.is_grad_enabled()
-        _set_grad(tracer, enabled)
+    ctx = _grad_mode_decorator(obj) if hasattr(obj, "__wrapped__") else None
+    if ctx is not None:
+        from . import grad_mode
+        grad_mode.enter(tracer, ctx)
+        inner = tracer.wrap(obj.__wrapped__, None if fn.source is None
+                            else AttrSource(fn.source, "__wrapped__"))
         try:
-            inner = tracer.wrap(obj.__wrapped__, None if fn.source is None
-                                else AttrSource(fn.source, "__wrapped__"))
-            return call(tracer, inner, args, kwargs)
-        finally:
-            _set_grad(tracer, prior)
+            result = call(tracer, inner, args, kwargs)
+        except Unsupported:
+            if not ctx.inference:  # an inference block is left by the capture's own unwinding
+                grad_mode.exit(tracer, ctx)
+            raise
+        grad_mode.exit(tracer, ctx)
+        return result
     if hasattr(obj, "__wrapped__"):
         raise Unsupported("unsupported_call",
                           f"{obj.__qualname__} wraps another function (a decorator from torch)")

@@ -18,6 +18,7 @@ from ..entry import is_random_node
 from ..guards import GuardSet
 from ..guards.sources import CellSource, LocalSource, Source
 from ..records import Unsupported
+from . import grad_mode
 from .frame import Frame
 from .symint import SymV
 from .tracer import Tracer
@@ -75,6 +76,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
     try:
         with _restore_process_state(tracer):
             result = Frame(tracer, code, globals_, locals_, free).run()
+            grad_mode.check_at_return(tracer)
             tracer.guard_aliasing()
             specs = SpecBuilder()
             writes = [specs.write(w, globals_) for w in tracer.heap.pending()]
@@ -132,6 +134,7 @@ class _restore_process_state:
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def __exit__(self, *exc):
+        grad_mode.unwind(self.tracer)
         torch.set_grad_enabled(self.grad)
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
@@ -146,7 +149,8 @@ class SpecBuilder:
 
     ('out', i) graph output i | ('const', x) | ('source', s) the pre-call object at s |
     ('object', x) a pinned object | ('tuple', [..], cls) | ('list', [..], uid) |
-    ('dict', [(k, ..)], uid) | ('set', x) | ('new', cls, [(name, ..)], uid).
+    ('dict', [(k, ..)], uid) | ('set', x) | ('new', cls, [(name, ..)], uid) |
+    ('inference', ('out', i)) graph output i seen as an inference tensor (see grad_mode.py).
     Containers created in the call carry ``uid`` so one object stays one object.
     """
 
@@ -168,7 +172,7 @@ class SpecBuilder:
         if isinstance(v, TensorV):
             if v.updated:  # the real tensor, which the commit fills with the new values
                 return ("source", v.source)
-            return self.out(v.node)
+            return grad_mode.output_spec(v, self.out(v.node))
         if isinstance(v, Const):
             return ("const", v.value)
         if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..records import Unsupported
-from . import training, untracked
+from . import grad_mode, training, untracked
 from .operators import contains, ensure_local, identical, iterate
 from .tracer import FORBIDDEN_TENSOR_METHODS
 from .values import (Const, DictV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
@@ -18,6 +18,8 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
             return training.item(tracer, self_v)
         if name == "backward":
             return training.backward(tracer, self_v, args, kwargs)
+        if name == "requires_grad_":
+            return grad_mode.requires_grad_(tracer, self_v, args, kwargs)
         if name in FORBIDDEN_TENSOR_METHODS:
             kind = "unsupported_call" if name in ("backward", "register_hook", "retain_grad",
                                                   "requires_grad_", "share_memory_",
@@ -177,18 +179,12 @@ def _set_method(tracer, s: SetV, name, args, kwargs) -> Value:
 # ---- grad-mode context managers -----------------------------------------------------------
 def enter_context(tracer, ctx: Value) -> Value:
     if not isinstance(ctx, GradModeV):
-        raise Unsupported("unsupported_call", f"`with` on {ctx!r} (only torch.no_grad()/enable_grad())")
-    ctx.prior = torch.is_grad_enabled()
-    _set_grad(tracer, ctx.enabled)
+        raise Unsupported("unsupported_call", f"`with` on {ctx!r} (only torch.no_grad(), "
+                          "enable_grad(), set_grad_enabled(b) and inference_mode(b))")
+    grad_mode.enter(tracer, ctx)
     return Const(None)
 
 
 def exit_context(tracer, ctx: Value) -> Value:
-    _set_grad(tracer, ctx.prior)
+    grad_mode.exit(tracer, ctx)
     return Const(None)
-
-
-def _set_grad(tracer, enabled: bool) -> None:
-    torch.set_grad_enabled(enabled)  # the constructor switches the mode at once
-    node = tracer.graph.call_function(torch.set_grad_enabled, (enabled,))
-    node.meta["mutates"] = True

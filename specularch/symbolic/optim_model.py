@@ -66,9 +66,8 @@ def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
 
 
 def _set_grad(tracer, enabled: bool) -> None:
-    torch.set_grad_enabled(enabled)
-    node = tracer.graph.call_function(torch.set_grad_enabled, (enabled,))
-    node.meta["mutates"] = True
+    from .grad_mode import set_grad
+    set_grad(tracer, enabled)
 
 
 def _guard_no_hooks(tracer, opt_v: Obj) -> None:

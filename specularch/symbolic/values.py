@@ -241,10 +241,15 @@ class SuperV(Value):
 
 @dataclass(eq=False, repr=False)
 class GradModeV(Value):
-    """``torch.no_grad()`` / ``enable_grad()`` / ``set_grad_enabled(b)`` as a context manager."""
+    """``torch.no_grad()`` / ``enable_grad()`` / ``set_grad_enabled(b)`` /
+    ``inference_mode(b)`` as a context manager (see ``grad_mode.py``)."""
 
     enabled: bool
     prior: bool | None = None
+    switched: bool = False           # set_grad_enabled: switched (and ``prior`` read) when made
+    inference: bool | None = None    # inference_mode(b): b; None for the others
+    context: Any = None              # the real torch._C._InferenceMode while capture is inside
+    nodes_before: Any = None         # graph nodes that existed when the block was entered
 
     def concrete(self):
         raise _NoConcrete("a grad-mode context manager")
