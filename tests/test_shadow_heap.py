@@ -478,3 +478,40 @@ class ViewAttributes(nn.Module):
 def test_a_pre_existing_view_of_a_written_buffer():
     e = check_module(ViewAttributes, lambda: A(T(2)), calls=4)
     expect_fallback(e, "input_mutation")
+
+
+def counts_and_accumulates(box, x, acc):
+    box.count += 1
+    acc.add_(x)
+    return x * 2
+
+
+def test_an_inference_tensor_written_outside_inference_mode_commits_nothing():
+    """torch refuses in-place updates of inference tensors outside inference mode: a call
+    given one (at capture, or after a graph was captured with a normal tensor) raises like
+    eager with the heap as eager leaves it — the earlier writes once, not again by a commit
+    that failed halfway before the eager re-run."""
+    def inference_zeros():
+        with torch.inference_mode():
+            return torch.zeros(3)
+
+    opt = specularch.optimize(counts_and_accumulates)
+    for inference_call in (0, 1):  # before any graph exists; after one was captured
+        specularch.reset()
+        boxes, accs = (Box(), Box()), ([], [])
+        for i in range(4):
+            make = inference_zeros if i == inference_call else (lambda: torch.zeros(3))
+            outcomes = []
+            for fn, box, seen in zip((counts_and_accumulates, opt), boxes, accs):
+                acc = make()
+                seen.append(acc)
+                try:
+                    outcomes.append(fn(box, torch.ones(3), acc))
+                except RuntimeError as e:
+                    outcomes.append(type(e))
+            if isinstance(outcomes[0], torch.Tensor):
+                assert torch.equal(*outcomes), i
+            else:
+                assert outcomes[0] is outcomes[1] is RuntimeError, (i, outcomes)
+            assert boxes[0].count == boxes[1].count and torch.equal(*(s[-1] for s in accs)), i
+        assert specularch.explain(opt).stats.graph_hits >= 1

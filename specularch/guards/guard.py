@@ -293,6 +293,21 @@ class NoHooksGuard(Guard):
 
 
 @dataclass(frozen=True, eq=False)
+class NotInferenceGuard(Guard):
+    """A tensor the call writes in place (at commit, outside inference mode) is not an
+    inference tensor: torch refuses that write, and it would fail halfway through a commit."""
+
+    def conditions(self, v, consts):
+        return [f"not {v}.is_inference()"]
+
+    def describe(self):
+        return f"{self.source} is not an inference tensor"
+
+    def mismatch(self, value):
+        return "is an inference tensor now (made under torch.inference_mode(); it was not at capture)"
+
+
+@dataclass(frozen=True, eq=False)
 class NoTensorHooksGuard(Guard):
     """A tensor whose gradient the graph computes has no gradient hooks (``register_hook``,
     ``register_post_accumulate_grad_hook``): a captured backward would not run them."""

@@ -19,7 +19,8 @@ import torch.nn as nn
 
 from ..guards import (AliasGuard, AttrSource, ContainsGuard, DictKeysGuard, DistinctGuard,
                       GlobalStateGuard, GuardSet, IdGuard, ItemSource, LenGuard, NoGlobalHooksGuard,
-                      NoHooksGuard, ObjectSource, TensorGuard, TypeGuard, ValueGuard, pin)
+                      NoHooksGuard, NotInferenceGuard, ObjectSource, TensorGuard, TypeGuard,
+                      ValueGuard, pin)
 from ..guards.guard import global_module_hooks
 from ..guards.sources import Source
 from ..records import Unsupported
@@ -325,6 +326,9 @@ class Tracer:
         if written:
             others = tuple(v.source for v in self.graph_inputs() if v.source not in written)
             self.add_guard(DistinctGuard, None, written=tuple(written), others=others)
+            if not torch.is_inference_mode_enabled():  # the commit's writes would be refused
+                for source in written:
+                    self.add_guard(NotInferenceGuard, source)
         targets = dict.fromkeys(w.target.source for w in pending if w.kind in _OBJECT_WRITES
                                 and getattr(w.target, "source", None) in self._mutable)
         for source in targets:
@@ -450,10 +454,12 @@ class Tracer:
                        keep_node: bool) -> Value:
         """An op writes into a tensor that outlives the call: run it on a fresh copy in the
         graph instead, and log the copy's final value for commit (shadow heap)."""
-        def refuse(why: str):
-            raise Unsupported("input_mutation",
-                              f"`{label}` writes in place into a tensor that existed before the "
-                              f"call ({error.op_name}): {why}")
+        def refuse(why: str, unguarded: bool = False):
+            error_ = Unsupported("input_mutation",
+                                 f"`{label}` writes in place into a tensor that existed before "
+                                 f"the call ({error.op_name}): {why}")
+            error_.value_dependent = unguarded  # the guards do not tell this case apart
+            raise error_
         external = self._external.get(error.key)
         if external is None:
             refuse("the tensor is not an input the graph can read")
@@ -465,6 +471,10 @@ class Tracer:
             refuse("the tensor requires grad (do the update under torch.no_grad())")
         if external.source is None:
             refuse("the tensor cannot be addressed after the call")
+        if (external.real if external.real is not None else external.example).is_inference() \
+                and not torch.is_inference_mode_enabled():
+            refuse("it is an inference tensor (made under torch.inference_mode()), which torch "
+                   "does not update in place outside inference mode", unguarded=True)
         copy = self.call_op("call_method", "clone", [external], {}, name="clone")
         swap = lambda v: copy if v is external else v  # noqa: E731
         result = self.call_op(kind, target, [swap(a) for a in args],
