@@ -185,9 +185,15 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
         from .training import write_grad
         write_grad(tracer, owner, value)
         return
+    if isinstance(owner, TensorV):
+        raise Unsupported("side_effect", f"assigning tensor attribute `.{name}` (e.g. "
+                          f"`x.{name} = ...`) is not captured",
+                          "Use the method form (x.requires_grad_()) or assign it outside the "
+                          "optimized function." if name == "requires_grad" else None)
     if not isinstance(owner, Obj) or owner.source is None:
-        raise Unsupported("side_effect", f"assigning attribute {name!r} on {owner!r}, which cannot "
-                          "be addressed after the call")
+        raise Unsupported("side_effect", f"assigning attribute {name!r} on a "
+                          f"{owner.python_type().__name__} object that cannot be addressed after "
+                          "the call")
     obj = owner.obj
     cls = type(obj)
     static = inspect.getattr_static(cls, name, _MISSING)
