@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .guards import GuardSet, SourceNamer, guard_lines
+from .guards import GuardSet, SourceNamer, TensorGuard, guard_lines
 from .guards.guard import const_name
 from .guards.sources import PINNED
 
@@ -173,6 +173,22 @@ def _copy_all(targets: tuple, values: tuple) -> None:
             target.copy_(value)
 
 
+def _foreach_copy_all(targets: tuple, values: tuple) -> None:
+    """``_copy_all`` as one call: ``_foreach_copy_`` runs ``copy_`` per pair in order on CPU
+    (each target's version counter bumped, dtypes converted, values broadcast) without a
+    Python loop; used when every tensor of the graph is a plain Tensor or Parameter (a
+    subclass would see one foreach call instead of its own ``copy_``)."""
+    with torch.no_grad():
+        torch._foreach_copy_(targets, values)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _only_plain_tensors(guards: GuardSet) -> bool:
+    return all(g.tensor_type in _PLAIN_TENSORS for g in guards if isinstance(g, TensorGuard))
+
+
 def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph_fn: Callable,
                 fast_tensors: bool = True, writes: list = (), assertions: list = (),
                 random_graph: bool = False) -> tuple[Callable, str]:
@@ -187,7 +203,8 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     if tensor_writes:  # one no_grad block for every in-place tensor update
         targets = "".join(f"{render.expr(w[1])}, " for w in tensor_writes)
         values = "".join(f"{render.expr(w[2])}, " for w in tensor_writes)
-        commit.insert(0, f"COPY_ALL(({targets}), ({values}))")
+        copy = "FOREACH_COPY_ALL" if _only_plain_tensors(guards) else "COPY_ALL"
+        commit.insert(0, f"{copy}(({targets}), ({values}))")
     result = render.expr(output_spec)
     body += namer.lines
     failed = [AssumptionFailed(where, site, expected) for _, expected, where, site in assertions]
@@ -210,6 +227,7 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     text = "\n".join(src) + "\n"
     ns: dict[str, Any] = dict(consts, MISS=MISS, GRAPH=graph_fn, O=PINNED, NEW=_new_object,
                               FAILED=failed, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
+                              FOREACH_COPY_ALL=_foreach_copy_all,
                               AS_INFERENCE=as_inference,
                               GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state)
     exec(compile(text, "<specularch entry>", "exec"), ns)

@@ -54,8 +54,11 @@ def list_backends() -> dict[str, str]:
 
 
 def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    # The GraphModule's generated Python, called without nn.Module.__call__'s overhead.
-    return gm.forward
+    # The GraphModule's generated Python, called without nn.Module.__call__'s overhead;
+    # in-place updates of fresh copies (parameters, optimizer state) folded into their
+    # out-of-place ops first (``passes.fold_clones``: the same bits, one pass fewer).
+    from .passes import fold_clones
+    return fold_clones(gm).forward
 
 
 def _flattened(gm: torch.fx.GraphModule) -> bool:

@@ -59,3 +59,116 @@ def as_tensor_input(value, device=None) -> torch.Tensor:
     """A Python-number graph input as the 0-d tensor ``scalar_inputs_as_tensors`` expects."""
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64,
                         device=device)
+
+
+# In-place methods a fresh clone may be folded into, and their out-of-place forms:
+#   c = p.clone(); c.op_(*args)  ==  c = p.op(*args)
+# The same kernel writes every element from the same operands, only into a fresh tensor
+# instead of over the copy: the bits are equal, and one pass over memory (the clone) is gone.
+_OUT_OF_PLACE = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "lerp_": "lerp",
+                 "addcmul_": "addcmul", "addcdiv_": "addcdiv"}
+
+
+def fold_clones(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``c = p.clone()`` followed at once by in-place updates of ``c`` (how capture computes a
+    write into a parameter, ``.grad`` or optimizer state: ``symbolic/tracer.py``
+    ``_functionalize``) becomes the out-of-place ops: ``c = p.clone(); c.lerp_(g, w);``
+    → ``c = p.lerp(g, w)``; ``c.mul_(b); c.addcmul_(g, g, value=v)`` → ``t = c.mul(b);
+    t.addcmul(g, g, value=v)``. Later reads of ``c`` read the last result.
+
+    A chain is folded only when it cannot change a bit or an alias: the first update directly
+    follows the clone (nothing can write ``p`` in between), ``c`` is not read between the
+    updates (no view of it sees a later one), nothing in it requires grad, and each
+    out-of-place op gives, on meta tensors, the clone's dtype, shape and strides. Graphs with
+    dynamic sizes are left alone (strides checked at one shape need not hold at another).
+    Returns a new GraphModule (the input is not changed) sharing ``gm``'s attributes."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    folded = 0
+    if not gm.meta.get("dynamic_dims"):
+        for node in list(graph.nodes):
+            if node.op == "call_method" and node.target == "clone":
+                folded += _fold_chain(graph, node)
+    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = dict(gm.meta, constructed_by="specularch.fx_lower.passes.fold_clones",
+                    folded_clones=folded)
+    if folded:
+        graph.lint()
+    return new
+
+
+def _fold_chain(graph: torch.fx.Graph, clone: torch.fx.Node) -> int:
+    example = clone.meta.get("example")
+    if len(clone.args) != 1 or clone.kwargs or not isinstance(example, torch.Tensor) or \
+            example.requires_grad or not isinstance(clone.args[0], torch.fx.Node):
+        return 0
+    aliases, chain = {clone}, []  # nodes whose value is the clone's tensor, in-place updates
+    node = clone.next
+    while node.op != "output":
+        if any(a in aliases for a in node.all_input_nodes):
+            if not (node.op == "call_method" and node.target in _OUT_OF_PLACE
+                    and node.args and node.args[0] in aliases):
+                break  # a read: from here on `c` holds its final value
+            if not chain and node is not clone.next:
+                return 0
+            chain.append(node)
+            aliases.add(node)
+        elif not chain:
+            return 0  # something ran between the clone and its first update
+        node = node.next
+    if not chain or not _same_layout(clone, chain, aliases):
+        return 0
+    current = clone.args[0]
+    for op in chain:
+        substitute = lambda n, cur=current: cur if n in aliases else n  # noqa: E731
+        with graph.inserting_before(op):
+            new = graph.call_method(_OUT_OF_PLACE[op.target],
+                                    torch.fx.node.map_arg(op.args, substitute),
+                                    torch.fx.node.map_arg(op.kwargs, substitute))
+        new.meta = dict(op.meta, example=example, mutates=False)
+        current = new
+    for alias in [clone, *chain]:
+        alias.replace_all_uses_with(current)
+    for alias in reversed([clone, *chain]):
+        graph.erase_node(alias)
+    return 1
+
+
+def _same_layout(clone: torch.fx.Node, chain: list, aliases: set) -> bool:
+    """Whether each out-of-place op, run on meta tensors shaped like its operands, gives
+    the clone's dtype, shape and strides (type promotion or a layout picked from another
+    operand would show here)."""
+    example = clone.meta["example"]
+    want = (example.dtype, example.shape, example.stride())
+
+    def meta(n):
+        value = n.meta.get("example")
+        if isinstance(value, torch.Tensor):
+            if value.layout is not torch.strided:
+                raise TypeError("not strided")
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                       device="meta")
+        if type(value) in (int, float, bool):
+            return value
+        if value is None and n.op == "call_function" and example.dtype.is_floating_point and \
+                getattr(n.target, "__module__", "") in ("_operator", "operator"):
+            return 1.0  # arithmetic on Python-number inputs (``1 - beta``): a number, which
+            # leaves a floating tensor's dtype as it is whatever its type
+        raise TypeError(f"operand {n} has no example")
+
+    try:
+        current = meta(clone.args[0])
+        for op in chain:
+            to_meta = lambda n, cur=current: cur if n in aliases else meta(n)  # noqa: E731
+            args = torch.fx.node.map_aggregate(op.args, lambda a: to_meta(a) if isinstance(a, torch.fx.Node) else a)
+            kwargs = torch.fx.node.map_aggregate(op.kwargs, lambda a: to_meta(a) if isinstance(a, torch.fx.Node) else a)
+            current = getattr(args[0], _OUT_OF_PLACE[op.target])(*args[1:], **kwargs)
+            if (current.dtype, current.shape, current.stride()) != want:
+                return False
+    except Exception:
+        return False
+    source = clone.args[0].meta.get("example")
+    # the clone kept the source's strides (dense source): the kernel walks the same layout
+    return isinstance(source, torch.Tensor) and source.stride() == example.stride() and \
+        source.dtype == example.dtype
