@@ -3,8 +3,11 @@ defaults and keyword-only parameters, inlined helper functions and decorated hel
 properties, `super().forward`, staticmethod / classmethod, `functools.partial`, bounded
 recursion, builtins, `math`, `torch.nn.functional`, tensor methods, tensor creation, objects
 created inside the function, and the `optimize` entry points (decorator form, backend name)."""
+import collections
 import functools
+import itertools
 import math
+import operator
 from collections import namedtuple
 
 import pytest
@@ -564,3 +567,79 @@ def test_inlined_helper_code_and_defaults_assigned_after_capture_are_seen():
     finally:
         helper.__code__, helper.__defaults__, helper.__kwdefaults__ = saved
     assert any("__code__" in g for graph in e.graphs for g in graph.guards), str(e)
+
+
+# ------------------------------------------------------------------ standard-library helpers
+# functools / itertools / collections / operator helpers are run as their Python logic over
+# the executor's values (never the C implementation on symbolic values).
+
+def stdlib_reduce(x, ts):
+    flat = x.reshape(functools.reduce(operator.mul, x.shape))
+    total = functools.reduce(lambda a, b: a + b, ts)
+    scaled = functools.reduce(torch.mul, ts[:0], torch.ones(2))  # empty: the initial value
+    return flat * 2, total, scaled
+
+
+def stdlib_itertools(a, b):
+    chained = [t * 2 for t in itertools.chain(a, (b,))]
+    nested = sum(itertools.chain.from_iterable([a, [b]]))
+    grid = [b[i] * 10 + j for i, j in itertools.product(range(2), repeat=2)]
+    running = list(itertools.accumulate(a, torch.maximum, initial=torch.zeros(2)))
+    return chained, nested, grid, running, list(itertools.accumulate([1, 2, 3]))
+
+
+def stdlib_partial_and_getters(x, table):
+    soft = functools.partial(F.softmax, dim=-1)
+    first_two = operator.itemgetter(0, 1)
+    weight = operator.attrgetter("shape")
+    return soft(x), first_two([x, x * 2, x * 3]), operator.itemgetter("w")(table) * weight(x)[0]
+
+
+def stdlib_ordered_and_default_dicts(x, keys):
+    feats = collections.OrderedDict([("in", x)])
+    feats["double"] = x * 2
+    feats.move_to_end("in")
+    groups = collections.defaultdict(list)
+    for k in keys:
+        groups[k].append(x * len(groups[k]))
+    counts = collections.defaultdict(int)
+    for k in keys:
+        counts[k] += 1
+    return feats, counts, {k: sum(v) for k, v in groups.items()}, groups.get("zz"), "zz" in groups
+
+
+def stdlib_iterator_consumed_once(ts):
+    it = iter(ts)
+    first = next(it)
+    rest = list(it)
+    return first, rest, list(it)
+
+
+STDLIB_PROGRAMS = [
+    (stdlib_reduce, lambda i: A(T(2 + i % 2, 3), [T(2) for _ in range(1 + i)])),
+    (stdlib_itertools, lambda i: A([T(2) for _ in range(1 + i % 2)], T(2, 2))),
+    (stdlib_partial_and_getters, lambda: A(T(2, 3), {"w": T(3)})),
+    (stdlib_ordered_and_default_dicts, lambda i: A(T(2), ["a", "b", "a", "c"][:2 + i % 3])),
+    (stdlib_iterator_consumed_once, lambda: A([T(2), T(2), T(2)])),
+]
+
+
+@pytest.mark.parametrize("fn, make_args", STDLIB_PROGRAMS, ids=[p[0].__name__ for p in STDLIB_PROGRAMS])
+def test_standard_library_helpers_run_as_graph(fn, make_args):
+    check(fn, make_args, calls=4, expect="graph")
+
+
+def ordered_dict_returned_twice(x):
+    d = collections.OrderedDict(a=x)
+    return d, d  # one object on both sides: rebuilt from a graph, it would be two
+
+
+def defaultdict_of_a_lambda_returned(x):
+    d = collections.defaultdict(lambda: 0)
+    d["a"] += 1
+    return d, x * 2
+
+
+@pytest.mark.parametrize("fn", [ordered_dict_returned_twice, defaultdict_of_a_lambda_returned])
+def test_dicts_that_cannot_be_rebuilt_fall_back(fn):
+    check(fn, lambda: A(T(2)), expect="fallback", fallback_kind="unsupported_call")

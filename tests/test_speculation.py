@@ -470,6 +470,89 @@ def test_a_branch_whose_sides_cannot_be_merged_stops_speculating(no_profiling, f
     assert "cannot be merged" in record.explanation, record.explanation
 
 
+def flip_and(x, y):
+    if (x > 0).all() and y.sum() > 1:  # the second condition is merged while a side runs
+        z = x * 2
+    else:
+        z = x - y
+    return z
+
+
+def flip_or_returns(x, y):
+    if x.sum() > 0 or (y.sum() > 0 and y.max() > 0.5):
+        return x * 2
+    return x - y
+
+
+def flip_not_and(x, y):
+    z = x + 1
+    if not (x.sum() > 0 and y.sum() > 0):
+        z = z + y
+    return z * 3
+
+
+QUADRANTS = [(1, 1), (-1, 1), (1, -1), (-1, -1), (1, 1), (1, -1), (-1, 1), (-1, -1),
+             (1, 1), (1, -1), (-1, 1), (-1, -1)]
+
+
+@pytest.mark.parametrize("fn", [flip_and, flip_or_returns, flip_not_and])
+def test_short_circuit_conditions_seen_both_ways_become_selects(no_profiling, fn):
+    """`a and b` / `a or b` / `not` on tensor conditions compile to chains of conditional
+    jumps; once the first has gone both ways the whole chain is merged (the second operand
+    is computed on both paths, which is safe because a merged side has no effects)."""
+    def make(i):
+        sx, sy = QUADRANTS[i]
+        return A(T(3).abs() * sx + 0.5 * sx, T(3).abs() * sy + 0.5 * sy)
+    pair = Pair.of_function(fn)
+    what = run_calls(pair, make, len(QUADRANTS))
+    e = pair.explain()
+    assert what[-6:] == ["hit"] * 6, f"{what}\n{e}"
+    assert "torch.where" in e.graphs[-1].code, e.graphs[-1].code
+    assert {r.kind for r in e.fallbacks} <= {"assumption_failed"}, str(e)
+
+
+class _Box:
+    pass
+
+
+def flip_writes_an_object_made_in_the_call(x):
+    box = _Box()
+    box.n = 0
+    if x.sum() > 0:
+        box.n = 1  # seen by the other side too if both ran on one object
+        y = x * 2
+    else:
+        y = x * 3
+    return y, box.n
+
+
+def flip_advances_an_iterator(x, ts):
+    it = iter(ts)
+    if x.sum() > 0:
+        a = next(it)
+    else:
+        a = next(it) * 2
+    return a, list(it)
+
+
+def flip_returns_its_argument(x):
+    return x * 2 if x.sum() > 0 else x  # eager hands back `x` itself
+
+
+@pytest.mark.parametrize("fn, make", [
+    (flip_writes_an_object_made_in_the_call, lambda i: A(T(3).abs() * FLIP_SIGNS[i] + FLIP_SIGNS[i])),
+    (flip_advances_an_iterator, lambda i: A(T(3).abs() * FLIP_SIGNS[i] + FLIP_SIGNS[i], [T(3), T(3)])),
+    (flip_returns_its_argument, lambda i: A(T(3).abs() * FLIP_SIGNS[i] + FLIP_SIGNS[i]))],
+    ids=["object_attribute", "iterator", "argument_identity"])
+def test_sides_sharing_state_or_returning_an_argument_are_not_merged(no_profiling, fn, make):
+    pair = Pair.of_function(fn)
+    run_calls(pair, make, len(FLIP_SIGNS))  # every call compared with eager
+    e = pair.explain()
+    assert {r.kind for r in e.fallbacks} == {"assumption_failed", "data_dependent_branch"}, str(e)
+    record = next(r for r in e.fallbacks if r.kind == "data_dependent_branch")
+    assert "cannot be merged" in record.explanation, record.explanation
+
+
 def noisy_flip(x):
     noise = torch.randn_like(x) * 0.01
     if x.sum() > 0:  # noisy

@@ -17,14 +17,15 @@ selected gradient into NaN, which eager never computes.
 """
 from __future__ import annotations
 
+import dis
+
 import torch
 
 from ..records import Unsupported
+from ._torch_dispatch import storage_key
 from .symint import SymV
-from .values import Const, DictV, ListV, TensorV, TupleV, Value
-
-_FORWARD_JUMPS = ("JUMP_FORWARD",)
-
+from .values import (CellV, Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
+                     TensorV, TupleV, Value)
 
 class _NoMerge(Exception):
     pass
@@ -32,16 +33,28 @@ class _NoMerge(Exception):
 
 def join_point(frame, ins) -> tuple[int, int] | None:
     """(index of the first instruction of the fall-through side, index of the join) for a
-    forward conditional jump shaped like ``if``/``else``; None for other shapes."""
+    forward conditional jump; None when a jump in between leaves the region backwards.
+
+    The join is the first index at or after the jump's target that no jump from the region
+    before it passes: every path from either side either returns or reaches it. For an
+    ``if``/``else`` that is where the then-side's ``JUMP_FORWARD`` lands; for the chains of
+    conditional jumps that ``if a and b:`` / ``if a or b:`` compile to, it is the end of
+    the whole statement (the inner jumps are merged in turn while a side runs)."""
     info = frame.info
     start = frame.ip  # the instruction after the conditional jump
-    target = info.index_of[ins.argval]
-    if target <= start:
+    join = info.index_of[ins.argval]
+    if join <= start:
         return None
-    before = info.instructions[target - 1]
-    if before.opname in _FORWARD_JUMPS and info.index_of[before.argval] > target:
-        return start, info.index_of[before.argval]  # if/else: the then-side jumps past else
-    return start, target  # plain if: the else-side is empty
+    i = start
+    while i < join:
+        inner = info.instructions[i]
+        if inner.opcode in dis.hasjrel or inner.opcode in dis.hasjabs:
+            to = info.index_of[inner.argval]
+            if to < start:
+                return None
+            join = max(join, to)
+        i += 1
+    return start, join
 
 
 def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
@@ -59,6 +72,7 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
     at = tracer.user_position()  # a refusal points at the branch, not into a side
     before = _Mark(tracer)
     saved_locals, saved_stack = dict(frame.locals), list(frame.stack)
+    tracer.merging += 1  # a tensor branch inside a side is merged too, never speculated
     try:
         # the fall-through side first: if it returns, the other side must return too
         first, second = sorted((taken_when_true, taken_when_false), key=lambda i: i != fall_through)
@@ -91,6 +105,8 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
     except Unsupported as e:
         frame.locals, frame.stack, frame.result = saved_locals, saved_stack, None
         raise _refuse(f"a side cannot be captured ({e.explanation})", at) from None
+    finally:
+        tracer.merging -= 1
     return join
 
 
@@ -104,28 +120,67 @@ def _refuse(why: str, at: tuple) -> Unsupported:
 
 def _run_side(frame, start: int, join: int | None, locals_: dict, stack: list):
     """(returned?, locals, stack, returned value) after running one side from ``start``."""
-    before = _contents([*locals_.values(), *stack])
     frame.locals, frame.stack, frame.result = dict(locals_), list(stack), None
+    before = _Snapshot(frame.tracer)
     frame.ip = start
     returned = frame.run_span(join)
-    if _contents([*locals_.values(), *stack]) != before:
-        raise _NoMerge("a side changes a list or dict that existed before the branch")
+    before.check()
     result, frame.result = frame.result, None
     return returned, frame.locals, frame.stack, result
 
 
-def _contents(values: list) -> dict:
-    """id -> item identities of every list/dict reachable from ``values``."""
-    seen: dict = {}
-    pending = list(values)
-    while pending:
-        v = pending.pop()
-        if isinstance(v, (ListV, TupleV, DictV)) and id(v) not in seen:
-            items = list(v.items.values()) if isinstance(v, DictV) else list(v.items)
-            seen[id(v)] = (v, tuple(map(id, items)),
-                           tuple(v.items) if isinstance(v, DictV) else ())
-            pending += items
-    return {k: (ids, keys) for k, (_, ids, keys) in seen.items()}
+class _Snapshot:
+    """What a side may not change in place: the items of every list, tuple, dict and set, the
+    attributes of objects made in the call, closure cells, iterator positions and generator
+    output reachable from the frames being executed (the heap log covers what outlives
+    the call). Both sides start from the same values, so such a change would leak into the
+    other side."""
+
+    def __init__(self, tracer):
+        self.frames = [(f, len(f.yielded)) for f in tracer.frames]
+        self.state: dict = {}
+        pending = [v for f in tracer.frames
+                   for v in (*f.locals.values(), *f.stack, *f.cells.values())]
+        while pending:
+            v = pending.pop()
+            if id(v) in self.state:
+                continue
+            state, children = _state_of(v)
+            if state is not None:
+                self.state[id(v)] = (v, state)
+                pending += children
+
+    def check(self) -> None:
+        if any(len(f.yielded) != n for f, n in self.frames):
+            raise _NoMerge("a side yields")
+        for v, state in self.state.values():
+            if _state_of(v)[0] != state:
+                raise _NoMerge("a side changes a list, dict, object, cell or iterator that "
+                               "existed before the branch")
+
+
+def _state_of(v: Value) -> tuple:
+    """(comparable state, values inside) of a value that can change in place; (None, [])
+    for anything else."""
+    if isinstance(v, (ListV, TupleV)):
+        return ("seq", tuple(map(id, v.items))), list(v.items)
+    if isinstance(v, DictV):
+        return ("dict", tuple(v.items), tuple(map(id, v.items.values()))), list(v.items.values())
+    if isinstance(v, NewObjV):
+        return ("obj", tuple(v.attrs), tuple(map(id, v.attrs.values()))), list(v.attrs.values())
+    if isinstance(v, SetV):
+        return ("set", frozenset(v.items)), []
+    if isinstance(v, CellV):
+        return ("cell", id(v.contents)), [] if v.contents is None else [v.contents]
+    if isinstance(v, IterV):
+        return ("iter", v.pos, tuple(map(id, v.items))), list(v.items)
+    if isinstance(v, PartialV):
+        return ("partial",), [v.func, *v.args, *v.kwargs.values()]
+    if isinstance(v, FuncV):
+        return ("func",), list(v.closure)
+    if isinstance(v, MethodV):
+        return ("method",), [v.self_value] + ([] if v.func is None else [v.func])
+    return None, []
 
 
 class _Mark:
@@ -152,6 +207,11 @@ class _Mark:
                 raise _NoMerge("a side draws random numbers")
 
 
+def _outlives(tracer, t: TensorV) -> bool:
+    return t.source is not None or t.updated or (
+        t.example.numel() > 0 and storage_key(t.example) in tracer._external)
+
+
 def _select(tracer, cond: TensorV, a: Value, b: Value) -> Value:
     if a is b:
         return a
@@ -163,6 +223,9 @@ def _select(tracer, cond: TensorV, a: Value, b: Value) -> Value:
             raise _NoMerge("a value requires grad (the side not taken could poison gradients)")
         if a.dynamic or b.dynamic:
             raise _NoMerge("a value has a dynamic size")
+        if any(_outlives(tracer, t) for t in (a, b)):
+            raise _NoMerge("a side gives a tensor from outside the call or a view of one "
+                           "(eager hands out that very tensor; a select would be a copy)")
         return tracer.call_op("call_function", torch.where, [cond, a, b], {}, name="where")
     if isinstance(a, Const) and isinstance(b, Const) and type(a.value) is type(b.value) \
             and a.value == b.value:
@@ -172,8 +235,8 @@ def _select(tracer, cond: TensorV, a: Value, b: Value) -> Value:
         items = [_select(tracer, cond, x, y) for x, y in zip(a.items, b.items)]
         return TupleV(items, a.cls) if isinstance(a, TupleV) else ListV(items)
     if isinstance(a, DictV) and isinstance(b, DictV) and a.source is None and b.source is None \
-            and list(a.items) == list(b.items):
-        return DictV({k: _select(tracer, cond, a.items[k], b.items[k]) for k in a.items})
+            and list(a.items) == list(b.items) and a.cls is b.cls and a.factory is b.factory:
+        return a.like({k: _select(tracer, cond, a.items[k], b.items[k]) for k in a.items})
     if isinstance(a, SymV) or isinstance(b, SymV):
         raise _NoMerge("a Python number computed from sizes differs between the sides")
     raise _NoMerge(f"{a!r} and {b!r} cannot be selected between")

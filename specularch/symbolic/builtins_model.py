@@ -128,7 +128,7 @@ def _impure(tracer, fn, args, kwargs):
 
 @model(min, max)
 def _minmax(tracer, fn, args, kwargs):
-    items = args if len(args) > 1 else ops.iterate(tracer, args[0]).items
+    items = args if len(args) > 1 else ops.consume(tracer, args[0])
     if _all_const(items, kwargs):
         return _concrete_call(tracer, fn, [ListV(list(items))], kwargs)
     key = kwargs.get("key")
@@ -153,7 +153,7 @@ def _abs(tracer, fn, args, kwargs):
 def _sum(tracer, fn, args, kwargs):
     start = args[1] if len(args) > 1 else kwargs.get("start", Const(0))
     acc = start
-    for item in ops.iterate(tracer, args[0]).items:
+    for item in ops.consume(tracer, args[0]):
         acc = ops.binary(tracer, operator.add, acc, item)
     return acc
 
@@ -186,12 +186,12 @@ def _callable(tracer, fn, args, kwargs):
 
 @model(list)
 def _list(tracer, fn, args, kwargs):
-    return ListV(list(ops.iterate(tracer, args[0]).items) if args else [])
+    return ListV(list(ops.consume(tracer, args[0])) if args else [])
 
 
 @model(tuple)
 def _tuple(tracer, fn, args, kwargs):
-    items = list(ops.iterate(tracer, args[0]).items) if args else []
+    items = list(ops.consume(tracer, args[0])) if args else []
     if all(isinstance(i, Const) for i in items):
         return Const(tuple(i.value for i in items))
     return TupleV(items)
@@ -205,8 +205,8 @@ def _dict(tracer, fn, args, kwargs):
         if isinstance(src, DictV):
             result.update(src.items)
         else:
-            for pair in ops.iterate(tracer, src).items:
-                k, v = ops.iterate(tracer, pair).items
+            for pair in ops.consume(tracer, src):
+                k, v = ops.consume(tracer, pair)
                 result[k.concrete()] = v
     result.update(kwargs)
     return DictV(result)
@@ -214,7 +214,7 @@ def _dict(tracer, fn, args, kwargs):
 
 @model(set, frozenset)
 def _set(tracer, fn, args, kwargs):
-    items = ops.iterate(tracer, args[0]).items if args else []
+    items = ops.consume(tracer, args[0]) if args else []
     if not all(is_const(i) for i in items):
         raise Unsupported("unsupported_call", "a set of tensors or objects")
     values = {i.concrete() for i in items}
@@ -231,13 +231,13 @@ def _range(tracer, fn, args, kwargs):
 @model(enumerate)
 def _enumerate(tracer, fn, args, kwargs):
     start = (args[1] if len(args) > 1 else kwargs.get("start", Const(0))).concrete()
-    items = ops.iterate(tracer, args[0]).items
+    items = ops.consume(tracer, args[0])
     return IterV([TupleV([Const(start + i), v]) for i, v in enumerate(items)])
 
 
 @model(zip)
 def _zip(tracer, fn, args, kwargs):
-    columns = [ops.iterate(tracer, a).items for a in args]
+    columns = [ops.consume(tracer, a) for a in args]
     strict = kwargs.get("strict", Const(False)).concrete()
     if strict and len({len(c) for c in columns}) > 1:
         raise Unsupported("exception_handling", "zip(strict=True) of different lengths")
@@ -246,12 +246,12 @@ def _zip(tracer, fn, args, kwargs):
 
 @model(reversed)
 def _reversed(tracer, fn, args, kwargs):
-    return IterV(list(reversed(ops.iterate(tracer, args[0]).items)))
+    return IterV(list(reversed(ops.consume(tracer, args[0]))))
 
 
 @model(sorted)
 def _sorted(tracer, fn, args, kwargs):
-    return ListV(sort_values(tracer, list(ops.iterate(tracer, args[0]).items), kwargs))
+    return ListV(sort_values(tracer, list(ops.consume(tracer, args[0])), kwargs))
 
 
 def sort_values(tracer, items: list, kwargs: dict) -> list:
@@ -302,14 +302,14 @@ def _next(tracer, fn, args, kwargs):
 @model(map)
 def _map(tracer, fn, args, kwargs):
     from .calls import call
-    columns = [ops.iterate(tracer, a).items for a in args[1:]]
+    columns = [ops.consume(tracer, a) for a in args[1:]]
     return IterV([call(tracer, args[0], list(row), {}) for row in zip(*columns)])
 
 
 @model(filter)
 def _filter(tracer, fn, args, kwargs):
     from .calls import call
-    items = ops.iterate(tracer, args[1]).items
+    items = ops.consume(tracer, args[1])
     if isinstance(args[0], Const) and args[0].value is None:
         return IterV([i for i in items if ops.truth(tracer, i)])
     return IterV([i for i in items if ops.truth(tracer, call(tracer, args[0], [i], {}))])
@@ -318,7 +318,8 @@ def _filter(tracer, fn, args, kwargs):
 @model(any, all)
 def _anyall(tracer, fn, args, kwargs):
     want = fn is any
-    for item in ops.iterate(tracer, args[0]).items:
+    it = ops.iterate(tracer, args[0])
+    while (item := it.next()) is not None:  # stops where Python stops consuming
         if ops.truth(tracer, item) == want:
             return Const(want)
     return Const(not want)
@@ -346,10 +347,16 @@ _PURE_MODULES = {"math", "cmath", "operator", "_operator"}
 
 def call_builtin_like(tracer, fn: Obj, args, kwargs) -> Value:
     obj = fn.obj
+    from .stdlib_model import INSTANCE_CALLS
+    if type(obj) in INSTANCE_CALLS:
+        return INSTANCE_CALLS[type(obj)](tracer, obj, args, kwargs)
     module = getattr(obj, "__module__", None) or ""
     if module in _PURE_MODULES or obj in _PURE_FUNCS:
         if _all_const(args, kwargs):
             return _concrete_call(tracer, obj, args, kwargs)
+        if not isinstance(obj, (types.BuiltinFunctionType, types.FunctionType)):
+            raise Unsupported("unsupported_call", f"calling a {type(obj).__qualname__} object "
+                              "on non-constant values")
         if any(contains_tensor(a) for a in args):
             return tracer.call_op("call_function", obj, args, kwargs)
         raise Unsupported("unsupported_call", f"{obj.__name__}() of non-constant values")
@@ -434,3 +441,6 @@ def _clip_grad_norm(tracer, fn, args, kwargs):
 def _clip_grad_value(tracer, fn, args, kwargs):
     from .module_model import clip_grad_value
     return clip_grad_value(tracer, fn, args, kwargs)
+
+
+from . import stdlib_model  # noqa: E402,F401  (registers functools/itertools/collections models)

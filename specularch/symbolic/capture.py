@@ -7,6 +7,8 @@ grad mode are restored afterwards, and every write to Python objects is ``Unsupp
 """
 from __future__ import annotations
 
+import collections
+import functools
 import time
 import types
 from dataclasses import dataclass, field
@@ -158,6 +160,7 @@ class SpecBuilder:
         self.outputs: list[torch.fx.Node] = []
         self._index: dict[torch.fx.Node, int] = {}
         self._building: set[int] = set()
+        self._rebuilt: set[int] = set()  # OrderedDict / defaultdict values already rebuilt
         self.as_values: set[int] = set()  # outputs used as values (not only via .item())
 
     def out(self, node: torch.fx.Node, as_value: bool = True) -> tuple:
@@ -193,6 +196,8 @@ class SpecBuilder:
                 return ("tuple", [self.build(i) for i in v.items], v.cls)
             if isinstance(v, ListV):
                 return ("list", [self.build(i) for i in v.items], id(v))
+            if isinstance(v, DictV) and v.cls is not dict:
+                return self._dict_subclass(v)
             if isinstance(v, DictV):
                 return ("dict", [(k, self.build(i)) for k, i in v.items.items()], id(v))
             if isinstance(v, NewObjV):
@@ -201,6 +206,25 @@ class SpecBuilder:
             self._building.discard(id(v))
         raise Unsupported("unsupported_call",
                           f"{v!r} is returned or stored, and cannot be rebuilt after the graph runs")
+
+    def _dict_subclass(self, v) -> tuple:
+        """An OrderedDict / defaultdict made in the call, rebuilt as ``cls(((k, v), ...))``
+        (a ``tuple`` spec whose class is called with one sequence). That spec makes a new
+        object each time it is used, so a second use (the same dict returned twice, or
+        returned and stored) is refused rather than split into two objects."""
+        if id(v) in self._rebuilt:
+            raise Unsupported("unsupported_call", f"a {v.cls.__name__} made in the call is "
+                              "returned or stored in more than one place")
+        self._rebuilt.add(id(v))
+        maker = v.cls
+        if v.cls is collections.defaultdict:
+            if v.factory is not None and not isinstance(v.factory, (Obj, Const)):
+                raise Unsupported("unsupported_call", "a defaultdict whose default_factory was "
+                                  "made in the call is returned or stored")
+            maker = functools.partial(collections.defaultdict,
+                                      None if v.factory is None else v.factory.concrete())
+        pairs = [("tuple", [("const", k), self.build(i)], tuple) for k, i in v.items.items()]
+        return ("tuple", pairs, maker)
 
     def write(self, w, top_globals: dict) -> tuple:
         """A shadow-heap write as a commit instruction."""

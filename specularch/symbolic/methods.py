@@ -6,7 +6,7 @@ import torch
 
 from ..records import Unsupported
 from . import grad_mode, training, untracked
-from .operators import contains, ensure_local, identical, iterate
+from .operators import consume, contains, ensure_local, identical
 from .tracer import FORBIDDEN_TENSOR_METHODS
 from .values import (Const, DictV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value, is_const)
@@ -90,7 +90,7 @@ def _list_method(tracer, lst: ListV, name, args, kwargs) -> Value:
     if name == "append":
         items.append(args[0])
     elif name == "extend":
-        items.extend(iterate(tracer, args[0]).items)
+        items.extend(consume(tracer, args[0]))
     elif name == "insert":
         items.insert(args[0].concrete(), args[1])
     elif name == "pop":
@@ -129,9 +129,13 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
     if name == "items":
         return ListV([TupleV([Const(k), v]) for k, v in items.items()])
     if name == "copy":
-        return DictV(dict(items))
+        return d.like(dict(items))
     if name == "__contains__":
         return Const(contains(tracer, args[0], d))
+    from .stdlib_model import ordered_dict_method
+    done = ordered_dict_method(tracer, d, name, args, kwargs)
+    if done is not None:
+        return done
     ensure_local(tracer, d, f"dict.{name}")
     if name == "pop":
         key = args[0].concrete()
@@ -148,8 +152,8 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
             if isinstance(other, DictV):
                 items.update(other.items)
             else:
-                for pair in iterate(tracer, other).items:
-                    k, v = iterate(tracer, pair).items
+                for pair in consume(tracer, other):
+                    k, v = consume(tracer, pair)
                     items[k.concrete()] = v
         items.update(kwargs)
         return Const(None)

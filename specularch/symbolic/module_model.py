@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..guards.sources import ModuleDictSource
 from ..records import Unsupported
-from .operators import _guard_keys, iterate
+from .operators import _guard_keys, consume
 from .values import Const, IterV, ListV, Obj, TensorV, TupleV, Value
 
 _TABLES = {"parameters": "_parameters", "buffers": "_buffers"}
@@ -123,7 +123,7 @@ def zero_grads(tracer, params: list, set_to_none: bool) -> None:
 
 def _grads(tracer, parameters: Value) -> list[Value]:
     from .training import read_grad
-    params = [parameters] if isinstance(parameters, TensorV) else iterate(tracer, parameters).items
+    params = [parameters] if isinstance(parameters, TensorV) else consume(tracer, parameters)
     if not all(isinstance(p, TensorV) for p in params):
         raise Unsupported("unsupported_call", "gradient clipping over something other than tensors")
     grads = [g for g in (read_grad(tracer, p) for p in params) if not isinstance(g, Const)]

@@ -221,7 +221,8 @@ def getitem(tracer, container: Value, key: Value) -> Value:
     if isinstance(container, DictV):
         k = key.concrete()
         if k not in container.items:
-            raise Unsupported("exception_handling", f"KeyError: {k!r} during capture")
+            from .stdlib_model import missing_item
+            return missing_item(tracer, container, k)  # defaultdict; KeyError otherwise
         return container.items[k]
     if isinstance(container, Const) and is_const(key):
         return concrete_op(tracer, operator.getitem, container, key)
@@ -278,7 +279,7 @@ def setitem(tracer, container: Value, key: Value, value: Value) -> None:
         ensure_local(tracer, container, "item assignment")
         k = key.concrete()
         if isinstance(k, slice):  # `l[1:3] = iterable`: assign its items
-            value = iterate(tracer, value).items
+            value = consume(tracer, value)
         try:
             container.items[k] = value
         except Exception as e:
@@ -356,6 +357,16 @@ def iterate(tracer, v: Value) -> IterV:
             _guard_keys(tracer, v, table)
             return IterV([Const(k) for k in getattr(m, table)])
     raise Unsupported("unsupported_call", f"iterating over {_kind(v)}")
+
+
+def consume(tracer, v: Value) -> list[Value]:
+    """The items ``v`` still yields (``list(v)``, ``sum(v)``, ``a, b = v``, ...). An iterator
+    is used up, as in eager: items ``next()`` already took are not yielded again, and a
+    second ``list(it)`` is empty."""
+    it = iterate(tracer, v)
+    items = it.items[it.pos:]
+    it.pos = len(it.items)
+    return items
 
 
 def length(tracer, v: Value) -> int:

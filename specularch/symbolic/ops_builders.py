@@ -3,7 +3,7 @@ and unpacking them (``a, b = ...``, ``a, *rest = ...``)."""
 from __future__ import annotations
 
 from ..records import Unsupported
-from .operators import iterate
+from .operators import consume
 from .registry import handles
 from .values import Const, DictV, ListV, SetV, TupleV, UntrackedContainer, is_const
 
@@ -75,13 +75,13 @@ def _map_add(frame, ins):
 @handles("LIST_EXTEND")
 def _list_extend(frame, ins):
     source = frame.pop()
-    frame.stack[-ins.arg].items.extend(iterate(frame.tracer, source).items)
+    frame.stack[-ins.arg].items.extend(consume(frame.tracer, source))
 
 
 @handles("SET_UPDATE")
 def _set_update(frame, ins):
     source = frame.pop()
-    items = iterate(frame.tracer, source).items
+    items = consume(frame.tracer, source)
     if not all(is_const(i) for i in items):
         raise Unsupported("unsupported_call", "a set of tensors or objects")
     frame.stack[-ins.arg].items.update(i.concrete() for i in items)
@@ -111,7 +111,7 @@ def _list_to_tuple(frame, ins):
 
 @handles("UNPACK_SEQUENCE")
 def _unpack_sequence(frame, ins):
-    items = iterate(frame.tracer, frame.pop()).items
+    items = consume(frame.tracer, frame.pop())
     if len(items) != ins.arg:
         raise Unsupported("exception_handling",
                           f"ValueError: expected {ins.arg} values to unpack, got {len(items)}")
@@ -121,7 +121,7 @@ def _unpack_sequence(frame, ins):
 @handles("UNPACK_EX")
 def _unpack_ex(frame, ins):
     before, after = ins.arg & 0xFF, ins.arg >> 8
-    items = iterate(frame.tracer, frame.pop()).items
+    items = consume(frame.tracer, frame.pop())
     if len(items) < before + after:
         raise Unsupported("exception_handling", "ValueError: not enough values to unpack")
     middle = ListV(items[before:len(items) - after])

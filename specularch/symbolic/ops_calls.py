@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..records import Unsupported
 from .calls import call
 from .methods import enter_context
-from .operators import iterate
+from .operators import consume
 from .registry import handles
 from .values import Const, CtxExitV, DictV, FuncV, NullV
 
@@ -39,7 +39,7 @@ def _call_function_ex(frame, ins):
     fn = frame.pop()
     if frame.stack and isinstance(frame.stack[-1], NullV):
         frame.pop()
-    args = iterate(frame.tracer, args_v).items
+    args = consume(frame.tracer, args_v)
     if not isinstance(kwargs_v, DictV):
         raise Unsupported("unsupported_call", f"**kwargs from {kwargs_v!r}")
     frame.push(call(frame.tracer, fn, list(args), dict(kwargs_v.items)))

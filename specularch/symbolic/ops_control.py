@@ -28,7 +28,7 @@ def _pop_jump_if_false(frame, ins):
 
 def _branch(frame, ins, jump_if: bool):
     v = frame.pop()
-    if isinstance(v, TensorV) and frame.tracer.speculation_stopped(frame) \
+    if isinstance(v, TensorV) and (frame.tracer.speculation_stopped(frame) or frame.tracer.merging) \
             and v.example.numel() == 1 and ins.opname.startswith("POP_JUMP_FORWARD"):
         join = branch_merge.merge(frame, ins, v, jump_if)  # both sides, selected in-graph
         return frame.info.instructions[join].offset

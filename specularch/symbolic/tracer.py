@@ -89,6 +89,7 @@ class Tracer:
         # (predicate node, expected truth, where, site) checked after the graph runs
         self.assertions: list[tuple] = []
         self.unstable_sites: set = set()
+        self.merging = 0  # > 0 while branch_merge runs both sides of a branch
         self._external: dict[int, TensorV] = {}  # storage key -> tensor that outlives the call
         self.viewed: set[int] = set()            # external storages that have views
         self._sizes: dict = {}                   # (node, dim) -> SymV of a dynamic size
@@ -186,7 +187,7 @@ class Tracer:
                 raise Unsupported("unsupported_call", "a dict argument with non-str/int keys")
             if source is not None:
                 self.add_guard(DictKeysGuard, source, t, tuple(obj), relaxable=True)
-            value = DictV({}, source)
+            value = DictV({}, source, cls=t)
             self._by_container_id[id(obj)] = value
             value.items.update((k, self.wrap(v, _item(source, k))) for k, v in obj.items())
             return value
@@ -550,8 +551,10 @@ class Tracer:
             return Const(value) if all(isinstance(i, Const) for i in items) else TupleV(items)
         if t is list:
             return ListV([self.wrap_python(x) for x in value])
-        if t is dict:
-            return DictV({k: self.wrap_python(v) for k, v in value.items()})
+        if t in (dict, collections.OrderedDict, collections.defaultdict):
+            factory = value.default_factory if t is collections.defaultdict else None
+            return DictV({k: self.wrap_python(v) for k, v in value.items()}, cls=t,
+                         factory=None if factory is None else self.wrap_python(factory))
         if t is set:
             return SetV(set(value))
         if isinstance(value, torch.Tensor):

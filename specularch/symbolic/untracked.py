@@ -60,8 +60,8 @@ def call_method(tracer, c, name: str, args: list, kwargs: dict) -> Value:
             _append(tracer, c, args[0])
             return Const(None)
         if name == "extend" and len(args) == 1:
-            from .operators import iterate
-            for item in iterate(tracer, args[0]).items:
+            from .operators import consume
+            for item in consume(tracer, args[0]):
                 _append(tracer, c, item)
             return Const(None)
         raise RelaxationRefused(c.source)

@@ -6,6 +6,7 @@ outside the frame, its ``source``. Tensors also carry the FX node that computes 
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,16 +107,29 @@ class ModuleSliceV(ListV):
 
 @dataclass(eq=False, repr=False)
 class DictV(Value):
-    """A dict with constant keys (kept as Python objects) and Value values."""
+    """A dict with constant keys (kept as Python objects) and Value values. ``cls`` is
+    ``dict``, ``collections.OrderedDict`` or ``collections.defaultdict`` (then ``factory``
+    is its ``default_factory``, called on a missing ``d[k]``)."""
 
     items: dict
     source: Source | None = None
+    cls: type = dict
+    factory: Value | None = None
 
     def concrete(self):
-        return {k: v.concrete() for k, v in self.items.items()}
+        items = {k: v.concrete() for k, v in self.items.items()}
+        if self.cls is dict:
+            return items
+        if self.cls is collections.defaultdict:
+            return self.cls(None if self.factory is None else self.factory.concrete(), items)
+        return self.cls(items)
 
     def python_type(self):
-        return dict
+        return self.cls
+
+    def like(self, items: dict) -> "DictV":
+        """A new dict of the same kind (``d.copy()``, a merged branch) holding ``items``."""
+        return DictV(items, cls=self.cls, factory=self.factory)
 
 
 @dataclass(eq=False, repr=False)
