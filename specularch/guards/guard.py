@@ -394,10 +394,17 @@ class AliasGuard(Guard):
 
 def storages_distinct(written: tuple, others: tuple) -> bool:
     """No two of ``written`` share memory, and none shares memory with any of ``others``."""
-    keys = {t.untyped_storage().data_ptr() for t in written if t.numel()}
-    if len(keys) != sum(1 for t in written if t.numel()):
-        return False
-    return not any(t.numel() and t.untyped_storage().data_ptr() in keys for t in others)
+    keys = set()  # plain loops: this runs on every call of a graph that writes tensors
+    for t in written:
+        if t.numel():
+            key = t.untyped_storage().data_ptr()
+            if key in keys:
+                return False
+            keys.add(key)
+    for t in others:
+        if t.numel() and t.untyped_storage().data_ptr() in keys:
+            return False
+    return True
 
 
 def objects_distinct(written: tuple, others: tuple) -> bool:
