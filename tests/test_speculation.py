@@ -552,6 +552,205 @@ def test_sides_sharing_state_or_returning_an_argument_are_not_merged(no_profilin
     record = next(r for r in e.fallbacks if r.kind == "data_dependent_branch")
     assert "cannot be merged" in record.explanation, record.explanation
 
+# ---- a side that hands back a tensor it did not make: merged while nobody can tell
+
+class ScaleDown(nn.Module):
+    """The common pattern: the merged `x` is only read afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        if x.abs().max() > 10:  # scale
+            x = x / 10
+        return self.fc(x)
+
+
+class ScaleDownNormed(nn.Module):
+    """The merged `x` goes into an op that writes other tensors in place (running stats)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(1)
+
+    def forward(self, x):
+        if x.abs().max() > 10:  # scale
+            x = x / 10
+        return self.bn(x.view(3, 1))
+
+
+def scale_down_then_reduce(x):
+    h = x + 1
+    y = h / 10 if h.abs().max() > 10 else h  # `h` was made before the branch
+    return y.sum(0) * 2, h
+
+
+MAGNITUDES = [20, 20, 1, 20, 1, 1, 20, 20, 1, 20, 1]
+
+
+def _magnitude_args(i):
+    return A(T(3).abs() * MAGNITUDES[i] + MAGNITUDES[i] / 2)
+
+
+@pytest.mark.parametrize("make_pair", [lambda: module_pair(ScaleDown),
+                                       lambda: module_pair(ScaleDownNormed),
+                                       lambda: Pair.of_function(scale_down_then_reduce)],
+                         ids=["module", "running_stats", "tensor_made_before"])
+def test_a_side_handing_back_an_existing_tensor_merges_when_unobservable(no_profiling, make_pair):
+    pair = make_pair()
+    what = run_calls(pair, _magnitude_args, len(MAGNITUDES))
+    e = pair.explain()
+    assert {r.kind for r in e.fallbacks} == {"assumption_failed"}, str(e)
+    merged_from = what.index("fallback") + 1  # the flip runs eagerly; then both sides are kept
+    assert what[merged_from] == "capture" and what[merged_from + 1:] == ["hit"] * (
+        len(MAGNITUDES) - merged_from - 1), f"{what}\n{e}"
+    assert {MAGNITUDES[i] for i in range(merged_from + 1, len(MAGNITUDES))} == {1, 20}
+    assert "torch.where" in e.graphs[-1].code, e.graphs[-1].code
+
+
+def observing_aliases(fn):
+    """``fn`` plus what a caller can see of its result's identity and memory: for every tensor
+    of the result and the arguments (list items and object attributes included), the first
+    such tensor that is the same object and the first one sharing its storage."""
+    def run(*args):
+        out = fn(*args)
+        found: list = []
+        _tensors((out, args), found)
+        ids = [next(j for j, u in enumerate(found) if u is t) for t in found]
+        storages = [next(j for j, u in enumerate(found) if _same_storage(u, t)) for t in found]
+        return out, ids, storages
+    return run
+
+
+def _tensors(v, found: list) -> None:
+    if isinstance(v, torch.Tensor):
+        found.append(v)
+    elif isinstance(v, (tuple, list)):
+        for item in v:
+            _tensors(item, found)
+    elif isinstance(v, _Box):
+        for item in vars(v).values():
+            _tensors(item, found)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def merged_returns_a_view(x):
+    y = x * 2 if x.sum() > 0 else x
+    return y[1:]  # eager: a view of the argument
+
+
+def merged_is_stored(x, box):
+    y = x * 2 if x.sum() > 0 else x
+    box.last = y  # eager: the argument itself
+    return y.sum()
+
+
+def merged_view_is_stored(x, box):
+    y = x * 2 if x.sum() > 0 else x
+    box.rows = [y.view(3, 1)]
+    return y.sum()
+
+
+def merged_is_written_in_place(x):
+    y = x * 2 if x.sum() > 0 else x
+    y.mul_(3)  # eager writes into the argument
+    return y.sum()
+
+
+def merged_view_is_written_in_place(x):
+    y = x * 2 if x.sum() > 0 else x
+    y[0] = 7.0
+    return y.sum()
+
+
+def merged_is_made_to_require_grad(x):
+    y = x * 2 if x.sum() > 0 else x
+    y.requires_grad_()  # eager flags the argument
+    return y.detach() * 1
+
+
+def argument_written_after_the_branch(x):
+    y = x * 2 if x.sum() > 0 else x
+    x.add_(1)  # eager's `y` sees this
+    return y * 1
+
+
+def merged_identity_is_compared(x):
+    y = x * 2 if x.sum() > 0 else x
+    return y * (2 if y is x else 3)
+
+
+def earlier_tensor_written_after_the_branch(x):
+    h = x + 1
+    y = h if x.sum() > 0 else x * 2
+    h.add_(1)  # eager's `y` may be `h`
+    return y * 1
+
+
+def merged_written_then_earlier_tensor_read(x):
+    h = x + 1
+    y = h if x.sum() > 0 else x * 2
+    y.add_(1)  # eager may write into `h`
+    return h * 1
+
+
+def merged_and_earlier_tensor_returned(x):
+    h = x + 1
+    y = h if x.sum() > 0 else x * 2
+    return y, h  # eager: `y is h` on one side
+
+
+def one_tensor_in_two_merged_slots(x):
+    if x.sum() > 0:
+        t = x * 2
+        a, b = t, t
+    else:
+        t = x * 3
+        a, b = t, x * 4
+    a.add_(1)  # eager: also `b` on the first side
+    return b * 1
+
+
+def sides_with_different_layouts(x):
+    y = x.t() * 2 if x.sum() > 0 else x * 3  # strides (1, 3) or (3, 1)
+    return y * (1 if y.is_contiguous() else 2)
+
+
+def _signed(i):
+    return A(T(3).abs() * FLIP_SIGNS[i] + FLIP_SIGNS[i])
+
+
+def _signed_box(i):
+    return A(T(3).abs() * FLIP_SIGNS[i] + FLIP_SIGNS[i], _Box())
+
+
+@pytest.mark.parametrize("fn, make", [
+    (merged_returns_a_view, _signed), (merged_is_stored, _signed_box),
+    (merged_view_is_stored, _signed_box), (merged_is_written_in_place, _signed),
+    (merged_view_is_written_in_place, _signed), (merged_is_made_to_require_grad, _signed),
+    (argument_written_after_the_branch, _signed),
+    (merged_identity_is_compared, _signed), (earlier_tensor_written_after_the_branch, _signed),
+    (merged_written_then_earlier_tensor_read, _signed),
+    (merged_and_earlier_tensor_returned, _signed), (one_tensor_in_two_merged_slots, _signed),
+    (sides_with_different_layouts, lambda i: A(T(3, 3).abs() * FLIP_SIGNS[i] + FLIP_SIGNS[i]))],
+    ids=lambda v: getattr(v, "__name__", ""))
+def test_a_merged_tensor_that_could_be_seen_as_a_copy_runs_eagerly(no_profiling, fn, make):
+    """Eager hands out one side's tensor itself; the select is a new one. Whatever shows the
+    difference (returning it or a view, storing it, writing it or the tensor it may be in
+    place, `is`, a layout the select does not have) makes the path run eagerly, equal to
+    eager by identity and memory too."""
+    opt = specularch.optimize(fn)
+    pair = Pair(fn.__name__, observing_aliases(fn), observing_aliases(opt), opt)
+    run_calls(pair, make, len(FLIP_SIGNS))  # every call compared with eager
+    e = pair.explain()
+    assert {r.kind for r in e.fallbacks} == {"assumption_failed", "data_dependent_branch"}, str(e)
+    record = next(r for r in e.fallbacks if r.kind == "data_dependent_branch")
+    assert "cannot be merged" in record.explanation, record.explanation
+
 
 def noisy_flip(x):
     noise = torch.randn_like(x) * 0.01

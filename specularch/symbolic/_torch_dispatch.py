@@ -49,6 +49,7 @@ class MutationCheck(TorchDispatchMode):
         super().__init__()
         self.fresh = fresh
         self.wrote = False  # did any op write in place (into a fresh tensor)?
+        self.written: set[int] = set()  # the storages written
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,6 +65,8 @@ class MutationCheck(TorchDispatchMode):
             for t in tree_leaves(val):
                 if isinstance(t, torch.Tensor) and t.numel() and storage_key(t) not in self.fresh:
                     raise ExternalMutation(str(func), storage_key(t))
+                if isinstance(t, torch.Tensor):
+                    self.written.add(storage_key(t))
         undeclared = UNDECLARED_WRITES.get(schema.name)
         if undeclared is not None and len(args) > undeclared[1] and args[undeclared[1]]:
             self.wrote = True
@@ -71,6 +74,8 @@ class MutationCheck(TorchDispatchMode):
                 t = args[i] if i < len(args) else None
                 if isinstance(t, torch.Tensor) and t.numel() and storage_key(t) not in self.fresh:
                     raise ExternalMutation(str(func), storage_key(t))
+                if isinstance(t, torch.Tensor):
+                    self.written.add(storage_key(t))
         out = func(*args, **kwargs)
         inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):

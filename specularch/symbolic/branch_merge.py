@@ -11,6 +11,10 @@ that jumps out, writes to the heap, draws random numbers, writes in place, specu
 values that cannot be selected between) keeps today's behaviour: the call runs eagerly
 with ``data_dependent_branch``.
 
+A select is a new tensor where eager hands out one side's tensor itself (``x = x / 10 if c
+else x`` gives back the argument ``x``): ``merge_aliases`` records which tensors each merged
+result may be in eager and refuses the capture at its end if the difference can be seen.
+
 Gradients are kept out of it: a value that requires grad refuses the merge, because the
 derivative of the side not taken (``sqrt`` of a negative number, say) could turn the
 selected gradient into NaN, which eager never computes.
@@ -62,7 +66,7 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
     at (the join). Raises ``Unsupported`` when the branch cannot be merged."""
     shape = join_point(frame, ins)
     if shape is None:
-        raise _refuse("it is not a plain if/else", frame.tracer.user_position())
+        raise refuse("it is not a plain if/else", frame.tracer.user_position())
     fall_through, join = shape
     target = frame.info.index_of[ins.argval]
     # the side taken when the jump does NOT happen starts right after it
@@ -71,6 +75,7 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
     tracer = frame.tracer
     at = tracer.user_position()  # a refusal points at the branch, not into a side
     before = _Mark(tracer)
+    tracer.merged_aliases.begin(tracer)
     saved_locals, saved_stack = dict(frame.locals), list(frame.stack)
     tracer.merging += 1  # a tensor branch inside a side is merged too, never speculated
     try:
@@ -87,30 +92,31 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
         _, true_locals, true_stack, true_result = sides[taken_when_true]
         _, false_locals, false_stack, false_result = sides[taken_when_false]
         cond = tracer.call_op("call_method", "bool", [predicate], {}, name="bool")
+        select = lambda a, b: _select(tracer, cond, a, b, at)  # noqa: E731
         if returned:
             frame.locals, frame.stack = saved_locals, saved_stack
-            frame.result = _select(tracer, cond, true_result, false_result)
+            frame.result = select(true_result, false_result)
             return join
         frame.locals = {}
         for name in set(true_locals) | set(false_locals):
             if name not in true_locals or name not in false_locals:
                 raise _NoMerge(f"`{name}` is assigned on one side only")
-            frame.locals[name] = _select(tracer, cond, true_locals[name], false_locals[name])
+            frame.locals[name] = select(true_locals[name], false_locals[name])
         if len(true_stack) != len(false_stack):
             raise _NoMerge("the two sides leave different stacks")
-        frame.stack = [_select(tracer, cond, a, b) for a, b in zip(true_stack, false_stack)]
+        frame.stack = [select(a, b) for a, b in zip(true_stack, false_stack)]
     except _NoMerge as e:
         frame.locals, frame.stack, frame.result = saved_locals, saved_stack, None
-        raise _refuse(str(e), at) from None
+        raise refuse(str(e), at) from None
     except Unsupported as e:
         frame.locals, frame.stack, frame.result = saved_locals, saved_stack, None
-        raise _refuse(f"a side cannot be captured ({e.explanation})", at) from None
+        raise refuse(f"a side cannot be captured ({e.explanation})", at) from None
     finally:
         tracer.merging -= 1
     return join
 
 
-def _refuse(why: str, at: tuple) -> Unsupported:
+def refuse(why: str, at: tuple) -> Unsupported:
     error = Unsupported("data_dependent_branch", "both directions of this branch on a tensor "
                         f"value have been seen, and the two sides cannot be merged into one "
                         f"graph ({why}); it is no longer speculated")
@@ -212,7 +218,7 @@ def _outlives(tracer, t: TensorV) -> bool:
         t.example.numel() > 0 and storage_key(t.example) in tracer._external)
 
 
-def _select(tracer, cond: TensorV, a: Value, b: Value) -> Value:
+def _select(tracer, cond: TensorV, a: Value, b: Value, at: tuple) -> Value:
     if a is b:
         return a
     if isinstance(a, TensorV) and isinstance(b, TensorV):
@@ -223,20 +229,27 @@ def _select(tracer, cond: TensorV, a: Value, b: Value) -> Value:
             raise _NoMerge("a value requires grad (the side not taken could poison gradients)")
         if a.dynamic or b.dynamic:
             raise _NoMerge("a value has a dynamic size")
-        if any(_outlives(tracer, t) for t in (a, b)):
-            raise _NoMerge("a side gives a tensor from outside the call or a view of one "
-                           "(eager hands out that very tensor; a select would be a copy)")
-        return tracer.call_op("call_function", torch.where, [cond, a, b], {}, name="where")
+        result = tracer.call_op("call_function", torch.where, [cond, a, b], {}, name="where")
+        er = result.example
+        if any(_layout(e) != _layout(er) for e in (ea, eb)):
+            raise _NoMerge("a value's layout (strides, offset, tensor type) differs from the "
+                           "select's, which code reading it would see")
+        tracer.merged_aliases.record(tracer, result, (a, b), _outlives, at)
+        return result
     if isinstance(a, Const) and isinstance(b, Const) and type(a.value) is type(b.value) \
             and a.value == b.value:
         return a
     if type(a) is type(b) and isinstance(a, (TupleV, ListV)) and len(a.items) == len(b.items) \
             and a.source is None and b.source is None:
-        items = [_select(tracer, cond, x, y) for x, y in zip(a.items, b.items)]
+        items = [_select(tracer, cond, x, y, at) for x, y in zip(a.items, b.items)]
         return TupleV(items, a.cls) if isinstance(a, TupleV) else ListV(items)
     if isinstance(a, DictV) and isinstance(b, DictV) and a.source is None and b.source is None \
             and list(a.items) == list(b.items) and a.cls is b.cls and a.factory is b.factory:
-        return a.like({k: _select(tracer, cond, a.items[k], b.items[k]) for k in a.items})
+        return a.like({k: _select(tracer, cond, a.items[k], b.items[k], at) for k in a.items})
     if isinstance(a, SymV) or isinstance(b, SymV):
         raise _NoMerge("a Python number computed from sizes differs between the sides")
     raise _NoMerge(f"{a!r} and {b!r} cannot be selected between")
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return type(t), t.stride(), t.storage_offset(), t.is_inference()

@@ -20,7 +20,7 @@ from ..entry import is_random_node
 from ..guards import GuardSet
 from ..guards.sources import CellSource, LocalSource, Source
 from ..records import Unsupported
-from . import grad_mode
+from . import branch_merge, grad_mode
 from .frame import Frame
 from .symint import SymV
 from .tracer import Tracer
@@ -83,6 +83,11 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             specs = SpecBuilder()
             writes = [specs.write(w, globals_) for w in tracer.heap.pending()]
             spec = specs.build(result)
+            seen = tracer.merged_aliases.at_end(tracer, [
+                specs.outputs[i].meta["example"] for i in specs.as_values
+                if isinstance(specs.outputs[i].meta.get("example"), torch.Tensor)])
+            if seen is not None:
+                raise branch_merge.refuse(*seen)
             assertions = [(specs.out(node)[1], expected, where, site)
                           for node, expected, where, site in tracer.assertions]
             if tracer.generators and assertions:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 
 from ..records import Unsupported
-from . import operators as ops
+from . import branch_merge, operators as ops
 from .registry import handles
 from .values import Const, TensorV, is_const
 
@@ -45,6 +45,9 @@ def _compare(frame, ins):
 @handles("IS_OP")
 def _is(frame, ins):
     b, a = frame.pop(), frame.pop()
+    branch = frame.tracer.merged_aliases.identity(a, b)
+    if branch is not None:  # eager may give one tensor where the merged graph has two
+        raise branch_merge.refuse("`is` compares the identity of a merged tensor", branch)
     same = ops.identical(a, b)
     frame.push(Const(same != bool(ins.arg)))
 

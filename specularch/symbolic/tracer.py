@@ -27,6 +27,7 @@ from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import ExternalMutation, MutationCheck, storage_key
 from .leaf_writes import connect_reads
+from .merge_aliases import MergedAliases
 from .symint import SymV
 from .values import (AppendOnlyListV, Const, DictV, GeneratorV, KeyedDictV, ListV, MethodV, Obj, SetV, TensorV,
                      TupleV, UntrackedContainer, Value, contains_tensor, leaves)
@@ -90,6 +91,7 @@ class Tracer:
         self.assertions: list[tuple] = []
         self.unstable_sites: set = set()
         self.merging = 0  # > 0 while branch_merge runs both sides of a branch
+        self.merged_aliases = MergedAliases()  # what merged branches must not let be seen
         self._external: dict[int, TensorV] = {}  # storage key -> tensor that outlives the call
         self.viewed: set[int] = set()            # external storages that have views
         self._sizes: dict = {}                   # (node, dim) -> SymV of a dynamic size
@@ -429,6 +431,7 @@ class Tracer:
                                       {k: _arg(v) for k, v in kwargs.items()})
         node.meta["where"] = self.where()
         node.meta["mutates"] = check.wrote
+        node.meta["writes"] = frozenset(check.written)  # storages; none recorded: any argument
         if not _holds_tensor(result):
             return self.wrap_python(result)
         out = self.wrap_output(node, result)
