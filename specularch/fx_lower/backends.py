@@ -56,9 +56,12 @@ def list_backends() -> dict[str, str]:
 def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     # The GraphModule's generated Python, called without nn.Module.__call__'s overhead;
     # in-place updates of fresh copies (parameters, optimizer state) folded into their
-    # out-of-place ops first (``passes.fold_clones``: the same bits, one pass fewer).
+    # out-of-place ops first (``passes.fold_clones``: the same bits, one pass fewer), then
+    # the same op over many tensors (an optimizer update) batched into one
+    # ``torch._foreach_*`` call (``foreach.batch_foreach``: the same per-tensor kernels).
+    from .foreach import batch_foreach
     from .passes import fold_clones
-    return fold_clones(gm).forward
+    return batch_foreach(fold_clones(gm)).forward
 
 
 def _flattened(gm: torch.fx.GraphModule) -> bool:
