@@ -643,3 +643,51 @@ def defaultdict_of_a_lambda_returned(x):
 @pytest.mark.parametrize("fn", [ordered_dict_returned_twice, defaultdict_of_a_lambda_returned])
 def test_dicts_that_cannot_be_rebuilt_fall_back(fn):
     check(fn, lambda: A(T(2)), expect="fallback", fallback_kind="unsupported_call")
+
+
+# Iterators are lazy in eager: what a list holds when the item is asked for counts, and the
+# function of map/accumulate runs when the item is asked for (were snapshots taken when made).
+log_of_calls = []
+
+
+def iterators_see_later_appends(lst, x):
+    chained, plain, mapped = itertools.chain(lst, [x]), iter(lst), map(lambda t: t * 2, lst)
+    local = [x]
+    numbered = enumerate(local)
+    lst.append(x + 1)
+    local.append(x * 3)
+    return list(chained), list(plain), list(mapped), list(numbered)
+
+
+def accumulate_runs_its_function_when_asked(xs):
+    def step(a, b):
+        log_of_calls.append("step")
+        return a + b
+    running = itertools.accumulate(xs, step)
+    log_of_calls.append("made")
+    return [t * 1 for t in running]
+
+
+def dict_iterator_then_new_key(x):
+    d = collections.OrderedDict(a=x)
+    keys = iter(d)
+    d["b"] = x * 2  # eager: RuntimeError at the next next()
+    return list(keys)
+
+
+def test_iterators_read_their_source_when_asked():
+    check(iterators_see_later_appends, lambda i: A([T(2) for _ in range(1 + i % 2)], T(2)),
+          calls=5, expect="graph")
+    check(accumulate_runs_its_function_when_asked, lambda: A([T(2), T(2), T(2)]), calls=5,
+          expect="graph", state=(log_of_calls.clear, lambda: list(log_of_calls)))
+    check(dict_iterator_then_new_key, lambda: A(T(2)), calls=4, expect="fallback",
+          fallback_kind="exception_handling")
+
+
+def product_with_negative_repeat(xs):
+    return list(itertools.product(xs, repeat=-1))  # eager: ValueError
+
+
+def test_product_with_negative_repeat_raises_as_eager():
+    check(product_with_negative_repeat, lambda: A([T(2)]), calls=4, expect="fallback",
+          fallback_kind="exception_handling")

@@ -231,17 +231,29 @@ def _range(tracer, fn, args, kwargs):
 @model(enumerate)
 def _enumerate(tracer, fn, args, kwargs):
     start = (args[1] if len(args) > 1 else kwargs.get("start", Const(0))).concrete()
-    items = ops.consume(tracer, args[0])
-    return IterV([TupleV([Const(start + i), v]) for i, v in enumerate(items)])
+    items = ops.lazy(tracer, args[0])
+    return IterV([], source=(TupleV([Const(start + i), v]) for i, v in enumerate(items)))
 
 
 @model(zip)
 def _zip(tracer, fn, args, kwargs):
-    columns = [ops.consume(tracer, a) for a in args]
+    columns = [ops.iterate(tracer, a) for a in args]
     strict = kwargs.get("strict", Const(False)).concrete()
-    if strict and len({len(c) for c in columns}) > 1:
-        raise Unsupported("exception_handling", "zip(strict=True) of different lengths")
-    return IterV([TupleV(list(row)) for row in zip(*columns)])
+    return IterV([], source=_zip_rows(columns, strict))
+
+
+def _zip_rows(columns: list, strict: bool):
+    """zip's rows, pulled as CPython pulls them (left to right, up to the first exhausted)."""
+    while columns:
+        row = []
+        for i, it in enumerate(columns):
+            item = it.next()
+            if item is None:
+                if strict and (i > 0 or any(other.next() is not None for other in columns[1:])):
+                    raise Unsupported("exception_handling", "zip(strict=True) of different lengths")
+                return
+            row.append(item)
+        yield TupleV(row)
 
 
 @model(reversed)
@@ -302,17 +314,17 @@ def _next(tracer, fn, args, kwargs):
 @model(map)
 def _map(tracer, fn, args, kwargs):
     from .calls import call
-    columns = [ops.consume(tracer, a) for a in args[1:]]
-    return IterV([call(tracer, args[0], list(row), {}) for row in zip(*columns)])
+    rows = _zip_rows([ops.iterate(tracer, a) for a in args[1:]], False)
+    return IterV([], source=(call(tracer, args[0], row.items, {}) for row in rows))
 
 
 @model(filter)
 def _filter(tracer, fn, args, kwargs):
     from .calls import call
-    items = ops.consume(tracer, args[1])
+    items = ops.lazy(tracer, args[1])
     if isinstance(args[0], Const) and args[0].value is None:
-        return IterV([i for i in items if ops.truth(tracer, i)])
-    return IterV([i for i in items if ops.truth(tracer, call(tracer, args[0], [i], {}))])
+        return IterV([], source=(i for i in items if ops.truth(tracer, i)))
+    return IterV([], source=(i for i in items if ops.truth(tracer, call(tracer, args[0], [i], {}))))
 
 
 @model(any, all)

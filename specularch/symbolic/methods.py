@@ -54,7 +54,7 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
 
 
 def _const_method(tracer, self_v: Const, name, args, kwargs) -> Value:
-    args = [ListV(a.items[a.pos:]) if isinstance(a, IterV) else a for a in args]
+    args = [ListV(a.rest()) if isinstance(a, IterV) else a for a in args]
     if not all(is_const(a) for a in args) or not all(is_const(v) for v in kwargs.values()):
         if any(isinstance(a, TensorV) for a in [*args, *kwargs.values()]):
             raise Unsupported("data_dependent_value",

@@ -332,12 +332,12 @@ def iterate(tracer, v: Value) -> IterV:
     _untracked(v)
     if isinstance(v, IterV):
         return v
-    if isinstance(v, (TupleV, ListV)):
+    if isinstance(v, TupleV):
         return IterV(list(v.items))
-    if isinstance(v, DictV):
-        return IterV([Const(k) for k in v.items])
-    if isinstance(v, SetV):
-        return IterV([Const(k) for k in v.items])
+    if isinstance(v, ListV):
+        return IterV([], source=_list_items(v))
+    if isinstance(v, (DictV, SetV)):
+        return IterV([], source=_keys(v))
     if isinstance(v, Const):
         try:
             return IterV([tracer.wrap_python(x) for x in v.value])
@@ -359,14 +359,44 @@ def iterate(tracer, v: Value) -> IterV:
     raise Unsupported("unsupported_call", f"iterating over {_kind(v)}")
 
 
+def _list_items(v: ListV):
+    """A list iterator: reads ``v`` by index when asked, so what the list holds then counts."""
+    i = 0
+    while i < len(v.items):
+        yield v.items[i]
+        i += 1
+
+
+def _keys(v: Value):
+    """A dict or set iterator over the keys it has now; changing them before the iterator is
+    used up raises in eager (RuntimeError), so the call runs eagerly."""
+    keys = list(v.items)
+
+    def check():
+        if list(v.items) != keys:
+            raise Unsupported("exception_handling",
+                              f"RuntimeError: {type(v.items).__name__} changed during iteration")
+
+    def gen():
+        for k in keys:
+            check()
+            yield Const(k)
+        check()
+    return gen()
+
+
+def lazy(tracer, v: Value):
+    """The items of ``iter(v)`` (taken now, as Python does), one at a time when asked for."""
+    it = iterate(tracer, v)
+    while (item := it.next()) is not None:
+        yield item
+
+
 def consume(tracer, v: Value) -> list[Value]:
     """The items ``v`` still yields (``list(v)``, ``sum(v)``, ``a, b = v``, ...). An iterator
     is used up, as in eager: items ``next()`` already took are not yielded again, and a
     second ``list(it)`` is empty."""
-    it = iterate(tracer, v)
-    items = it.items[it.pos:]
-    it.pos = len(it.items)
-    return items
+    return iterate(tracer, v).rest()
 
 
 def length(tracer, v: Value) -> int:

@@ -66,13 +66,13 @@ def _reduce(tracer, fn, args, kwargs):
 @model(itertools.chain)
 def _chain(tracer, fn, args, kwargs):
     _no_kwargs("itertools.chain", kwargs)
-    return IterV([item for a in args for item in ops.consume(tracer, a)])
+    return IterV([], source=(item for a in args for item in ops.lazy(tracer, a)))
 
 
 @model(itertools.chain.from_iterable)
 def _chain_from_iterable(tracer, fn, args, kwargs):
     _no_kwargs("itertools.chain.from_iterable", kwargs)
-    return IterV([item for a in ops.consume(tracer, args[0]) for item in ops.consume(tracer, a)])
+    return IterV([], source=(item for a in ops.lazy(tracer, args[0]) for item in ops.lazy(tracer, a)))
 
 
 @model(itertools.product)
@@ -81,7 +81,9 @@ def _product(tracer, fn, args, kwargs):
     _no_kwargs("itertools.product", kwargs)
     if not isinstance(repeat, Const) or not isinstance(repeat.value, int):
         raise Unsupported("unsupported_call", "itertools.product(repeat=) with a non-constant count")
-    pools = [ops.consume(tracer, a) for a in args] * max(repeat.value, 0)
+    if repeat.value < 0:
+        raise Unsupported("exception_handling", "ValueError: repeat argument cannot be negative")
+    pools = [ops.consume(tracer, a) for a in args] * repeat.value
     return IterV([TupleV(list(row)) for row in itertools.product(*pools)])
 
 
@@ -94,16 +96,17 @@ def _accumulate(tracer, fn, args, kwargs):
         raise Unsupported("exception_handling", "TypeError: accumulate() takes at most 2 arguments")
     if isinstance(func, Const) and func.value is None:
         func = Obj(operator.add)
-    items = ops.consume(tracer, args[0])
-    out: list[Value] = []
-    acc = None
-    if not (isinstance(initial, Const) and initial.value is None):
-        acc = initial
-        out.append(acc)
-    for item in items:
+    start = None if isinstance(initial, Const) and initial.value is None else initial
+    return IterV([], source=_accumulated(tracer, func, ops.iterate(tracer, args[0]), start))
+
+
+def _accumulated(tracer, func: Value, it, acc: Value | None):
+    """accumulate's items, each computed when asked for (``func`` runs when eager runs it)."""
+    if acc is not None:
+        yield acc
+    while (item := it.next()) is not None:
         acc = item if acc is None else _apply2(tracer, func, acc, item)
-        out.append(acc)
-    return IterV(out)
+        yield acc
 
 
 # ---- collections ----------------------------------------------------------------------------

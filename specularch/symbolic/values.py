@@ -226,16 +226,38 @@ class MethodV(Value):
 
 @dataclass(eq=False, repr=False)
 class IterV(Value):
-    """An iterator over already-known items (capture unrolls loops)."""
+    """An iterator (capture unrolls loops): ``items`` known so far, ``pos`` the next one to
+    hand out. ``source``, when given, yields the rest one at a time, when they are asked for:
+    an iterator over a list reads the list as it is then, ``map``/``accumulate`` call their
+    function then (so side effects keep eager's order and a list changed meanwhile is seen)."""
 
     items: list
     pos: int = 0
+    source: Any = None
 
     def next(self) -> Value | None:
-        if self.pos >= len(self.items):
+        if self.pos >= len(self.items) and not self._pull():
             return None
         self.pos += 1
         return self.items[self.pos - 1]
+
+    def rest(self) -> list:
+        """The items still to come, used up (``list(it)``: a second call gives [])."""
+        while self._pull():
+            pass
+        items = self.items[self.pos:]
+        self.pos = len(self.items)
+        return items
+
+    def _pull(self) -> bool:
+        if self.source is None:
+            return False
+        try:
+            self.items.append(next(self.source))
+        except StopIteration:
+            self.source = None
+            return False
+        return True
 
     def concrete(self):
         raise _NoConcrete("an iterator")
