@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import specularch
+from differential import A, T, check, check_module
 
 STEPS = 20
 
@@ -440,3 +441,28 @@ def test_cycled_momentum_step_compiled_by_torchscript_matches_eager():
         assert all(g.backend == "torchscript" for g in e.graphs), str(e)
         for p, q in zip(m_fast.parameters(), m_ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# `.item()` is read from the graph's output after the run: a tensor written in place later in
+# the call (or by the commit, for a buffer) must be read as it was when `.item()` was called.
+def item_then_written_in_place(x):
+    y = x * 2
+    first, total = y[0].item(), y.sum().item()
+    y.add_(1)
+    return first, total, y
+
+
+class ItemOfBufferThenUpdate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x):
+        before = self.steps.item()
+        self.steps.add_(x.sum())
+        return before
+
+
+def test_item_reads_the_value_at_the_call_not_after_later_writes():
+    check(item_then_written_in_place, lambda: A(T(4)), calls=5, expect="graph")
+    check_module(ItemOfBufferThenUpdate, lambda: A(T(3)), calls=5, expect="graph")

@@ -24,7 +24,7 @@ from . import branch_merge, grad_mode
 from .frame import Frame
 from .symint import SymV
 from .tracer import Tracer
-from .training import ScalarV
+from .training import ScalarV, item_snapshot
 from .values import (CellV, Const, DictV, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value)
 
@@ -186,7 +186,7 @@ class SpecBuilder:
         if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)
             return self.out(v.node)
         if isinstance(v, ScalarV):  # `t.item()`: read from the graph's output afterwards
-            return ("item", self.out(v.node, as_value=False)[1])
+            return ("item", self.out(item_snapshot(v.node), as_value=False)[1])
         if isinstance(v, (ListV, DictV, UntrackedContainer)) and v.source is not None:
             return ("source", v.source)
         if isinstance(v, Obj):

@@ -16,6 +16,7 @@ import torch.fx
 from ..guards import NoTensorHooksGuard
 from ..guards.sources import AttrSource
 from ..records import Unsupported
+from ._torch_dispatch import storage_key
 from .values import Const, TensorV, Value
 
 
@@ -43,6 +44,36 @@ def item(tracer, t: TensorV) -> Value:
     if t.example.numel() != 1:
         raise Unsupported("exception_handling", "item() of a tensor with more than one element")
     return ScalarV(t.node, t.example.item())
+
+
+def item_snapshot(node: torch.fx.Node) -> torch.fx.Node:
+    """The graph output a ``t.item()`` is read from after the run. ``t`` itself only while
+    nothing can change it before that read: a tensor from outside the call (or a view of one)
+    may be written by the commit, and a later in-place op may write ``t``'s storage; then the
+    value is copied where ``.item()`` was called."""
+    if "item_snapshot" in node.meta:
+        return node.meta["item_snapshot"]
+    example = node.meta["example"]
+    key = storage_key(example)
+    graph = node.graph
+    inputs = {storage_key(n.meta["example"]) for n in graph.nodes if n.op == "placeholder"
+              and isinstance(n.meta.get("example"), torch.Tensor)}
+    later, written = node.next, key in inputs
+    while not written and later.op != "output" and later is not graph._root:
+        written = bool(later.meta.get("mutates")) and (key in later.meta.get("writes", ()) or
+                                                       not later.meta.get("writes"))
+        later = later.next
+    snapshot = node
+    if written:
+        at = node
+        while at.next.op == "placeholder":
+            at = at.next
+        with graph.inserting_after(at):
+            snapshot = graph.call_method("clone", (node,))
+        snapshot.meta.update(example=example.clone(), where=node.meta.get("where"),
+                             mutates=False, writes=frozenset())
+    node.meta["item_snapshot"] = snapshot
+    return snapshot
 
 
 def read_grad(tracer, t: TensorV) -> Value:
