@@ -91,8 +91,8 @@ class Renderer:
             if hasattr(cls, "_make"):
                 return f"{self.const(cls)}({body})"
             return f"{self.const(cls)}(({body}))"  # structseq: built from one sequence
-        if kind == "inference":  # once per output: two uses stay one tensor object
-            key = ("inference", spec[1][1])
+        if kind == "inference":  # once per tensor: two uses stay one tensor object
+            key = ("inference", spec[2])
             if key not in self._made:
                 var = f"t{len(self._made)}"
                 self.prelude.append(f"{var} = AS_INFERENCE({self.expr(spec[1])})")

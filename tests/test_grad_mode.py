@@ -224,6 +224,52 @@ def test_inference_mode_cases_eager_treats_differently_fall_back(fn, make_args, 
     _check_inference(inference_block, lambda: A(T(2, 3), T(3, 3)), expect="graph")
 
 
+def views_after_the_block(x, w):
+    with torch.inference_mode():
+        y = x @ w
+    same = y.contiguous()  # `y` itself
+    return y[0], y.t(), y.detach(), same, same is y
+
+
+def test_views_of_block_tensors_taken_after_the_block_are_inference_tensors():
+    """Eager's views of an inference tensor are inference tensors wherever they are taken;
+    they were handed out as normal tensors (and `y.contiguous()` as a second object)."""
+    eager, opt, _ = _check_inference(views_after_the_block,
+                                     lambda: A(T(2, 3), T(3, 3, requires_grad=True)),
+                                     expect="graph")
+    assert _inference_flags(opt) == _inference_flags(eager) == [True] * 4
+    assert opt[4] is True and opt[3].data_ptr() == opt[0].data_ptr()
+
+
+def block_view_of_argument(x):
+    with torch.inference_mode():
+        y = x[0]  # an inference tensor exactly when x is one
+    return y
+
+
+def test_inference_flag_of_arguments_is_guarded():
+    """A graph captured with an inference tensor argument handed out inference tensors for
+    normal arguments too (the argument's flag was not guarded)."""
+    opt = specularch.optimize(block_view_of_argument)
+    with torch.inference_mode():
+        inference_x = T(2, 3)
+    for x in (inference_x, T(2, 3), inference_x, T(2, 3)):
+        assert opt(x).is_inference() is block_view_of_argument(x).is_inference() is x.is_inference()
+
+
+def leaf_made_in_the_block(x):
+    with torch.inference_mode():
+        y = torch.ones(3, requires_grad=True)
+        z = (x * 2).requires_grad_()
+    return y, z
+
+
+def test_tensors_made_requiring_grad_in_the_block_fall_back():
+    """Eager's are inference tensors that require grad; the graph's lost the flag."""
+    check(leaf_made_in_the_block, lambda: A(T(3)), expect="fallback",
+          fallback_kind="unsupported_call")
+
+
 def global_state(x):
     return x * 2, torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 

@@ -293,6 +293,21 @@ class NoHooksGuard(Guard):
 
 
 @dataclass(frozen=True, eq=False)
+class InferenceGuard(Guard):
+    """A tensor input that was an inference tensor at capture still is one: its views are
+    inference tensors too, and the rebuilt results hand them out as such (grad_mode.py)."""
+
+    def conditions(self, v, consts):
+        return [f"{v}.is_inference()"]
+
+    def describe(self):
+        return f"{self.source} is an inference tensor"
+
+    def mismatch(self, value):
+        return "is not an inference tensor now (it was one at capture)"
+
+
+@dataclass(frozen=True, eq=False)
 class NotInferenceGuard(Guard):
     """A tensor the call writes in place (at commit, outside inference mode) is not an
     inference tensor: torch refuses that write, and it would fail halfway through a commit."""

@@ -157,7 +157,8 @@ class SpecBuilder:
     ('out', i) graph output i | ('const', x) | ('source', s) the pre-call object at s |
     ('object', x) a pinned object | ('tuple', [..], cls) | ('list', [..], uid) |
     ('dict', [(k, ..)], uid) | ('set', x) | ('new', cls, [(name, ..)], uid) |
-    ('inference', ('out', i)) graph output i seen as an inference tensor (see grad_mode.py).
+    ('inference', ('out', i), key) graph output i seen as an inference tensor, one per key
+    (see grad_mode.py).
     Containers created in the call carry ``uid`` so one object stays one object.
     """
 

@@ -12,11 +12,13 @@ points. Their flags are Python bools read (and guarded) at capture.
   tensor it creates is an inference tensor and any error eager would raise with them (in
   place outside the block, saved for backward) is raised during capture, which falls back.
   The graph computes the block under ``no_grad`` (the same values; the graph stays
-  compilable); tensors the block created that the call returns or stores are turned into
-  inference tensors over the same storage after the graph ran (``entry.as_inference``), so
-  the caller gets what eager gives. Refused: views of tensors from outside the block used
-  after it (eager gives them inference-mode view metadata the graph cannot), enabling grad
-  inside the block, and ``inference_mode(False)`` while inference mode is on.
+  compilable); tensors the block created, and views of them taken after it, that the call
+  returns or stores are turned into inference tensors over the same storage after the graph
+  ran (``entry.as_inference``), so the caller gets what eager gives; arguments that are
+  inference tensors are guarded to stay so. Refused: views of tensors from outside the
+  block used after it (eager gives them inference-mode view metadata the graph cannot),
+  tensors made in the block that require grad, enabling grad inside the block, and
+  ``inference_mode(False)`` while inference mode is on.
 * ``t.requires_grad_(b)`` on a tensor created in the call is a graph node; on a tensor from
   outside the call it is captured only when it changes nothing (the flag is guarded).
 """
@@ -154,25 +156,35 @@ def check_at_return(tracer) -> None:
                 "and a graph does not carry it out")
     for node in tracer.graph.nodes:
         example = node.meta.get("example")
-        if node.meta.get(_REGION) and isinstance(example, torch.Tensor) \
-                and not example.is_inference() \
-                and any(not user.meta.get(_REGION) for user in node.users):
+        if not node.meta.get(_REGION) or not isinstance(example, torch.Tensor):
+            continue
+        if not example.is_inference() and any(not user.meta.get(_REGION) for user in node.users):
             _refuse("a view of a tensor from outside a torch.inference_mode() block, taken in "
                     "the block, is used after it (eager marks it as an inference-mode view)")
+        if example.is_inference() and example.requires_grad and not torch.is_inference_mode_enabled():
+            # the graph makes it a leaf under no_grad: handed out as an inference tensor it
+            # would lose the flag, and autograd after the block would reach the graph's leaf
+            _refuse("a tensor made inside a torch.inference_mode() block requires grad "
+                    "(requires_grad=True or requires_grad_() in the block)")
 
 
 def output_spec(v: TensorV, spec: tuple) -> tuple:
     """How the commit/return rebuilds graph output ``spec`` for tensor ``v``: made an
-    inference tensor again when eager's is one because the block created it."""
-    if not v.node.meta.get(_REGION):
-        return spec
+    inference tensor again when eager's is one, i.e. when the capture's is: a tensor the
+    block created, or a view of one taken after the block (``y[0]``, ``y.detach()``).
+    Inputs that were inference tensors are guarded to stay so (their views are too)."""
     t = v.example
-    if not t.is_inference():
+    if torch.is_inference_mode_enabled():  # the caller's: the graph makes inference tensors
+        return spec
+    if v.node.meta.get(_REGION) and not t.is_inference():
         _refuse("a view of a tensor from outside a torch.inference_mode() block, taken in "
                 "the block, is returned or stored (eager marks it as an inference-mode view)")
+    if not t.is_inference() or v.node.op == "placeholder":
+        return spec
     if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_conj() or t.is_neg():
         _refuse("an inference tensor that is not a plain strided tensor is returned or stored")
-    return ("inference", spec)
+    # keyed by the tensor: `y.contiguous()` is `y` in eager, and must stay one object
+    return ("inference", spec, id(t))
 
 
 def requires_grad_(tracer, t: TensorV, args: list, kwargs: dict) -> Value:

@@ -18,8 +18,8 @@ import torch.fx
 import torch.nn as nn
 
 from ..guards import (AliasGuard, AttrSource, ContainsGuard, DictKeysGuard, DistinctGuard,
-                      GlobalStateGuard, GuardSet, IdGuard, ItemSource, LenGuard, NoGlobalHooksGuard,
-                      NoHooksGuard, NotInferenceGuard, ObjectSource, TensorGuard, TypeGuard,
+                      GlobalStateGuard, GuardSet, IdGuard, InferenceGuard, ItemSource, LenGuard,
+                      NoGlobalHooksGuard, NoHooksGuard, NotInferenceGuard, ObjectSource, TensorGuard, TypeGuard,
                       ValueGuard, pin)
 from ..guards.guard import global_module_hooks
 from ..guards.sources import Source
@@ -290,6 +290,8 @@ class Tracer:
             self.add_guard(TensorGuard, source, t.__class__, t.dtype, t.device, tuple(t.shape),
                            tuple(t.stride()), t.requires_grad, dynamic=dyn_dims,
                            contiguous=t.is_contiguous())
+            if t.is_inference():  # its views are inference tensors (see grad_mode.output_spec)
+                self.add_guard(InferenceGuard, source)
             node = self._placeholder(_node_name(source))
             self.input_sources.append(source)
         node.meta["example"] = t
