@@ -115,12 +115,14 @@ def worker(rank, world, port, args, queue):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=1024)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].rstrip(":") + ".",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
+    parser.add_argument("--width", type=int, default=1024, help="features per Linear layer")
     parser.add_argument("--depth", type=int, default=8, help="Linear layers")
-    parser.add_argument("--batch", type=int, default=256, help="per rank")
-    parser.add_argument("--bucket-mb", type=float, default=8.0)
+    parser.add_argument("--batch", type=int, default=256, help="examples per rank")
+    parser.add_argument("--bucket-mb", type=float, default=8.0,
+                        help="gradient bucket size in MiB (specularch and DDP)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

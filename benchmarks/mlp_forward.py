@@ -202,9 +202,11 @@ def run(args) -> None:
         row = ", ".join(f"{name} {first[(name, grad_mode)] * 1e3:.0f}"
                         for name, g in first if g == grad_mode)
         print(f"  {grad_mode:8s} {row}")
+    inductor_ran = not args.no_torch_compile or "inductor" in args.backends.split(",")
+    cache = (f"; Inductor's on-disk cache was {'used' if args.warm_cache else 'empty (cold compile)'}"
+             if inductor_ran else "")
     print(f"  (specularch: after {specularch.config.profile_calls} profiled eager calls; "
-          f"its grad graph is a recompile of the same cache; Inductor's on-disk cache was "
-          f"{'used' if args.warm_cache else 'empty (cold compile)'})")
+          f"its grad graph is a recompile of the same cache{cache})")
     for name in [n for n in models if n.startswith("specularch")]:
         graphs = specularch.explain(models[name]).graphs
         ran = ", ".join(f"{'grad' if e.grad_enabled else 'no_grad'}: {e.backend}"

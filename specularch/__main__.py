@@ -11,10 +11,15 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specularch")
     sub = parser.add_subparsers(dest="command", required=True)
-    explain = sub.add_parser("explain", help="run a script optimized and report what happened")
-    explain.add_argument("script")
-    explain.add_argument("args", nargs=argparse.REMAINDER)
+    explain = sub.add_parser("explain", help="run a script optimized and report what happened",
+                             usage="python -m specularch explain [-h] script [args ...]")
+    # ``script`` is optional to argparse only so that a missing one is not reported as
+    # "required: script, args" (argparse counts an empty REMAINDER as missing).
+    explain.add_argument("script", nargs="?")
+    explain.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     options = parser.parse_args(argv)
+    if options.script is None:
+        explain.error("the following arguments are required: script")
     if not os.path.exists(options.script):  # as `python script.py` says it, before anything runs
         print(f"python -m specularch explain: can't open file {options.script!r}: "
               "no such file", file=sys.stderr)

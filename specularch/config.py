@@ -92,8 +92,8 @@ OPTIONS: dict[str, Option] = {
         Option("max_instructions", 200_000, "Bytecode instructions one capture may execute "
                "symbolically (bounds unrolled loops).", "SPECULARCH_MAX_INSTRUCTIONS",
                _positive_int, "a positive integer"),
-        Option("strict", False, "Raise SpecularchStrictError instead of silently falling back "
-               "(for CI).", "SPECULARCH_STRICT", _flag, "one of 1/0/true/false/yes/no/on/off"),
+        Option("strict", False, "Raise SpecularchStrictError instead of falling back to eager "
+               "or recompiling (for CI).", "SPECULARCH_STRICT", _flag, "one of 1/0/true/false/yes/no/on/off"),
         Option("enabled", False, "Optimize the program globally (the frames the policy picks; "
                "see specularch/policy.py). Read at start-up from the environment.", "SPECULARCH",
                _flag, "one of 1/0/true/false/yes/no/on/off"),

@@ -3,7 +3,8 @@
 Runs a small transformer-style block (with a Python flag and a ModuleList loop) and an
 LSTMCell loop under ``specularch.optimize``, checks every result against eager, prints
 ``specularch.explain`` reports (graph code, guards, a recompile, a fallback with its
-reason), and times eager vs specularch per call (median, 1 thread).
+reason, and the ``torch.where`` graph a tensor branch becomes once it has gone both ways),
+and times eager vs specularch per call (median, 1 thread).
 """
 from __future__ import annotations
 
@@ -96,8 +97,14 @@ def main() -> None:
     signs = [1, 1, 1, 1, 1, -1, 1, -1]  # speculated "positive"; the 6th call goes the other way
     ok = all(torch.equal(fast_noisy(torch.ones(4) * s), noisy(torch.ones(4) * s)) for s in signs)
     print(f"\nbranch on a tensor value, speculated: equal eager on every call: {ok}")
-    for record in specularch.explain(fast_noisy).fallbacks:
+    report = specularch.explain(fast_noisy)
+    for record in report.fallbacks:
         print(f"  fallback {record}")
+    merged = [g for g in report.graphs if "torch.where" in g.code]
+    if merged:  # the branch went both ways: its two sides are now one graph
+        print("  the next call captured both sides, selected with torch.where; calls either "
+              "way are graph hits now:")
+        print("\n".join(f"    {line}" for line in merged[0].code.splitlines()))
 
     with torch.no_grad():
         eager_us = _median_us(reference, x)

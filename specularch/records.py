@@ -41,7 +41,9 @@ FALLBACK_KINDS: dict[str, tuple[str, str]] = {
         "The graph speculated on a tensor value (a branch like `if loss > 0:` or a loop's trip "
         "count) and this call went the other way; nothing was committed and the call ran "
         "eagerly. The branch is no longer speculated.",
-        "Expected for branches that really flip; use torch.where to keep both sides in one graph."),
+        "Expected for branches that really flip. A plain if/else whose sides have no side "
+        "effects is captured with both sides (torch.where) from the next call on; otherwise "
+        "this path runs eagerly: write torch.where yourself to keep it in one graph."),
     "module_hooks": (
         "An nn.Module called in the function has forward/backward hooks registered.",
         "Remove the hooks, or optimize a function that does not call the hooked module."),

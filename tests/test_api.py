@@ -683,3 +683,21 @@ def test_fallbacks_are_warned_about_once_per_site(caplog, capsys):
         opt(torch.ones(2))
     assert warnings() == []
     capsys.readouterr()
+
+
+def test_demo_shows_what_the_readme_says(capsys):
+    """`python -m specularch.demo` (the README's first command): every result equals eager, the
+    block's report has graph code, guards and a recompile, and the tensor branch shows its
+    fallback and then the torch.where graph that replaced it."""
+    from specularch import demo
+    torch_threads = torch.get_num_threads()
+    try:
+        demo.main()
+    finally:
+        torch.set_num_threads(torch_threads)
+    out = capsys.readouterr().out
+    assert "results equal eager: True" in out and "graphs=1" in out, out
+    assert "equal eager on every call: True" in out, out
+    assert "  code:" in out and "  guards:" in out and "recompiled Block.forward" in out, out
+    assert "fallback [assumption_failed] noisy" in out, out
+    assert "torch.where(" in out.split("fallback [assumption_failed]")[1], out

@@ -15,3 +15,21 @@ def test_fallback_kinds_table_matches_the_code():
     documented = {kind for kind, _, _ in rows}
     assert documented == set(FALLBACK_KINDS), (documented ^ set(FALLBACK_KINDS))
     assert all(what.strip() and fix.strip() for _, what, fix in rows)
+
+
+def test_configuration_table_matches_the_options():
+    from specularch.config import OPTIONS
+    text = README.read_text()
+    section = text[text.index("## Configuration"):]
+    section = section[:section.index("\n## ", 5)]
+    rows = re.findall(r"^\| `([a-z_]+)` \| (.+?) \| (.+?) \| .+ \|$", section, flags=re.M)
+    assert {name for name, _, _ in rows} == set(OPTIONS), {name for name, _, _ in rows} ^ set(OPTIONS)
+    for name, env, default in rows:
+        option = OPTIONS[name]
+        assert env.strip("` ") == (option.env or "—"), (name, env, option.env)
+        if isinstance(option.default, bool):
+            assert default == ("on" if option.default else "off"), (name, default)
+        elif isinstance(option.default, float):
+            assert default == f"{option.default:g}", (name, default, option.default)
+        elif isinstance(option.default, (int, str)):
+            assert default.strip("`") == str(option.default), (name, default, option.default)

@@ -364,3 +364,12 @@ def test_project_model_suite_passes_in_compare_mode():
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "mismatches: 0" in out.stdout and "optimized code objects" in out.stdout
+
+
+def test_cli_explain_without_a_script_names_only_the_script_as_missing(capsys):
+    from specularch.__main__ import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("error: the following arguments are required: script"), err

@@ -214,20 +214,22 @@ def table(results) -> str:
 
 def main(argv=None) -> int:
     from models import WORKLOADS
-    parser = argparse.ArgumentParser(prog="python -m specularch.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specularch.bench", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
-    parser.add_argument("--preset", default="cpu", choices=("tiny", "cpu", "paper"))
+    parser.add_argument("--preset", default="cpu", choices=("tiny", "cpu", "paper"),
+                        help="workload sizes (tiny: a smoke run)")
     parser.add_argument("--backends", default="fx", help="specularch backends, comma-separated")
     parser.add_argument("--torch-compile", action="store_true", help="also run torch.compile")
     parser.add_argument("--torchscript", action="store_true",
                         help="also run torch.jit.script(model) where the model is scriptable")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="torch device")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (modes interleaved)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per round")
     parser.add_argument("--batches", type=int, default=4,
                         help="distinct full batches cycled through (plus the short last batch)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default="bench-results/results.json")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--json", default="bench-results/results.json", help="results file")
     parser.add_argument("--profile", default=None, help="write profiler traces to this folder")
     args = parser.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
