@@ -194,6 +194,31 @@ def test_inference_tensor_stored_on_self_is_one_inference_tensor():
     assert y.is_inference() and m.last is y
 
 
+class NormalizedUnderInference(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            return self.bn(x)  # in train mode: updates the running stats in the block
+
+
+def test_running_stats_updated_inside_inference_mode_are_updated_once():
+    """Inside inference mode torch hands ``aten::batch_norm`` to the write check whole, and it
+    does not declare its writes: the capture updated the real running stats, then the
+    commit again (twice the momentum step)."""
+    check_module(NormalizedUnderInference, lambda: A(T(4, 3)), calls=4, expect="graph")
+    m = NormalizedUnderInference()
+    opt = specularch.optimize(NormalizedUnderInference())
+    opt.load_state_dict(m.state_dict())
+    for _ in range(2):
+        x = T(4, 3)
+        with torch.inference_mode():
+            assert torch.equal(m(x), opt(x))
+        assert torch.equal(m.bn.running_mean, opt.bn.running_mean)
+
+
 def inference_then_autograd(x, w):
     with torch.inference_mode():
         y = x * 2

@@ -53,6 +53,13 @@ class MutationCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # Reached whole only below autograd (inside inference mode): check the ops it is
+            # made of, as elsewhere (aten::batch_norm writes running stats undeclared).
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         schema = func._schema
         if schema.name == "aten::lift_fresh":  # torch.tensor(data): new storage made outside
             self.fresh.add(storage_key(args[0]))
