@@ -486,6 +486,27 @@ def counts_and_accumulates(box, x, acc):
     return x * 2
 
 
+def accumulates_in_inference_mode(x, acc):
+    with torch.inference_mode():
+        acc.add_(x)
+    return x * 2
+
+
+def test_an_inference_tensor_written_inside_an_inference_block():
+    """Eager may write an inference tensor inside the block; the graph's commit runs outside
+    inference mode, where torch refuses: such calls run eagerly (they were captured with a
+    guard that rejected the very call: internal_error), normal tensors are graphs."""
+    def make(i):
+        if i % 2:
+            return A(T(3), torch.zeros(3))
+        with torch.inference_mode():
+            return A(T(3), torch.zeros(3))
+
+    e = check(accumulates_in_inference_mode, make, calls=4, expect="fallback",
+              fallback_kind="input_mutation")
+    assert e.graphs and e.stats.graph_hits == 1
+
+
 def test_an_inference_tensor_written_outside_inference_mode_commits_nothing():
     """torch refuses in-place updates of inference tensors outside inference mode: a call
     given one (at capture, or after a graph was captured with a normal tensor) raises like

@@ -332,6 +332,12 @@ class Tracer:
             others = tuple(v.source for v in self.graph_inputs() if v.source not in written)
             self.add_guard(DistinctGuard, None, written=tuple(written), others=others)
             if not torch.is_inference_mode_enabled():  # the commit's writes would be refused
+                for w in pending:
+                    if w.kind == "tensor" and w.target.source is not None \
+                            and w.target.real is not None and w.target.real.is_inference():
+                        raise Unsupported("input_mutation", f"{w.target.source} is an inference "
+                                          "tensor written inside torch.inference_mode(): the "
+                                          "graph's commit runs outside it, where torch refuses")
                 for source in written:
                     self.add_guard(NotInferenceGuard, source)
         targets = dict.fromkeys(w.target.source for w in pending if w.kind in _OBJECT_WRITES
