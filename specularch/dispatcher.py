@@ -548,7 +548,7 @@ def _run_eager(state: CodeState, slots, cells, record: FallbackRecord,
             distributed.agreement.reset_call()  # the other ranks wait for this step's header
             distributed.agreement.refuse(state.target.name, record.kind, record.explanation)
         raise SpecularchStrictError(f"specularch strict mode: {state.target.name} would fall back "
-                                    f"to eager.\n{record}")
+                                    f"to eager.\n{record}") from None  # the record says why
     record.count += 1
     state.stats.fallback_calls += 1
     if distributed.active():
