@@ -58,6 +58,10 @@ def build_modes(workload, preset, device, backends, with_compile, with_script):
         modes[f"specularch {backend}"] = specularch.optimize(make_step(workload, fresh(), device),
                                                              backend=backend)
     if with_compile:
+        # Each workload's step starts from empty torch.compile caches: the steps share one code
+        # object, so an earlier workload's recompiles would count against this one's
+        # recompile limit (and past it torch.compile silently runs the step eagerly).
+        torch.compiler.reset()
         modes["torch.compile"] = torch.compile(make_step(workload, fresh(), device))
     if with_script:
         try:
