@@ -1,9 +1,11 @@
 """Logging of what specularch does (``SPECULARCH_LOG=graphs,guards,fallbacks,recompiles``),
 through the standard ``logging`` module, logger ``specularch``. Disabled topics cost one
 set lookup. Fallbacks are never silent: the first of each kind at each user line is a
-WARNING even with no topic chosen (``config.warn_fallbacks``). The root logger is never configured: when the program has set up no logging at
-all, the ``specularch`` logger gets its own stderr handler (and does not propagate), so a
-``logging.basicConfig`` the program calls later still takes effect."""
+WARNING even with no topic chosen (``config.warn_fallbacks``). The root logger is never
+configured: when the program has set up no logging at all, the ``specularch`` logger gets its
+own stderr handler (and does not propagate), so a ``logging.basicConfig`` the program calls
+later still takes effect, and from then on specularch's messages go to the program's
+handlers."""
 from __future__ import annotations
 
 import logging
@@ -49,11 +51,22 @@ def forget_warnings() -> None:
     _WARNED.clear()
 
 
+_OWN_HANDLER: logging.Handler | None = None  # the stderr handler added while none was set up
+
+
 def _ensure_handler() -> None:
     """When the program has set up no logging at all, the ``specularch`` logger gets its own
-    stderr handler (and does not propagate); otherwise the program's handlers are used."""
-    if not logger.handlers and not logging.getLogger().handlers:
+    stderr handler (and does not propagate); otherwise the program's handlers are used, also
+    when it set them up after that handler was added (it is then removed)."""
+    global _OWN_HANDLER
+    configured = bool(logging.getLogger().handlers)
+    if _OWN_HANDLER is not None and configured:
+        logger.removeHandler(_OWN_HANDLER)
+        logger.propagate = True
+        _OWN_HANDLER = None
+    if not logger.handlers and not configured:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+        _OWN_HANDLER = handler

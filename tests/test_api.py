@@ -685,6 +685,28 @@ def test_fallbacks_are_warned_about_once_per_site(caplog, capsys):
     capsys.readouterr()
 
 
+def test_fallback_warnings_go_to_logging_the_program_sets_up_later(caplog, capsys):
+    """Before the program sets up logging, the warning has specularch's own stderr handler;
+    once it has (``basicConfig`` after the first warning), later warnings reach the program's
+    handlers instead of staying on stderr."""
+    import logging
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []  # a program that has not set up logging (pytest's handlers removed)
+    try:
+        opt = specularch.optimize(prints_its_input)
+        opt(torch.ones(2))
+        assert "prints_its_input runs eagerly" in capsys.readouterr().err
+    finally:
+        root.handlers = saved  # the program sets up logging (here: pytest's capture again)
+    specularch.reset()  # warn again
+    opt(torch.ones(2))
+    assert [r.getMessage().split(" [")[0] for r in caplog.records if r.name == "specularch"] \
+        == ["prints_its_input runs eagerly"]
+    assert "runs eagerly" not in capsys.readouterr().err
+    assert specularch.log.logger.propagate and not specularch.log.logger.handlers
+
+
 def test_demo_shows_what_the_readme_says(capsys):
     """`python -m specularch.demo` (the README's first command): every result equals eager, the
     block's report has graph code, guards and a recompile, and the tensor branch shows its
