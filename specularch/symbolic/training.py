@@ -60,8 +60,9 @@ def item_snapshot(node: torch.fx.Node) -> torch.fx.Node:
               and isinstance(n.meta.get("example"), torch.Tensor)}
     later, written = node.next, key in inputs
     while not written and later.op != "output" and later is not graph._root:
-        written = bool(later.meta.get("mutates")) and (key in later.meta.get("writes", ()) or
-                                                       not later.meta.get("writes"))
+        # a node with no tensor inputs (a grad-mode switch) cannot write ``t``'s storage
+        written = (bool(later.meta.get("mutates")) and bool(later.all_input_nodes)
+                   and (key in later.meta.get("writes", ()) or not later.meta.get("writes")))
         later = later.next
     snapshot = node
     if written:
