@@ -17,6 +17,7 @@ were before the call, and nothing is written unless every guard and assertion pa
 """
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,6 +92,15 @@ class Renderer:
             if hasattr(cls, "_make"):
                 return f"{self.const(cls)}({body})"
             return f"{self.const(cls)}(({body}))"  # structseq: built from one sequence
+        if kind == "format":  # f"{v!r:spec}", as FORMAT_VALUE computes it
+            conv = {0: "", 1: "STR", 2: "REPR", 3: "ASCII"}[spec[2]]
+            return f"FORMAT({conv}({self.expr(spec[1])}), {spec[3]!r})" if conv else \
+                f"FORMAT({self.expr(spec[1])}, {spec[3]!r})"
+        if kind == "concat":
+            return "''.join((" + "".join(f"{self.expr(s)}, " for s in spec[1]) + "))"
+        if kind == "call":
+            args = [self.expr(s) for s in spec[2]] + [f"{k}={self.expr(s)}" for k, s in spec[3]]
+            return f"{self.const(spec[1])}({', '.join(args)})"
         if kind == "inference":  # once per tensor: two uses stay one tensor object
             key = ("inference", spec[2])
             if key not in self._made:
@@ -140,6 +150,11 @@ class Renderer:
             return f"{self.expr(w[1])}[{self.expr(w[2])}] = {self.expr(w[3])}"
         if kind == "append":
             return f"{self.expr(w[1])}.append({self.expr(w[2])})"
+        if kind == "print":  # the stream (sys.stdout / sys.stderr) was read before the graph ran
+            args = [self.expr(s) for s in w[1]]
+            args += [f"{k}={self.expr(s)}" for k, s in (("sep", w[2]), ("end", w[3]), ("file", w[4]))
+                     if s is not None]
+            return f"PRINT({', '.join(args + ['flush=True'] * w[5])})"
         raise ValueError(f"unknown write {kind!r}")
 
 
@@ -228,7 +243,8 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     ns: dict[str, Any] = dict(consts, MISS=MISS, GRAPH=graph_fn, O=PINNED, NEW=_new_object,
                               FAILED=failed, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
                               FOREACH_COPY_ALL=_foreach_copy_all,
-                              AS_INFERENCE=as_inference,
+                              AS_INFERENCE=as_inference, PRINT=builtins.print,
+                              FORMAT=builtins.format, STR=str, REPR=repr, ASCII=ascii,
                               GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state)
     exec(compile(text, "<specularch entry>", "exec"), ns)
     return ns["entry"], text

@@ -9,7 +9,7 @@ replays it in program order (``commit``); if anything failed the log is dropped
 (``discard``) and no real object was touched.
 
 API (capture time): ``read_attr`` / ``write_attr`` / ``delete_attr``, ``read_global`` /
-``write_global``, ``write_cell``, ``touch_container``, ``touched``, ``update_tensor``, ``pending()``.
+``write_global``, ``write_cell``, ``write_print``, ``touch_container``, ``touched``, ``update_tensor``, ``pending()``.
 The commit itself is generated code (``entry.py``), built from ``pending()``.
 """
 from __future__ import annotations
@@ -31,6 +31,8 @@ class Write:
     * ``append``: ``container.append(value)`` (an append-only list)
     * ``container``: a list/dict that existed before the call gets its final contents
     * ``tensor``: an existing tensor gets the values computed functionally by the graph
+    * ``print``: ``print(*value[0], sep=, end=, file=, flush=)`` (``value``: the arguments,
+      sep, end, the stream value or None, flush), text formatted at commit
     """
 
     kind: str
@@ -80,6 +82,10 @@ class ShadowHeap:
     def write_append(self, container, value, where: str = "") -> None:
         """``container.append(value)`` on a list whose items this capture does not track."""
         self._log.append(Write("append", container, None, value, where))
+
+    def write_print(self, args: list, sep, end, stream, flush: bool, where: str = "") -> None:
+        """``print(...)``: an effect with no target, committed in program order."""
+        self._log.append(Write("print", None, None, (args, sep, end, stream, flush), where))
 
     def write_cell(self, cell, value, where: str = "") -> None:
         self._log.append(Write("cell", cell, None, value, where))

@@ -39,6 +39,8 @@ def _all_const(args, kwargs) -> bool:
 def _concrete_call(tracer, fn, args, kwargs) -> Value:
     try:
         result = fn(*[a.concrete() for a in args], **{k: v.concrete() for k, v in kwargs.items()})
+    except Unsupported:  # forcing a lazy string (printing.StrV) falls back with its own kind
+        raise
     except Exception as e:
         raise Unsupported("exception_handling",
                           f"{getattr(fn, '__name__', fn)}() raised {type(e).__name__}: {e}") from None
@@ -116,14 +118,18 @@ def _guard_hasattr(tracer, obj: Value, name: str) -> None:
         tracer.add_guard(HasAttrGuard, obj.source, name=name, expected=hasattr(obj.obj, name))
 
 
-@model(setattr, delattr, print, input, open, id, exec, eval, compile, globals, locals, vars,
+@model(setattr, delattr, input, open, id, exec, eval, compile, globals, locals, vars,
        breakpoint, __import__)
 def _impure(tracer, fn, args, kwargs):
     label = getattr(fn, "__name__", "this builtin")
-    kind = "data_dependent_value" if label == "print" and any(contains_tensor(a) for a in args) \
-        else "unsupported_call"
-    raise Unsupported(kind, f"{label}() has effects outside the graph (I/O, identity or "
-                      "namespace access) and is not captured")
+    raise Unsupported("unsupported_call", f"{label}() has effects outside the graph (I/O, "
+                      "identity or namespace access) and is not captured")
+
+
+@model(print)
+def _print(tracer, fn, args, kwargs):
+    from .printing import deferred_print
+    return deferred_print(tracer, args, kwargs)
 
 
 @model(min, max)
@@ -161,6 +167,10 @@ def _sum(tracer, fn, args, kwargs):
 @model(int, float, complex, str, repr, ascii, bytes, format, chr, ord, hash, round, divmod,
        pow, bin, hex, oct)
 def _scalar(tracer, fn, args, kwargs):
+    from . import printing
+    text = printing.builtin(fn, args, kwargs)  # str(loss.item()): formatted at commit
+    if text is not None:
+        return text
     if _all_const(args, kwargs):
         return _concrete_call(tracer, fn, args, kwargs)
     if any(isinstance(a, TensorV) for a in args):
@@ -168,6 +178,9 @@ def _scalar(tracer, fn, args, kwargs):
             return tracer.call_op("call_function", fn, args, kwargs)
         raise Unsupported("data_dependent_value",
                           f"{fn.__name__}() of a tensor reads its value into Python")
+    if any(printing.refusal_kind(a) == "data_dependent_value" for a in [*args, *kwargs.values()]):
+        raise Unsupported("data_dependent_value", f"{fn.__name__}() of a `.item()` value or a "
+                          "tensor computes on tensor data in Python")
     raise Unsupported("unsupported_call", f"{fn.__name__}() of {args[0]!r}")
 
 
@@ -192,7 +205,7 @@ def _list(tracer, fn, args, kwargs):
 @model(tuple)
 def _tuple(tracer, fn, args, kwargs):
     items = list(ops.consume(tracer, args[0])) if args else []
-    if all(isinstance(i, Const) for i in items):
+    if all(type(i) is Const for i in items):  # not a lazy string (printing.StrV): kept lazy
         return Const(tuple(i.value for i in items))
     return TupleV(items)
 

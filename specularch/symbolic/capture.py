@@ -22,6 +22,7 @@ from ..guards.sources import CellSource, LocalSource, Source
 from ..records import Unsupported
 from . import branch_merge, grad_mode
 from .frame import Frame
+from .printing import StrV
 from .symint import SymV
 from .tracer import Tracer
 from .training import ScalarV, item_snapshot
@@ -158,7 +159,9 @@ class SpecBuilder:
     ('object', x) a pinned object | ('tuple', [..], cls) | ('list', [..], uid) |
     ('dict', [(k, ..)], uid) | ('set', x) | ('new', cls, [(name, ..)], uid) |
     ('inference', ('out', i), key) graph output i seen as an inference tensor, one per key
-    (see grad_mode.py).
+    (see grad_mode.py) | ('format', v, conversion, spec) ``format(conv(v), spec)`` |
+    ('concat', [..]) ``''.join`` | ('call', fn, [..], [(k, ..)]) ``fn(..)``: strings formatted
+    by the commit (see printing.py).
     Containers created in the call carry ``uid`` so one object stays one object.
     """
 
@@ -182,6 +185,8 @@ class SpecBuilder:
             if v.updated:  # the real tensor, which the commit fills with the new values
                 return ("source", v.source)
             return grad_mode.output_spec(v, self.out(v.node))
+        if isinstance(v, StrV):  # a string formatted by the commit from the graph's values
+            return v.spec(self.build)
         if isinstance(v, Const):
             return ("const", v.value)
         if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)
@@ -254,6 +259,11 @@ class SpecBuilder:
             return ("item", self.build(w.target), self.build(w.name), self.build(w.value))
         if w.kind == "tensor":
             return ("tensor", ("source", w.target.source), self.out(w.target.node))
+        if w.kind == "print":
+            args, sep, end, stream, flush = w.value
+            return ("print", [self.build(a) for a in args],
+                    *[None if v is None else self.build(v) for v in (sep, end)],
+                    None if stream is None else ("source", stream.source), flush)
         raise ValueError(f"unknown write kind {w.kind!r}")
 
 

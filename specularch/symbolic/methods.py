@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..records import Unsupported
-from . import grad_mode, training, untracked
+from . import grad_mode, printing, training, untracked
 from .operators import consume, contains, ensure_local, identical
 from .tracer import FORBIDDEN_TENSOR_METHODS
 from .values import (Const, DictV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
@@ -55,14 +55,20 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
 
 def _const_method(tracer, self_v: Const, name, args, kwargs) -> Value:
     args = [ListV(a.rest()) if isinstance(a, IterV) else a for a in args]
+    text = printing.str_method(self_v, name, args, kwargs)  # "{:.3f}".format(v): at commit
+    if text is not None:
+        return text
     if not all(is_const(a) for a in args) or not all(is_const(v) for v in kwargs.values()):
-        if any(isinstance(a, TensorV) for a in [*args, *kwargs.values()]):
+        if any(printing.refusal_kind(a) == "data_dependent_value" for a in [*args, *kwargs.values()]):
             raise Unsupported("data_dependent_value",
-                              f"{type(self_v.value).__name__}.{name}() formats or reads a tensor")
+                              f"{self_v.python_type().__name__}.{name}() formats or reads a tensor "
+                              "or a `.item()` value")
         raise Unsupported("unsupported_call", f"{type(self_v.value).__name__}.{name}() with non-constant arguments")
     method = getattr(self_v.value, name)
     try:
         result = method(*[a.concrete() for a in args], **{k: v.concrete() for k, v in kwargs.items()})
+    except Unsupported:  # forcing a lazy string (printing.StrV) falls back with its own kind
+        raise
     except Exception as e:
         raise Unsupported("exception_handling", f"{name}() raised {type(e).__name__}: {e}") from None
     return tracer.wrap_python(result)

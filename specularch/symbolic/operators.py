@@ -40,6 +40,8 @@ def concrete_op(tracer, fn, *values: Value) -> Value:
     """Apply ``fn`` to constant values now; an exception means eager would raise too."""
     try:
         result = fn(*[v.concrete() for v in values])
+    except Unsupported:  # forcing a lazy string (printing.StrV) falls back with its own kind
+        raise
     except Exception as e:
         raise Unsupported("exception_handling",
                           f"{getattr(fn, '__name__', fn)} raised {type(e).__name__} during capture: {e}") from None
@@ -53,6 +55,10 @@ def _no_item_values(*values: Value) -> None:
 
 
 def binary(tracer, op, a: Value, b: Value) -> Value:
+    from . import printing
+    text = printing.binary(op, a, b)  # "%.4f" % loss.item(), "loss " + s: formatted at commit
+    if text is not None:
+        return text
     _no_item_values(a, b)
     if isinstance(a, TensorV) or isinstance(b, TensorV):
         return tracer.call_op("call_function", op, [a, b], {})

@@ -9,7 +9,7 @@ from .values import Const, DictV, ListV, SetV, TupleV, UntrackedContainer, is_co
 
 
 def _tuple(items):
-    if all(isinstance(i, Const) for i in items):
+    if all(type(i) is Const for i in items):  # not a lazy string (printing.StrV): kept lazy
         return Const(tuple(i.value for i in items))
     return TupleV(list(items))
 

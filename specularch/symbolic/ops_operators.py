@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 
 from ..records import Unsupported
-from . import branch_merge, operators as ops
+from . import branch_merge, operators as ops, printing
 from .registry import handles
 from .values import Const, TensorV, is_const
 
@@ -90,16 +90,9 @@ def _build_slice(frame, ins):
 def _format_value(frame, ins):
     spec = frame.pop().concrete() if (ins.arg & 0x04) else ""
     value = frame.pop()
-    if not is_const(value):
-        kind = "data_dependent_value" if isinstance(value, TensorV) else "unsupported_call"
-        raise Unsupported(kind, "an f-string formats a non-constant value (a tensor or object)")
-    v = value.concrete()
-    conversion = ins.arg & 0x03
-    v = {0: lambda x: x, 1: str, 2: repr, 3: ascii}[conversion](v)
-    frame.push(Const(format(v, spec)))
+    frame.push(printing.format_value_v(value, ins.arg & 0x03, spec))
 
 
 @handles("BUILD_STRING")
 def _build_string(frame, ins):
-    parts = frame.popn(ins.arg)
-    frame.push(Const("".join(p.concrete() for p in parts)))
+    frame.push(printing.build_string(frame.popn(ins.arg)))

@@ -22,16 +22,18 @@ from .values import Const, TensorV, Value
 
 @dataclass(eq=False, repr=False)
 class ScalarV(Value):
-    """``t.item()``: a Python number the graph produces. It can be returned or stored (it
-    is read from the graph's output after the run), but not computed on or branched on."""
+    """``t.item()``: a Python number the graph produces. It can be returned, stored, printed
+    or formatted into a string (it is read from the graph's output after the run; see
+    printing.py), but not computed on or branched on."""
 
     node: torch.fx.Node
     value: Any
 
     def concrete(self):
         raise Unsupported("data_dependent_value",
-                          "a value from `.item()` is used in Python (arithmetic, a branch, "
-                          "formatting); only returning or storing it is captured")
+                          "a value from `.item()` is used in Python (arithmetic, a branch, a "
+                          "comparison, a string used as text); returning, storing, printing "
+                          "and formatting it into a string are captured")
 
     def python_type(self):
         return type(self.value)
