@@ -2,6 +2,7 @@
 a new graph (never a wrong answer), and failures explain themselves with expected vs actual
 and the user's file:line."""
 import builtins
+import math
 
 import pytest
 import torch
@@ -241,3 +242,19 @@ def test_a_global_module_hook_registered_after_capture_is_seen():
     finally:
         handle.remove()
     assert {f.kind for f in specularch.explain(m).fallbacks} == {"module_hooks"}
+
+
+def _signed(x, s):
+    return x * math.copysign(1.0, s)
+
+
+def test_float_guards_tell_signed_zeros_and_nan_apart():
+    """A float baked into a graph is guarded as the same float: -0.0 is not 0.0 (``==`` says
+    it is, but ``copysign``, ``1 / s`` and formatting differ), and nan is nan."""
+    zero, nan = ValueGuard(LocalSource(0, "s"), expected=0.0), ValueGuard(LocalSource(0, "s"), expected=float("nan"))
+    assert zero.reason(0.0) is None and zero.reason(-0.0) is not None
+    assert nan.reason(float("nan")) is None and nan.reason(1.0) is not None
+    opt = specularch.optimize(_signed)
+    with specularch.config.patch(profile_calls=0):
+        for s in (0.0, -0.0, 0.0, -0.0):
+            assert torch.equal(opt(torch.ones(2), s), _signed(torch.ones(2), s)), s

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from ._torch_guards import tensor_checker
-from .guard import DistinctGuard, Guard, TensorGuard
+from .guard import DistinctGuard, Guard, TensorGuard, same_value
 
 _FAST_TYPES = (torch.Tensor, torch.nn.Parameter)
 from .sources import PINNED, Source
@@ -134,7 +134,7 @@ class GuardSet:
                     got = eval(g.expr, {}, roots)
                 except Exception as e:
                     got = f"<{type(e).__name__}>"
-                text = None if got == g.expected else (
+                text = None if same_value(got, g.expected) else (
                     f"{g.describe().rsplit(' == ', 1)[0]} expected {g.expected!r}, got {got!r}"
                     + (f" — {g.where}" if g.where else ""))
             elif g.source is None and g.key()[0] == "NotShadowed":

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import math
+
 import torch
 
 from .sources import Source
@@ -103,6 +105,21 @@ class IdGuard(Guard):
         return f"expected the same object as at capture, got another {type(value).__qualname__}"
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """``a == b``, except that floats must be the same float: ``==`` cannot tell -0.0 from 0.0
+    (``1 / x``, ``copysign``, formatting differ) and is never true for nan."""
+    if type(a) is float and type(b) is float and (b == 0.0 or b != b):
+        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
+    return a == b
+
+
+def equal_condition(expr: str, expected: Any, consts: dict) -> str:
+    """Guard text: ``expr`` still equals ``expected`` (exactly, for floats; see same_value)."""
+    if type(expected) is float and (expected == 0.0 or not math.isfinite(expected)):
+        return f"{const_name(consts, same_value)}({expr}, {const_name(consts, expected)})"
+    return f"{expr} == {const_name(consts, expected)}"
+
+
 @dataclass(frozen=True, eq=False)
 class ValueGuard(Guard):
     """A Python value (int, bool, str, None, dtype, ...) baked into the graph."""
@@ -113,6 +130,8 @@ class ValueGuard(Guard):
         t = type(self.expected)
         if self.expected is None or isinstance(self.expected, bool):
             return [f"{v} is {const_name(consts, self.expected)}"]
+        if t is float:
+            return [f"type({v}) is float", equal_condition(v, self.expected, consts)]
         return [f"type({v}) is {const_name(consts, t)}", f"{v} == {const_name(consts, self.expected)}"]
 
     def describe(self):
@@ -247,7 +266,7 @@ class ExprGuard(Guard):
         return ("Expr", self.expr)
 
     def conditions(self, v, consts):
-        return [f"{self.expr} == {self.expected!r}"]
+        return [equal_condition(self.expr, self.expected, consts)]
 
     def describe(self):
         return f"{self.label or self.expr} == {self.expected!r}"

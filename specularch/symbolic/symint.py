@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.fx
 
-from ..guards.guard import ExprGuard
+from ..guards.guard import ExprGuard, same_value
 from ..records import Unsupported
 from .values import Const, Value
 
@@ -59,7 +59,7 @@ def specialize(tracer, v: SymV) -> None:
         tracer.guards.add(ExprGuard(None, expr=v.expr, expected=v.value, label=v.label,
                                     where=tracer.where()))
     else:
-        check = tracer.graph.call_function(operator.eq, (v.node, v.value))
+        check = tracer.graph.call_function(same_value, (v.node, v.value))  # -0.0 is not 0.0
         tracer.assertions.append((check, True, tracer.where(), ("specialize", id(v.node))))
 
 
