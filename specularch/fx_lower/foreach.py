@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from .passes import rewritten_copy
+
 # Per-tensor op -> its foreach op, by operand form. ``tensors``: how many tensor operands
 # (self first); ``scalar``: the position (int) or keyword (str) of the one Python-number
 # operand, with its default; ``alpha``: a keyword every member must pass the same.
@@ -76,19 +78,10 @@ def batch_foreach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     member depends on another and every operand is ready before the group. A node needing
     autograd, a view, a mutation of anything else, a change of grad mode or an unknown call
     ends a run. Graphs with dynamic sizes are left alone."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    groups = 0
-    if not gm.meta.get("dynamic_dims"):
+    def batch(graph: torch.fx.Graph) -> int:
         numbers = _merge_number_arithmetic(graph)
-        for run in _pure_runs(graph, numbers):
-            groups += _batch_run(graph, run, numbers)
-    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta = dict(gm.meta, constructed_by="specularch.fx_lower.foreach.batch_foreach",
-                    foreach_groups=groups)
-    if groups:
-        graph.lint()
-    return new
+        return sum(_batch_run(graph, run, numbers) for run in _pure_runs(graph, numbers))
+    return rewritten_copy(gm, batch, "specularch.fx_lower.foreach.batch_foreach", "foreach_groups")
 
 
 def _is_number(value) -> bool:

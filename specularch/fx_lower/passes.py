@@ -82,18 +82,23 @@ def fold_clones(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out-of-place op gives, on meta tensors, the clone's dtype, shape and strides. Graphs with
     dynamic sizes are left alone (strides checked at one shape need not hold at another).
     Returns a new GraphModule (the input is not changed) sharing ``gm``'s attributes."""
+    def fold(graph: torch.fx.Graph) -> int:
+        return sum(_fold_chain(graph, node) for node in list(graph.nodes)
+                   if node.op == "call_method" and node.target == "clone")
+    return rewritten_copy(gm, fold, "specularch.fx_lower.passes.fold_clones", "folded_clones")
+
+
+def rewritten_copy(gm: torch.fx.GraphModule, rewrite, constructed_by: str,
+                   count_key: str) -> torch.fx.GraphModule:
+    """A new GraphModule sharing ``gm``'s attributes, over a copy of its graph changed by
+    ``rewrite(graph) -> how many rewrites`` (graphs with dynamic sizes are left as they are);
+    ``meta`` says which pass made it and ``meta[count_key]`` how many rewrites it did."""
     graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    folded = 0
-    if not gm.meta.get("dynamic_dims"):
-        for node in list(graph.nodes):
-            if node.op == "call_method" and node.target == "clone":
-                folded += _fold_chain(graph, node)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    count = 0 if gm.meta.get("dynamic_dims") else rewrite(graph)
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta = dict(gm.meta, constructed_by="specularch.fx_lower.passes.fold_clones",
-                    folded_clones=folded)
-    if folded:
+    new.meta = dict(gm.meta, constructed_by=constructed_by, **{count_key: count})
+    if count:
         graph.lint()
     return new
 
