@@ -110,6 +110,7 @@ def worker(rank, world, port, args, queue):
         queue.put((med, len(plan_buckets(params, int(args.bucket_mb * 2**20))),
                    sum(p.numel() * p.element_size() for p in params) / 2**20))
     del ddp  # DDP holds the process group: free it so destroy ends gloo's threads
+    specularch.reset()  # and so do specularch's cached graphs of the distributed step
     gc.collect()
     dist.destroy_process_group()
 

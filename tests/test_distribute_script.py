@@ -85,6 +85,9 @@ def test_no_ddp_needs_backward_in_a_step_function():
         in out.stdout
     assert "train_step_fn.py:26: [data-parallel-model] train_step optimized with specularch" \
         in out.stderr, out.stderr
+    # gloo aborted at exit about once in a dozen runs while cached graphs outlived the group
+    assert out.stdout.endswith("specularch.reset()\n__import__('gc').collect()\n"
+                               "dist.destroy_process_group()\n"), out.stdout[-200:]
 
 
 @pytest.mark.slow

@@ -55,7 +55,9 @@ def _entry(rank, fn, world, port, args):
         # DDP holds the process group: callers free it before returning so that
         # destroy_process_group really ends gloo's threads. Otherwise a thread may still
         # release a finished collective at interpreter shutdown, which aborts the process
-        # ("terminate called without an active exception"; plain DDP does it too).
+        # ("terminate called without an active exception"; plain DDP does it too). The same
+        # for specularch's cached graphs of distributed steps: released first.
+        specularch.reset()
         gc.collect()
     finally:
         dist.destroy_process_group()

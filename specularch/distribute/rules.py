@@ -25,6 +25,7 @@ class Context:
     reports: list = field(default_factory=list)
     model_name: str | None = None
     model_at_top_level: bool = True
+    optimized_steps: bool = False  # steps were given to specularch.optimize (--no-ddp)
 
     def report(self, line: int, rule: str, what: str) -> None:
         self.reports.append((line, rule, what))
@@ -221,6 +222,7 @@ def _optimize_steps(tree: ast.Module, ctx: Context) -> None:
         first_import = next((i for i, stmt in enumerate(tree.body)
                              if isinstance(stmt, (ast.Import, ast.ImportFrom))), 0)
         tree.body.insert(first_import, ast.parse("import specularch").body[0])
+        ctx.optimized_steps = True
 
 
 @rule("unwrapped-state-dict")
@@ -266,5 +268,10 @@ def shutdown(tree: ast.Module, ctx: Context) -> None:
         free = f"del {ctx.model_name}\n" if ctx.model_at_top_level else ""
         end = f"{free}__import__('gc').collect()\n" + end
         what = f"{ctx.model_name} released, then " + what
+    elif ctx.optimized_steps:
+        # The same for specularch's cached graphs of the distributed step (one run in about
+        # a dozen aborted at exit with "terminate called without an active exception").
+        end = "specularch.reset()\n__import__('gc').collect()\n" + end
+        what = "specularch's graphs released, then " + what
     tree.body.extend(ast.parse(end).body)
     ctx.report(last, "shutdown", what)
