@@ -1,7 +1,7 @@
 """Guards: what a captured graph assumed about its inputs, checked before every reuse."""
 from .codegen import GuardSet, SourceNamer, guard_lines
 from .guard import (AliasGuard, ContainsGuard, DictKeysGuard, DistinctGuard, ExprGuard, GlobalStateGuard, Guard, HasAttrGuard, IdGuard, InferenceGuard, LenGuard,
-                    NoGlobalHooksGuard, NoHooksGuard, NoTensorHooksGuard, NotInferenceGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
+                    NoGlobalHooksGuard, NoHooksGuard, NoTensorHooksGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
 from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSource, GlobalSource,
                       ItemSource, KeyedSource, LocalSource, ModuleDictSource, ObjectSource,
                       ScalarOfSource, Source, pin)

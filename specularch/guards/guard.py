@@ -105,17 +105,22 @@ class IdGuard(Guard):
         return f"expected the same object as at capture, got another {type(value).__qualname__}"
 
 
+def _inexact_eq(b: Any) -> bool:
+    """Whether ``== b`` does not mean "the same float": for ±0.0 and nan."""
+    return type(b) is float and (b == 0.0 or b != b)
+
+
 def same_value(a: Any, b: Any) -> bool:
     """``a == b``, except that floats must be the same float: ``==`` cannot tell -0.0 from 0.0
     (``1 / x``, ``copysign``, formatting differ) and is never true for nan."""
-    if type(a) is float and type(b) is float and (b == 0.0 or b != b):
+    if type(a) is float and _inexact_eq(b):
         return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
     return a == b
 
 
 def equal_condition(expr: str, expected: Any, consts: dict) -> str:
     """Guard text: ``expr`` still equals ``expected`` (exactly, for floats; see same_value)."""
-    if type(expected) is float and (expected == 0.0 or not math.isfinite(expected)):
+    if _inexact_eq(expected):
         return f"{const_name(consts, same_value)}({expr}, {const_name(consts, expected)})"
     return f"{expr} == {const_name(consts, expected)}"
 
@@ -130,9 +135,7 @@ class ValueGuard(Guard):
         t = type(self.expected)
         if self.expected is None or isinstance(self.expected, bool):
             return [f"{v} is {const_name(consts, self.expected)}"]
-        if t is float:
-            return [f"type({v}) is float", equal_condition(v, self.expected, consts)]
-        return [f"type({v}) is {const_name(consts, t)}", f"{v} == {const_name(consts, self.expected)}"]
+        return [f"type({v}) is {const_name(consts, t)}", equal_condition(v, self.expected, consts)]
 
     def describe(self):
         return f"{self.source} == {self.expected!r}"
@@ -313,31 +316,25 @@ class NoHooksGuard(Guard):
 
 @dataclass(frozen=True, eq=False)
 class InferenceGuard(Guard):
-    """A tensor input that was an inference tensor at capture still is one: its views are
-    inference tensors too, and the rebuilt results hand them out as such (grad_mode.py)."""
+    """Whether a tensor input is an inference tensor stays as at capture. An input that was one:
+    its views are inference tensors too, and the rebuilt results hand them out as such
+    (grad_mode.py). One the call writes in place (at commit, outside inference mode) must not
+    be one: torch refuses that write, and it would fail halfway through a commit."""
+
+    expected: bool = True
+
+    def key(self):
+        return ("Inference", str(self.source), self.expected)
 
     def conditions(self, v, consts):
-        return [f"{v}.is_inference()"]
+        return [f"{'' if self.expected else 'not '}{v}.is_inference()"]
 
     def describe(self):
-        return f"{self.source} is an inference tensor"
+        return f"{self.source} is {'' if self.expected else 'not '}an inference tensor"
 
     def mismatch(self, value):
-        return "is not an inference tensor now (it was one at capture)"
-
-
-@dataclass(frozen=True, eq=False)
-class NotInferenceGuard(Guard):
-    """A tensor the call writes in place (at commit, outside inference mode) is not an
-    inference tensor: torch refuses that write, and it would fail halfway through a commit."""
-
-    def conditions(self, v, consts):
-        return [f"not {v}.is_inference()"]
-
-    def describe(self):
-        return f"{self.source} is not an inference tensor"
-
-    def mismatch(self, value):
+        if self.expected:
+            return "is not an inference tensor now (it was one at capture)"
         return "is an inference tensor now (made under torch.inference_mode(); it was not at capture)"
 
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..guards import (AliasGuard, AttrSource, ContainsGuard, DictKeysGuard, DistinctGuard,
                       GlobalStateGuard, GuardSet, IdGuard, InferenceGuard, ItemSource, LenGuard,
-                      NoGlobalHooksGuard, NoHooksGuard, NotInferenceGuard, ObjectSource, TensorGuard, TypeGuard,
+                      NoGlobalHooksGuard, NoHooksGuard, ObjectSource, TensorGuard, TypeGuard,
                       ValueGuard, pin)
 from ..guards.guard import global_module_hooks
 from ..guards.sources import Source
@@ -339,7 +339,7 @@ class Tracer:
                                           "tensor written inside torch.inference_mode(): the "
                                           "graph's commit runs outside it, where torch refuses")
                 for source in written:
-                    self.add_guard(NotInferenceGuard, source)
+                    self.add_guard(InferenceGuard, source, expected=False)
         targets = dict.fromkeys(w.target.source for w in pending if w.kind in _OBJECT_WRITES
                                 and getattr(w.target, "source", None) in self._mutable)
         for source in targets:
