@@ -403,6 +403,8 @@ class Tracer:
         ckwargs = {k: _concrete(v) for k, v in kwargs.items()}
         if fn is None:
             fn = (lambda *a, **k: getattr(a[0], target)(*a[1:], **k)) if kind == "call_method" else target
+        has_tensor_input = any(contains_tensor(a) for a in args) or any(
+            contains_tensor(v) for v in kwargs.values())
         check = MutationCheck(self.fresh)
         try:
             with check:
@@ -414,10 +416,8 @@ class Tracer:
         except Exception as e:
             error = Unsupported("exception_handling",
                                 f"`{label}` raised {type(e).__name__} during capture: {e}")
-            error.value_dependent = any(contains_tensor(a) for a in [*args, *kwargs.values()])
+            error.value_dependent = has_tensor_input  # the tensors' values may be why
             raise error from None
-        has_tensor_input = any(contains_tensor(a) for a in args) or any(
-            contains_tensor(v) for v in kwargs.values())
         dynamic = any(_is_dynamic(a) for a in [*args, *kwargs.values()])
         if not _holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
             return self._symbolic_metadata(label, args)
