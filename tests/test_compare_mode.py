@@ -170,14 +170,18 @@ def test_a_mismatch_the_test_catches_still_fails_it(pytester, monkeypatch):
                                  "*Model.forward differs from eager*"])
 
 
-def test_summary_counts_fallback_calls_not_records(pytester, monkeypatch):
-    pytester.makepyfile(test_suite=textwrap.dedent("""
+# A step every call of which falls back (unsupported_call), for the summary tests.
+FALLING_BACK_STEP = textwrap.dedent("""
         import torch
 
         def train_step(x):
             id(x)  # not captured: every call falls back (unsupported_call)
             return x + 1
+""")
 
+
+def test_summary_counts_fallback_calls_not_records(pytester, monkeypatch):
+    pytester.makepyfile(test_suite=FALLING_BACK_STEP + textwrap.dedent("""
         def test_prints():
             for _ in range(4):
                 train_step(torch.ones(2))
@@ -201,13 +205,7 @@ def test_summary_counts_calls_of_tests_whose_fixtures_reset_specularch(pytester,
             yield
             specularch.reset()
     """))
-    pytester.makepyfile(test_suite=textwrap.dedent("""
-        import torch
-
-        def train_step(x):
-            id(x)  # not captured: every call falls back (unsupported_call)
-            return x + 1
-
+    pytester.makepyfile(test_suite=FALLING_BACK_STEP + textwrap.dedent("""
         def test_one():
             for _ in range(3):
                 train_step(torch.ones(2))
