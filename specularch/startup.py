@@ -25,7 +25,7 @@ _active = False
 def activate(report_at_exit: bool = False) -> bool:
     """Turn the global switch on in this thread (idempotent). Returns whether it is on."""
     global _active
-    if not frames.hook_unavailable_reason() is None:
+    if frames.hook_unavailable_reason() is not None:
         print(f"specularch: global switch unavailable: {frames.hook_unavailable_reason()}",
               file=sys.stderr)
         return False

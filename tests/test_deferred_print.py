@@ -2,7 +2,6 @@
 order, after the graph ran and every check passed; strings formatted from `.item()` values and
 symbolic numbers are rendered there with Python's own `format`/`str`/`repr`/`%`, so the text is
 byte-identical to eager's. Differential on stdout/stderr and values; refusals keep their kind."""
-import copy
 import io
 import sys
 
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 import specularch
-from differential import A, T, check, expect_fallback, marker_line
+from differential import A, T, check, marker_line
 
 
 def _hits(opt) -> int:

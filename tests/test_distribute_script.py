@@ -43,7 +43,7 @@ def test_every_rule_rewrites_and_reports(tmp_path):
         assert needle in converted, needle
     for rule in ("init-process-group", "distributed-sampler", "scale-learning-rate",
                  "data-parallel-model", "rank-zero-io", "shutdown"):
-        assert f"train_mlp.py:" in out.stderr and f"[{rule}]" in out.stderr, rule
+        assert "train_mlp.py:" in out.stderr and f"[{rule}]" in out.stderr, rule
 
 
 def test_restriction_is_refused_with_line_and_rule():

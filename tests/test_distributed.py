@@ -22,8 +22,9 @@ from specularch.distributed import DistributedStepError
 from specularch.distributed.allreduce import plan_buckets
 
 STEPS = 6
-pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform != "linux",
-                                reason="needs gloo on Linux")
+pytestmark = [pytest.mark.slow,  # every test starts processes
+              pytest.mark.skipif(not dist.is_available() or sys.platform != "linux",
+                                 reason="needs gloo on Linux")]
 
 
 def _free_port() -> int:
@@ -69,7 +70,7 @@ def _model(seed):
 
 
 def _lstm(seed):
-    from models.lstm_lm import LSTMLM
+    from specularch.workloads.lstm_lm import LSTMLM
     torch.manual_seed(seed)
     return LSTMLM(vocab=30, hidden=8, layers=1, dropout=0.0)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import specularch
-from differential import A, T, check, check_module, expect_fallback, expect_graph
+from differential import A, T, check, check_module, expect_graph
 
 pytestmark = pytest.mark.usefixtures("no_profiling")
 

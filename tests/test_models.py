@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specularch
-from models import WORKLOADS, data, lstm_lm
+from specularch.workloads import WORKLOADS, data, lstm_lm
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

@@ -425,7 +425,7 @@ def test_random_ops_draw_like_eager():
 
 
 def unused_random_draw(x):
-    noise = torch.randn(3)  # unused, but it advances the RNG in eager too
+    _noise = torch.randn(3)  # unused, but it advances the RNG in eager too
     return x + torch.rand(2)
 
 

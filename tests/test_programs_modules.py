@@ -420,3 +420,22 @@ def _make_closure_program(scale, use_bias, activation):
 @pytest.mark.parametrize("scale, use_bias, activation", [(2.0, True, "tanh"), (0.5, False, "relu")])
 def test_function_with_closures_and_python_flags(scale, use_bias, activation):
     check(_make_closure_program(scale, use_bias, activation), lambda: A(T(3, 4)), expect="graph")
+
+
+class HidesModuleMethod(nn.Module):
+    """Assigns over nn.Module.zero_grad inside forward (eager: an instance attribute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        self.zero_grad = 1
+        return self.fc(x)
+
+
+def test_assigning_over_a_modelled_module_method_is_an_explained_fallback():
+    e = check_module(HidesModuleMethod, lambda: A(T(2, 3)), calls=3, expect="fallback",
+                     fallback_kind="side_effect")
+    assert not any(r.kind == "internal_error" for r in e.fallbacks)
+    assert any("zero_grad" in r.explanation for r in e.fallbacks), str(e)

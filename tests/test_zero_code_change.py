@@ -1,11 +1,11 @@
 """Zero-code-change use: the SPECULARCH=1 start-up switch and its policy, the CLI report, and
 the pytest plugin (on / compare modes, the skip marker, the comparison fixture, a broken
 backend caught by compare mode)."""
+import json
 import logging
 import os
 import pathlib
 import shutil
-import site
 import subprocess
 import sys
 import textwrap
@@ -51,14 +51,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Start-up as site.py does it, for the repo's own .pth: ``site.addsitedir`` on a folder holding
 # a copy of it, then the unmodified script. The runner starts with ``-S`` so that an installed
-# copy of the .pth in site-packages does not run first; site-packages join sys.path without
-# their .pth files, before the copy is processed ("now") or after it ("later": a venv with
+# copy of the .pth in site-packages does not run first; the test process's own site-packages
+# folders (a venv's included: under ``-S`` a venv's interpreter does not know it is in one, so
+# ``site.getsitepackages()`` there names the base interpreter's) join sys.path without their
+# .pth files, before the copy is processed ("now") or after it ("later": a venv with
 # --system-site-packages, a user-site install, where torch becomes importable only later).
 RUNNER = textwrap.dedent("""
-    import os, runpy, site, sys
+    import json, os, runpy, site, sys
     pth_dir, torch_path, script = sys.argv[1:4]
-    packages = [p for p in site.getsitepackages() + [site.getusersitepackages()]
-                if os.path.isdir(p) and p not in sys.path]
+    packages = [p for p in json.loads(os.environ.pop("TEST_SITE_PACKAGES")) if p not in sys.path]
     if torch_path == "now":
         sys.path.extend(packages)
     site.addsitedir(pth_dir)
@@ -89,13 +90,20 @@ def _run_with_pth(tmp_path, env_extra, torch_path="now"):
     site_dir.mkdir(exist_ok=True)
     (site_dir / "specularch_startup.pth").write_text((ROOT / "specularch_startup.pth").read_text())
     (tmp_path / "runner.py").write_text(RUNNER)
-    env = _env({"PYTHONPATH": str(ROOT), **env_extra})  # specularch_boot, as installed
+    env = _env({"PYTHONPATH": str(ROOT), "TEST_SITE_PACKAGES": json.dumps(_site_packages()),
+                **env_extra})  # PYTHONPATH: specularch_boot, as installed
     return _run(tmp_path, env, "-S", str(tmp_path / "runner.py"), str(site_dir), torch_path)
 
 
+def _site_packages() -> list[str]:
+    """The site-packages folders this test process imports from (a venv's and, with
+    --system-site-packages, the base interpreter's), as site.py put them on sys.path."""
+    return [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")
+            and os.path.isdir(p)]
+
+
 def _pth_installed() -> bool:
-    return any((pathlib.Path(p) / "specularch_startup.pth").exists()
-               for p in site.getsitepackages() + [site.getusersitepackages()])
+    return any((pathlib.Path(p) / "specularch_startup.pth").exists() for p in _site_packages())
 
 
 def test_unset_variable_changes_nothing(tmp_path):
@@ -191,17 +199,28 @@ def test_install_in_a_venv_with_system_site_packages(tmp_path, editable):
     for name in ("setup.py", "pyproject.toml", "README.md", "specularch_boot.py",
                  "specularch_startup.pth"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("specularch", "models"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "specularch", src / "specularch",  # workloads/ (a link) as files
+                    ignore=shutil.ignore_patterns("__pycache__"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
                     str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
+    # Built in pip's isolated build environment, as the README's install is: the test's own
+    # interpreter may have no ``wheel`` (a fresh venv's setuptools cannot build one without it).
     subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
-                    "--no-build-isolation", *(["-e"] if editable else []), str(src)],
+                    *(["-e"] if editable else []), str(src)],
                    check=True, timeout=300, capture_output=True)
     site_packages = next((venv / "lib").glob("python3*/site-packages"))
     assert (site_packages / "specularch_startup.pth").exists()
+    assert not (site_packages / "models").exists()  # would shadow the user's own models package
+    if not editable:
+        assert (site_packages / "specularch" / "workloads" / "lenet.py").is_file()
+    if sys.prefix != sys.base_prefix:
+        # The tests run in a venv: a venv made from it sees the *base* interpreter's packages,
+        # which lack torch. A .pth sorted after specularch's hands it this venv's folders, so
+        # torch becomes importable after specularch_startup.pth ran, as with system packages.
+        (site_packages / "zz_test_parent_site_packages.pth").write_text(
+            "\n".join(_site_packages()) + "\n")
     plain = _run(tmp_path, {})
     out = _run(tmp_path, {"SPECULARCH": "1", "SPECULARCH_LOG": "graphs"}, executable=python)
     assert out.returncode == 0 and "Error processing" not in out.stderr, out.stderr
@@ -355,6 +374,7 @@ def test_plugin_off_by_default(pytester):
     assert "optimized code objects" not in result.stdout.str()
 
 
+@pytest.mark.slow
 def test_project_model_suite_passes_in_compare_mode():
     """A real third-party-style suite: the project's own models/ tests, every optimized call
     checked against eager on copies of the state it touches."""

@@ -217,7 +217,7 @@ def table(results) -> str:
 
 
 def main(argv=None) -> int:
-    from models import WORKLOADS
+    from specularch.workloads import WORKLOADS
     parser = argparse.ArgumentParser(prog="python -m specularch.bench", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")

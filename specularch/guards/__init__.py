@@ -6,4 +6,11 @@ from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSour
                       ItemSource, KeyedSource, LocalSource, ModuleDictSource, ObjectSource,
                       ScalarOfSource, Source, pin)
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+__all__ = [
+    "GuardSet", "SourceNamer", "guard_lines", "AliasGuard", "ContainsGuard", "DictKeysGuard",
+    "DistinctGuard", "ExprGuard", "GlobalStateGuard", "Guard", "HasAttrGuard", "IdGuard",
+    "InferenceGuard", "LenGuard", "NoGlobalHooksGuard", "NoHooksGuard", "NoTensorHooksGuard",
+    "NotShadowedGuard", "TensorGuard", "TypeGuard", "ValueGuard", "PINNED", "AttrSource",
+    "BuiltinSource", "CellSource", "ClosureSource", "GlobalSource", "ItemSource", "KeyedSource",
+    "LocalSource", "ModuleDictSource", "ObjectSource", "ScalarOfSource", "Source", "pin",
+]

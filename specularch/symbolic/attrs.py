@@ -200,7 +200,9 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     if isinstance(obj, nn.Module) and name not in obj.__dict__:
         from . import module_model
         if module_model.is_modelled(obj, name):
-            return MethodV(v, None, name)
+            raise Unsupported("side_effect", f"assigning {name!r} on a {cls.__name__} hides "
+                              f"nn.Module.{name}, which calls inside the optimized function "
+                              "are modelled on", "Assign it outside the optimized function.")
     if static is not _MISSING and _is_data_descriptor(static):
         raise Unsupported("side_effect", f"{cls.__name__}.{name} is a property/descriptor; "
                           "assigning it runs code")
