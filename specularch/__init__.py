@@ -5,7 +5,7 @@
     out = model(x)                          # same results as eager
     print(specularch.explain(model))        # graphs, guards, fallbacks and why
 
-See README.md for the design and the list of fallback kinds.
+See docs/architecture.md for the design and README.md for the list of fallback kinds.
 """
 from . import records
 from .api import explain, optimize, reset

@@ -1,16 +1,22 @@
 """The public entry points: ``optimize``, ``explain``, ``reset``."""
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import weakref
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from . import dispatcher, frames
+from . import eager_run as eager_run_module
+from .eager_run import EagerRun, sync_limit
+from .config import ConfigError, backend_error, config, load_environment
 from .explain import Explanation, explain_state
-from .fx_lower import get_backend
+from .fx_lower import get_backend, list_backends
+from .fx_lower._torch_compilers import torch_compile_original
 from .symbolic.calls import MODULE_FORWARD_ATTR, ORIGINAL_ATTR
 
 
@@ -21,15 +27,26 @@ def optimize(obj: Any = None, *, backend: str | None = None) -> Any:
       returns a wrapper with the same signature;
     * a bound method: returns an optimized callable bound to the same object;
     * an ``nn.Module``: optimizes its ``forward`` *in place* and returns the same module
-      (state_dict keys, ``isinstance`` and hooks are unchanged).
+      (state_dict keys, ``isinstance`` and hooks are unchanged). ``torch.save(module)`` and
+      ``pickle`` save it as the plain module (it loads where specularch is not installed,
+      with ``weights_only=True`` under the same ``safe_globals`` as the plain module);
+      ``copy.deepcopy`` returns a copy optimized too, with its own cache; ``copy.copy`` a
+      plain one (see ``OptimizedForward``).
 
     ``backend`` names a registered backend (``specularch.list_backends()``); by default
     ``config.backend`` (``SPECULARCH_BACKEND``, default ``"fx"``).
     """
     if obj is None:
         return functools.partial(optimize, backend=backend)
+    try:
+        _check_configuration(backend)
+    except ConfigError as e:  # the user's line is what matters, not config.py's frames
+        raise e.with_traceback(None) from None
     if backend is not None:
         get_backend(backend)
+    refusal = _compiled_by_torch(obj)
+    if refusal is not None:
+        raise TypeError(refusal)
     if isinstance(obj, nn.Module):
         return _optimize_module(obj, backend)
     if isinstance(obj, types.MethodType):
@@ -42,6 +59,42 @@ def optimize(obj: Any = None, *, backend: str | None = None) -> Any:
                     f"and optimize that.")
 
 
+def _compiled_by_torch(obj: Any) -> str | None:
+    """Why ``obj`` cannot be optimized when torch.jit or torch.compile made it (it runs
+    TorchScript or Dynamo's code, not Python specularch can capture), saying what to pass."""
+    name = type(obj).__qualname__
+    if isinstance(obj, torch.jit.ScriptModule):
+        maker = "torch.jit.trace" if isinstance(obj, torch.jit.TracedModule) else "torch.jit.script"
+        return _refusal(f"a TorchScript module ({name}, made by {maker})", "TorchScript",
+                        "nn.Module", "model", f"{maker}(model)")
+    if isinstance(obj, torch.jit.ScriptFunction):
+        return _refusal(f"a TorchScript function ({name}, made by torch.jit.script or "
+                        f"torch.jit.trace)", "TorchScript", "Python function", "fn",
+                        "torch.jit.script(fn)")
+    if torch_compile_original(obj) is not None:
+        module = isinstance(obj, nn.Module)
+        arg = "model" if module else "fn"
+        return _refusal(f"a {'module' if module else 'function'} made by torch.compile ({name})",
+                        "torch.compile's compiled code", "nn.Module" if module else
+                        "Python function", arg, f"torch.compile({arg})")
+    return None
+
+
+def _refusal(what: str, runs: str, original: str, arg: str, call: str) -> str:
+    return (f"specularch.optimize cannot optimize {what}: it runs {runs}, not Python that "
+            f"specularch can capture. Pass the original {original} instead: "
+            f"specularch.optimize({arg}), not specularch.optimize({call}).")
+
+
+def _check_configuration(backend: str | None) -> None:
+    """Every ``SPECULARCH_*`` variable is read at the first ``optimize()`` (a bad one is a
+    ``ConfigError`` here, not in some later call), and ``SPECULARCH_BACKEND`` must name a
+    registered backend (a name assigned from Python was checked when it was set)."""
+    load_environment()
+    if backend is None and config.backend not in list_backends():
+        raise ConfigError(backend_error(config.backend, list_backends()))
+
+
 def _optimize_function(fn: types.FunctionType, backend: str | None):
     original = getattr(fn, ORIGINAL_ATTR, None)
     if original is not None:  # already optimized: re-target the backend only
@@ -51,7 +104,7 @@ def _optimize_function(fn: types.FunctionType, backend: str | None):
     binder = target.binder_for(fn) if not target.is_generator else None
     closure = fn.__closure__
     code = fn.__code__
-    run = dispatcher.run
+    start = dispatcher.start
 
     if target.is_generator:
         @functools.wraps(fn)
@@ -62,6 +115,9 @@ def _optimize_function(fn: types.FunctionType, backend: str | None):
         generator_wrapper.__specularch_state__ = state
         return generator_wrapper
 
+    shadow = target.shadow_for(fn)  # the original bytecode, not intercepted again
+    eager_run, extra = EagerRun, eager_run_module.EXTRA
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         # Python reads ``fn``'s defaults and code at each call: ``__defaults__``,
@@ -71,9 +127,20 @@ def _optimize_function(fn: types.FunctionType, backend: str | None):
             if fn.__code__ is not code:  # not the code that was optimized: run it as it is
                 return fn(*args, **kwargs)
             target.binder_for(fn)  # copies the current defaults onto ``binder``
-        # No hook on the hot path: a graph runs no user Python. The dispatcher turns the
-        # hook on around the eager fallback, where nested optimized calls must be seen.
-        return run(state, binder(*args, **kwargs), closure)
+            shadow.__defaults__, shadow.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
+        # No hook on the hot path: a graph runs no user Python. A call that runs eagerly
+        # runs here, hook on (nested optimized calls are seen), one frame below this one:
+        # a recursive function that runs eagerly nests two frames per level, not seven.
+        result = start(state, binder(*args, **kwargs), closure)
+        if type(result) is eager_run:  # written out: see EagerRun for why each step
+            with result:
+                extra[0] += 1
+                try:
+                    sync_limit()
+                    return result.done(shadow(*args, **kwargs))
+                finally:
+                    extra[0] -= 1
+        return result
 
     setattr(wrapper, ORIGINAL_ATTR, fn)
     wrapper.__specularch_target__ = target
@@ -89,7 +156,7 @@ def _optimize_module(module: nn.Module, backend: str | None) -> nn.Module:
     target = frames.register(forward)
     _MODULE_STATES[module] = dispatcher.new_state(target, backend)
     dispatcher.per_instance(target, _instance_state)
-    module.forward = OptimizedForward(module)
+    OptimizedForward(module).install()
     return module
 
 
@@ -122,20 +189,57 @@ def _module_forward(self, *args, **kwargs):
 
 
 class OptimizedForward:
-    """``module.forward`` of an optimized module instance. A small object rather than a
-    bound method so that the module can still be pickled (``torch.save(model)``) and deep-
-    copied: the copy is optimized too, with a fresh cache."""
+    """``module.forward`` of an optimized module instance, set in the instance's ``__dict__``
+    with two companions that keep specularch out of copies that leave the process:
+
+    * ``module.__getstate__`` (what ``pickle``, ``torch.save`` and ``copy.copy`` use): the
+      class's own state without these three entries, so the saved module is the plain
+      module: its file names no specularch class and loads as a plain module;
+    * ``module.__deepcopy__``: the copy is built from that plain state and optimized again
+      (same backend, a fresh cache): an in-process copy (an EMA teacher, ``AveragedModel``)
+      runs as fast as the original.
+    """
 
     __slots__ = ("module",)
 
     def __init__(self, module: nn.Module):
         self.module = module
 
+    def install(self) -> None:
+        d = self.module.__dict__
+        d["forward"], d["__getstate__"], d["__deepcopy__"] = self, self.plain_state, self.deepcopy
+
+    def _installed(self, value) -> bool:
+        return value is self or getattr(value, "__self__", None) is self
+
+    def plain_state(self):
+        """The state the module's class pickles, without what ``optimize`` added."""
+        state = type(self.module).__getstate__(self.module)
+        if isinstance(state, dict):
+            state = {k: v for k, v in state.items() if not self._installed(v)}
+        return state
+
+    def deepcopy(self, memo: dict) -> nn.Module:
+        module, cls = self.module, type(self.module)
+        state = _MODULE_STATES.get(module)
+        if hasattr(cls, "__deepcopy__"):  # the class copies itself: let it, then re-optimize
+            twin = cls.__deepcopy__(module, memo)
+        else:  # what copy.deepcopy does for a plain module (``copyreg.__newobj__`` + state)
+            twin = memo[id(module)] = cls.__new__(cls)
+            plain = copy.deepcopy(self.plain_state(), memo)
+            if hasattr(twin, "__setstate__"):
+                twin.__setstate__(plain)
+            else:
+                twin.__dict__.update(plain)
+        return _optimize_module(twin, state.backend if state is not None else None)
+
     def __call__(self, *args, **kwargs):
         return _module_forward(self.module, *args, **kwargs)
 
     def __reduce__(self):
-        return OptimizedForward, (self.module,)
+        # Reached only when a class pickles its ``__dict__`` without ``__getstate__``: the
+        # plain bound forward, looked up again when the module is loaded.
+        return getattr, (self.module, "forward")
 
     @property
     def __self__(self):  # like a bound method
@@ -192,9 +296,16 @@ def _target_of(obj: Any):
     return _state_of(obj).target
 
 
-def explain(obj: Any) -> Explanation:
-    """A report (dataclass) of the graphs, guards, fallbacks, recompiles and stats of ``obj``."""
-    return explain_state(_state_of(obj))
+def explain(obj: Any, *, verbose: bool = False) -> Explanation:
+    """A report (dataclass) of the graphs, guards, fallbacks, recompiles and stats of ``obj``.
+
+    ``print(explain(obj))`` is a short summary: per graph its backend, runs, capture and
+    compile time and the *number* of inputs and guards, then every fallback and recompile with
+    its reason and ``file:line``. ``print(explain(obj, verbose=True))`` also lists each graph's
+    inputs, guards and generated code. Either way the report's attributes hold everything:
+    ``report.graphs[i].guards``, ``.code``, ``.inputs``; ``report.fallbacks``, ``.recompiles``.
+    """
+    return explain_state(_state_of(obj), verbose)
 
 
 def reset() -> None:

@@ -1,60 +1,76 @@
 """All of specularch's configuration, in one place.
 
-Each option has a name, a default, help text and (where users expect one) an environment
-variable. Options are read as attributes (``config.cache_limit``) and can be changed for a
-block with ``with config.patch(cache_limit=2): ...``. Core code never reads ``os.environ``;
-this module does, once per option, when the option is first read.
+Each option has a name, a default, help text, a kind (what values it takes) and (where users
+expect one) an environment variable. Options are read as attributes (``config.cache_limit``),
+set with ``config.cache_limit = 2`` and changed for a block with
+``with config.patch(cache_limit=2): ...``; a value set from Python is checked by the same
+kind as the variable's text, so a wrong value is a ``ConfigError`` at once, not a failure in
+some later call. Core code never reads ``os.environ``; this module reads every variable at
+once, at specularch's first use (the first read of any option, or ``optimize()``).
 """
 from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 
 class ConfigError(ValueError):
-    """A configuration value (usually from an environment variable) is not allowed.
+    """A configuration value (an environment variable or one set from Python) is not allowed.
 
     Example: ``SPECULARCH_CACHE_LIMIT=lots`` raises
-    ``ConfigError: SPECULARCH_CACHE_LIMIT='lots' is not valid: expected a positive integer``.
-    Fix the variable's value, or unset it to get the default.
+    ``ConfigError: SPECULARCH_CACHE_LIMIT='lots' is not valid: expected a positive integer``
+    at specularch's first use, and ``specularch.config.cache_limit = -1`` raises
+    ``ConfigError: specularch.config.cache_limit=-1 (int) is not valid: expected a positive
+    int``. Fix the value, or unset the variable to get the default.
     """
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
+class UnknownOptionError(ConfigError, AttributeError):
+    """``config.cach_limit`` / ``config.patch(cach_limit=2)``: no such option (an
+    AttributeError too, so ``getattr(config, name, default)`` keeps working)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """The values one option takes. ``parse`` reads its variable's text, ``check`` takes a
+    Python value and returns what is stored (a variable's parsed text goes through ``check``
+    too); both raise ValueError or TypeError for a value that is not allowed. ``expected`` and
+    ``expected_value`` say what is allowed, for the variable and from Python."""
+
+    expected: str
+    expected_value: str
+    parse: Callable[[str], Any]
+    check: Callable[[Any], Any]
+
+
+def _int_at_least(low: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):  # True is an int to Python
+            raise TypeError
+        if value < low:
+            raise ValueError
+        return int(value)
+    return check
+
+
+def _positive_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError
+    if not 0 < value < math.inf:
         raise ValueError
+    return float(value)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError
     return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise ValueError
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError
-    return value
-
-
-LOG_TOPICS = ("graphs", "guards", "fallbacks", "recompiles", "relaxations")
-
-
-def _log_topics(text: str) -> frozenset:
-    topics = frozenset(t.strip() for t in text.split(",") if t.strip())
-    if "all" in topics:
-        return frozenset(LOG_TOPICS)
-    if not topics <= set(LOG_TOPICS):
-        raise ValueError
-    return topics
 
 
 def _flag(text: str) -> bool:
@@ -66,98 +82,179 @@ def _flag(text: str) -> bool:
     raise ValueError
 
 
+def _comma_list(text: str) -> frozenset:
+    return frozenset(t.strip() for t in text.split(",") if t.strip())
+
+
+def _names(value: Any) -> frozenset:
+    """A set of non-empty strings; one string is refused (it is not split, nor iterated)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (set, frozenset, list, tuple)):
+        raise TypeError
+    if not all(isinstance(n, str) and n for n in value):
+        raise ValueError
+    return frozenset(value)
+
+
+LOG_TOPICS = ("graphs", "guards", "fallbacks", "recompiles", "relaxations")
+
+
+def _log_topics(value: Any) -> frozenset:
+    topics = _names(value)
+    if "all" in topics:
+        return frozenset(LOG_TOPICS)
+    if not topics <= set(LOG_TOPICS):
+        raise ValueError
+    return topics
+
+
+def _backend_name(value: Any) -> str:
+    # Whether it is registered is checked where the registry is known (``_check_registered``,
+    # ``check_environment(backends=...)``): this module runs before torch can be imported.
+    if not isinstance(value, str):
+        raise TypeError
+    if not value.strip():
+        raise ValueError
+    return value
+
+
+_FLAG_TEXT = "one of 1/0/true/false/yes/no/on/off"
+POSITIVE_INT = Kind("a positive integer", "a positive int", int, _int_at_least(1))
+NON_NEGATIVE_INT = Kind("a non-negative integer", "a non-negative int", int,
+                        _int_at_least(0))
+POSITIVE_MIB = Kind("a positive number of MiB", "a positive int or float (MiB)", float,
+                    _positive_number)
+FLAG = Kind(_FLAG_TEXT, "True or False", _flag, _bool)
+FUNCTION_NAMES = Kind("a comma-separated list of function names",
+                      "a set (or list/tuple) of function names (str)", _comma_list, _names)
+LOG = Kind(f"a comma-separated list of {', '.join(LOG_TOPICS)} (or all)",
+           f"a set (or list/tuple) of {', '.join(map(repr, LOG_TOPICS))} (or {{'all'}})",
+           _comma_list, _log_topics)
+BACKEND = Kind("a backend name", "a registered backend name (str; specularch.list_backends())",
+               str, _backend_name)
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
     default: Any
     help: str
-    env: str | None = None
-    parse: Callable[[str], Any] = str
-    expected: str = "a string"
+    env: str | None
+    kind: Kind
+
+    @property
+    def expected(self) -> str:
+        return self.kind.expected
+
+    def parse(self, text: str) -> Any:
+        """The value of the variable's ``text`` (ValueError/TypeError if it is not allowed)."""
+        return self.kind.check(self.kind.parse(text))
 
 
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in [
         Option("backend", "fx", "Backend that compiles captured graphs (see specularch.list_backends()).",
-               "SPECULARCH_BACKEND", str, "a backend name"),
+               "SPECULARCH_BACKEND", BACKEND),
         Option("profile_calls", 3, "Calls of an optimized function that run eagerly while "
                "argument facts are recorded, before the first capture.", "SPECULARCH_PROFILE_CALLS",
-               _non_negative_int, "a non-negative integer"),
+               NON_NEGATIVE_INT),
         Option("cache_limit", 8, "Graphs kept per code object; past this the frame runs eagerly "
-               "and a 'cache_limit' fallback is recorded.", "SPECULARCH_CACHE_LIMIT",
-               _positive_int, "a positive integer"),
+               "and a 'cache_limit' fallback is recorded.", "SPECULARCH_CACHE_LIMIT", POSITIVE_INT),
         Option("inline_depth", 48, "Deepest chain of inlined Python calls in one capture.",
-               "SPECULARCH_INLINE_DEPTH", _positive_int, "a positive integer"),
+               "SPECULARCH_INLINE_DEPTH", POSITIVE_INT),
         Option("max_instructions", 200_000, "Bytecode instructions one capture may execute "
-               "symbolically (bounds unrolled loops).", "SPECULARCH_MAX_INSTRUCTIONS",
-               _positive_int, "a positive integer"),
+               "symbolically (bounds unrolled loops).", "SPECULARCH_MAX_INSTRUCTIONS", POSITIVE_INT),
         Option("strict", False, "Raise SpecularchStrictError instead of falling back to eager "
-               "or recompiling (for CI).", "SPECULARCH_STRICT", _flag, "one of 1/0/true/false/yes/no/on/off"),
+               "or recompiling (for CI).", "SPECULARCH_STRICT", FLAG),
         Option("enabled", False, "Optimize the program globally (the frames the policy picks; "
                "see specularch/policy.py). Read at start-up from the environment.", "SPECULARCH",
-               _flag, "one of 1/0/true/false/yes/no/on/off"),
+               FLAG),
         Option("step_names", frozenset({"train_step", "training_step", "train_one_step", "step_fn",
                                         "eval_step"}),
                "Function names the global switch optimizes as training/eval steps.",
-               "SPECULARCH_STEP_NAMES", lambda t: frozenset(n.strip() for n in t.split(",") if n.strip()),
-               "a comma-separated list of function names"),
+               "SPECULARCH_STEP_NAMES", FUNCTION_NAMES),
         Option("report", False, "With the global switch, print the explain() report of everything "
-               "optimized when the program exits.", "SPECULARCH_REPORT", _flag,
-               "one of 1/0/true/false/yes/no/on/off"),
+               "optimized when the program exits.", "SPECULARCH_REPORT", FLAG),
         Option("log", frozenset(), "What to log through the `specularch` logger (INFO level).",
-               "SPECULARCH_LOG", _log_topics,
-               f"a comma-separated list of {', '.join(LOG_TOPICS)} (or all)"),
+               "SPECULARCH_LOG", LOG),
         Option("warn_fallbacks", True, "Log one WARNING (logger `specularch`) the first time "
                "each kind of fallback happens at a user line, unless `fallbacks` is logged "
                "anyway; expected assumption failures are not warned about.",
-               "SPECULARCH_WARN_FALLBACKS", _flag, "one of 1/0/true/false/yes/no/on/off"),
+               "SPECULARCH_WARN_FALLBACKS", FLAG),
         Option("raise_internal_errors", False, "Re-raise specularch's own bugs instead of "
-               "falling back (for developing specularch).", "SPECULARCH_RAISE_INTERNAL", _flag,
-               "one of 1/0/true/false/yes/no/on/off"),
+               "falling back (for developing specularch).", "SPECULARCH_RAISE_INTERNAL", FLAG),
         Option("distributed_bucket_mb", 25.0, "Size in MiB of the gradient buckets a distributed "
                "training step all-reduces during backward (like DDP's bucket_cap_mb; the first "
                "bucket is at most 1 MiB). Every rank must use the same value.",
-               "SPECULARCH_BUCKET_MB", _positive_float, "a positive number of MiB"),
+               "SPECULARCH_BUCKET_MB", POSITIVE_MIB),
         Option("max_fallback_records", 32, "Distinct fallback records kept per code object.",
-               None, _positive_int, "a positive integer"),
+               None, POSITIVE_INT),
     ]
 }
 
 
+def _option(name: str) -> Option:
+    option = OPTIONS.get(name)
+    if option is None:
+        close = difflib.get_close_matches(name, OPTIONS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UnknownOptionError(f"specularch.config has no option {name!r}{hint}; "
+                                 f"options: {', '.join(sorted(OPTIONS))}")
+    return option
+
+
+def checked(name: str, value: Any) -> Any:
+    """``value`` as option ``name`` stores it (a list of log topics becomes a frozenset), or
+    ``ConfigError`` naming the option and what it allows."""
+    option = _option(name)
+    try:
+        value = option.kind.check(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"specularch.config.{name}={value!r} ({type(value).__name__}) is not "
+                          f"valid: expected {option.kind.expected_value}") from None
+    if option.kind is BACKEND:
+        _check_registered(value)
+    return value
+
+
+def _check_registered(name: str) -> None:
+    from specularch.fx_lower import list_backends  # (absolute: also loaded as a bare file)
+    backends = list_backends()
+    if name not in backends:
+        raise ConfigError(f"specularch.config.backend={name!r} is not valid: expected one of "
+                          f"{', '.join(sorted(backends))} (specularch.list_backends(); "
+                          f"register_backend() adds one)")
+
+
 class _Config(threading.local):
-    """Attribute access to the options; values set with ``patch`` are per thread."""
+    """Attribute access to the options; values set with ``patch`` are per thread, values
+    assigned (``config.strict = True``) are for every thread."""
 
     def __init__(self) -> None:
         self.__dict__["_overrides"] = []
 
     def _base(self, name: str) -> Any:
-        option = OPTIONS[name]
-        cache = _BASE_VALUES
-        if name not in cache:
-            cache[name] = _from_env(option)
-        return cache[name]
+        try:
+            return _BASE_VALUES[name]
+        except KeyError:
+            load_environment()
+            return _BASE_VALUES[name]
 
     def __getattr__(self, name: str) -> Any:
-        if name not in OPTIONS:
-            raise AttributeError(f"specularch.config has no option {name!r}; options: {sorted(OPTIONS)}")
+        _option(name)
         for layer in reversed(self._overrides):
             if name in layer:
                 return layer[name]
         return self._base(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in OPTIONS:
-            raise AttributeError(f"specularch.config has no option {name!r}; options: {sorted(OPTIONS)}")
-        _BASE_VALUES[name] = value
+        _BASE_VALUES[name] = checked(name, value)
 
     @contextlib.contextmanager
     def patch(self, **values: Any):
         """Temporarily change options in this thread: ``with config.patch(strict=True): ...``."""
-        for name in values:
-            if name not in OPTIONS:
-                raise AttributeError(f"specularch.config has no option {name!r}; options: {sorted(OPTIONS)}")
-        self._overrides.append(values)
+        layer = {name: checked(name, value) for name, value in values.items()}
+        self._overrides.append(layer)
         try:
             yield self
         finally:
@@ -172,6 +269,24 @@ class _Config(threading.local):
 
 
 _BASE_VALUES: dict[str, Any] = {}
+
+
+def load_environment() -> None:
+    """Read every option's variable now: the first read of any option (and ``optimize()``)
+    does, so a bad ``SPECULARCH_*`` value is one ``ConfigError`` at specularch's first use,
+    whichever option that use reads, the same one-line message the global switch prints (and
+    again at each use until it is fixed). An unknown ``SPECULARCH_*`` name is warned about
+    once. Options already assigned from Python keep their value."""
+    if len(_BASE_VALUES) == len(OPTIONS):
+        return
+    errors, unknown = check_environment()
+    if errors:
+        raise ConfigError(errors[0])
+    for line in unknown:
+        warnings.warn(line, stacklevel=2)
+    for option in OPTIONS.values():
+        if option.name not in _BASE_VALUES:
+            _BASE_VALUES[option.name] = _from_env(option)
 
 
 def _from_env(option: Option) -> Any:
@@ -195,6 +310,13 @@ def _as_variable(default) -> str:
     return repr(default)
 
 
+def backend_error(name: str, backends) -> str:
+    """The message for ``SPECULARCH_BACKEND=name`` when ``name`` is not in ``backends``."""
+    return (f"SPECULARCH_BACKEND={name!r} is not valid: expected one of "
+            f"{', '.join(sorted(backends))} (specularch.list_backends()). "
+            f"Unset it to use the default ({OPTIONS['backend'].default!r}).")
+
+
 def check_environment(environ=None, backends=None) -> tuple[list[str], list[str]]:
     """``(errors, warnings)`` for the ``SPECULARCH*`` variables of ``environ`` (default
     ``os.environ``), one line each: a value an option rejects, a ``SPECULARCH_BACKEND`` not in
@@ -205,7 +327,7 @@ def check_environment(environ=None, backends=None) -> tuple[list[str], list[str]
     """
     environ = os.environ if environ is None else environ
     by_env = {o.env: o for o in OPTIONS.values() if o.env}
-    errors, warnings = [], []
+    errors, warnings_ = [], []
     for name in sorted(environ):
         option = by_env.get(name)
         if option is not None:
@@ -216,13 +338,11 @@ def check_environment(environ=None, backends=None) -> tuple[list[str], list[str]
         elif name.startswith("SPECULARCH_"):
             close = difflib.get_close_matches(name, by_env, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f"; known: {', '.join(sorted(by_env))}"
-            warnings.append(f"specularch: ignoring unknown variable {name}{hint}")
+            warnings_.append(f"specularch: ignoring unknown variable {name}{hint}")
     backend = environ.get("SPECULARCH_BACKEND")
     if backends is not None and backend is not None and backend not in backends:
-        errors.append(f"SPECULARCH_BACKEND={backend!r} is not valid: expected one of "
-                      f"{', '.join(sorted(backends))} (specularch.list_backends()). "
-                      f"Unset it to use the default ({OPTIONS['backend'].default!r}).")
-    return errors, warnings
+        errors.append(backend_error(backend, backends))
+    return errors, warnings_
 
 
 config = _Config()

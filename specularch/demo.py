@@ -83,7 +83,7 @@ def main() -> None:
         same = all(torch.allclose(block(x, c), reference(x, c))
                    for c in (True, True, True, True, False, True, False))
     print(f"transformer block: results equal eager: {same}")
-    print(specularch.explain(block))
+    print(specularch.explain(block, verbose=True))  # with its guards and graph code
 
     cell = nn.LSTMCell(16, 24)
     fast_loop = specularch.optimize(lstm_loop)

@@ -21,12 +21,15 @@ import torch
 
 from . import distributed, frames, log
 from .config import config
+from .eager_run import EagerRun, locked_entry
 from .entry import MISS, AssumptionFailed, build_entry, graph_uses_randomness
 from .fx_lower import get_backend
 from .guards import GuardSet
+from .guards.guard import refers_to_dead
 from .relax import Generalisation, fact
 from .records import (FALLBACK_KINDS, FallbackRecord, RecompileRecord, SpecularchStrictError,
                       Unsupported)
+from .symbolic import branch_merge, budget
 from .symbolic.capture import Capture, capture
 from .symbolic.values import RelaxationRefused
 
@@ -60,6 +63,7 @@ class GraphEntry:
     compile_seconds: float
     hits: int = 0
     note: str = ""  # why the chosen backend was not used, if it was not
+    graph_fn: Callable | None = None  # what the backend compiled (``fn`` wraps it in guards)
 
 
 @dataclass
@@ -87,6 +91,7 @@ class CodeState:
     broadcast: dict = field(default_factory=dict)  # id -> weakref of tensors sent from rank 0
     builtins: dict = None
     value_dependent_failures: int = 0  # captures that failed on tensor values, not remembered
+    eager_seconds: list = field(default_factory=list)  # profiled calls' durations (budget.py)
 
     def __post_init__(self):
         self.builtins = _builtins_of(self.target.globals)
@@ -163,6 +168,16 @@ def per_instance(target, resolve: Callable) -> None:
     _PER_INSTANCE[target.key] = resolve
 
 
+# Targets of the global switch optimized only at some of their calls (a module forward: its
+# outermost calls, see policy.py): target key -> ``handler(target, slots, cells)``, which
+# takes the whole call.
+_PER_CALL_SITE: dict[int, Callable] = {}
+
+
+def per_call_site(target, handler: Callable) -> None:
+    _PER_CALL_SITE[target.key] = handler
+
+
 def dispatch(target, slots: tuple, cells: tuple | None) -> Any:
     """Called by trampolines (frames reached through the hook) for every call of ``target``."""
     resolve = _PER_INSTANCE.get(target.key)
@@ -172,6 +187,9 @@ def dispatch(target, slots: tuple, cells: tuple | None) -> Any:
             return run(state, slots, cells)
         if not frames.auto_targeting():  # another instance of an optimized module's class
             return target.call_original(slots, cells)
+    handler = _PER_CALL_SITE.get(target.key)
+    if handler is not None:
+        return handler(target, slots, cells)
     state = _STATES.get(target.key)
     if state is None or state.target is not target:
         state = state_for(target)
@@ -189,7 +207,22 @@ def run(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
     return _run(state, slots, cells)
 
 
+def start(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
+    """``run``, except that a call whose path runs eagerly returns an ``EagerRun``: the
+    caller runs the original in its own frame (see ``eager_run``)."""
+    if VALIDATOR is not None:
+        return VALIDATOR(state, slots, cells, _run)
+    return _start(state, slots, cells)
+
+
 def _run(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
+    result = _start(state, slots, cells)
+    if type(result) is EagerRun:
+        return result.run(state.target.call_original, slots, cells)
+    return result
+
+
+def _start(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
     target = state.target
     stats = state.stats
     stats.calls += 1
@@ -200,11 +233,10 @@ def _run(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
         if result is not MISS:
             return result
     if state.disabled is not None:
-        return _run_eager(state, slots, cells, state.disabled)
+        return _defer_eager(state, slots, cells, state.disabled)
     for eager in state.eager:
         if eager.check(slots, cells, G, B):
-            return _run_eager(state, slots, cells, eager.record,
-                              reaches_backward=eager.reaches_backward)
+            return _defer_eager(state, slots, cells, eager.record, eager.reaches_backward)
     if not state.entries and state.stats.profiled_calls < config.profile_calls \
             and not distributed.active():  # ranks must not run unaveraged eager steps
         return _profile_call(state, slots, cells)
@@ -215,8 +247,11 @@ def _profile_call(state: CodeState, slots, cells) -> Any:
     """One of the first calls: run eagerly, remember what the arguments looked like."""
     state.stats.profiled_calls += 1
     state.profile.append(tuple(fact(v) for v in slots))
+    start = time.perf_counter()
     with frames.hook_active():
-        return state.target.call_original(slots, cells)
+        result = state.target.call_original(slots, cells)
+    state.eager_seconds.append(time.perf_counter() - start)  # what a capture may cost
+    return result
 
 
 def _assumption_failed(state: CodeState, entry: GraphEntry, failure: AssumptionFailed,
@@ -238,6 +273,7 @@ def _assumption_failed(state: CodeState, entry: GraphEntry, failure: AssumptionF
 def _miss(state: CodeState, slots, cells, G, B) -> Any:
     target = state.target
     with _LOCK:
+        _drop_dead(state)
         for entry in state.entries:  # another thread may have captured while we waited
             result = _try_entry(state, entry, slots, cells, G, B)
             if result is not MISS:
@@ -260,7 +296,8 @@ def _miss(state: CodeState, slots, cells, G, B) -> Any:
             state.stats.recompiles += 1
         distributed.eager.start_capture()
         try:
-            cap = _capture_with_relaxations(state, slots, cells, G)
+            with budget.eager_cost(state.eager_seconds):  # gives up on long loops early
+                cap = _capture_with_relaxations(state, slots, cells, G)
         except Unsupported as e:
             return _fallback(state, slots, cells, e,
                              reaches_backward=distributed.eager.capture_reached_backward())
@@ -299,6 +336,13 @@ def _miss(state: CodeState, slots, cells, G, B) -> Any:
     return result
 
 
+def _drop_dead(state: CodeState) -> None:
+    """Forget graphs and eager paths whose guards hold an object that was freed (guards hold
+    objects weakly): they never pass again, and must not count towards ``cache_limit``."""
+    state.entries[:] = [e for e in state.entries if not refers_to_dead(e.capture.guards)]
+    state.eager[:] = [e for e in state.eager if not refers_to_dead(e.guards)]
+
+
 def _relax(state: CodeState, slots, cells, G, B) -> str:
     """No graph fits this call: relax every assumption of the newest graph that this call
     breaks and that can be generalised (not only the first: a call that changes a key *and*
@@ -324,8 +368,7 @@ def _try_entry(state: CodeState, entry: GraphEntry, slots, cells, G, B,
     raises, or whose assumption fails, leads to the original Python (nothing committed)."""
     try:
         result = entry.fn(slots, cells, G, B)
-    except Exception as e:
-        torch.set_grad_enabled(entry.grad_enabled)
+    except Exception as e:  # (the entry put the grad mode back: see entry.py)
         return _graph_raised(state, entry, e, slots, cells, G, B, count_hit)
     if result is MISS:
         return MISS
@@ -363,17 +406,38 @@ def _graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, 
         with frames.hook_active():
             result = state.target.call_original(slots, cells)
     except Exception as eager_error:
-        kind = "exception_handling"
-        why = (f"{what}; the original code raises {type(eager_error).__name__} too (the "
-               f"call ran eagerly and raised it)")
+        failure = Unsupported("exception_handling",
+                              f"{what}; the original code raises {type(eager_error).__name__} "
+                              f"too (the call ran eagerly and raised it)")
         outcome = eager_error
     else:
-        kind, why, outcome = "backend_error", f"{what}, but the original code does not", None
-    record = _note_fallback(state, Unsupported(kind, why), at_def=True, ran=True)
+        failure, outcome = _eager_did_not_raise(entry, error, what), None
+    record = _note_fallback(state, failure, at_def=True, ran=True)
     if outcome is not None:
         raise outcome
     log.warn_fallback(record)
     return result
+
+
+def _eager_did_not_raise(entry: GraphEntry, error: Exception, what: str) -> Unsupported:
+    """A graph raised where the original code does not: an op on the side of a merged
+    tensor branch that this call does not take (the graph computes both sides), or else a
+    bug of ours (``backend_error``)."""
+    ran = getattr(entry.graph_fn, "__self__", None)
+    side = branch_merge.side_not_taken(error, [entry.capture.graph_module, ran])
+    if side is None:
+        return Unsupported("backend_error", f"{what}, but the original code does not")
+    (filename, lineno, function), op_at = side
+    failure = Unsupported(
+        "data_dependent_branch",
+        f"the branch on a tensor value at {filename}:{lineno} is captured with both sides "
+        f"(selected with torch.where); the side this call does not take raised "
+        f"{type(error).__name__}: {error} (at {op_at or 'an op of that side'}), where eager "
+        f"never runs it; the call ran eagerly and returned eager's result",
+        "Make that side valid for every input (clamp the index, avoid a zero divisor) or "
+        "select with torch.where yourself; results are correct either way, only slower.")
+    failure.filename, failure.lineno, failure.function = filename, lineno, function
+    return failure
 
 
 def _distributed_graph_raised(state: CodeState, entry: GraphEntry, error: Exception,
@@ -459,6 +523,8 @@ def _compile(state: CodeState, cap: Capture, fast_tensors: bool = True,
                            cap.writes, cap.assertions, graph_uses_randomness(cap.graph_module))
     if cap.distributed_leaves:
         fn = _distributed_entry(fn, list(buffers))
+    if cap.writes:  # guards to commit atomic for threads sharing what it writes
+        fn = locked_entry(fn)
     seconds = time.perf_counter() - start
     state.stats.compile_seconds += seconds
     grad = next((g.grad_enabled for g in cap.guards if hasattr(g, "grad_enabled")), True)
@@ -467,7 +533,7 @@ def _compile(state: CodeState, cap: Capture, fast_tensors: bool = True,
     log.emit("graphs", f"{state.target.name} ({backend.name}{'; ' + note if note else ''}):\n"
              f"{cap.code}")
     log.emit("guards", f"{state.target.name}:\n  " + "\n  ".join(cap.guards.readable()))
-    return GraphEntry(cap, backend.name, fn, text, grad, seconds, note=note)
+    return GraphEntry(cap, backend.name, fn, text, grad, seconds, note=note, graph_fn=graph_fn)
 
 
 def _distributed_entry(fn: Callable, buffers: list) -> Callable:
@@ -539,6 +605,18 @@ def _remember(state: CodeState, record: FallbackRecord) -> FallbackRecord:
         state.fallbacks[key] = record
     log.emit("fallbacks", str(record))
     return record
+
+
+def _defer_eager(state: CodeState, slots, cells, record: FallbackRecord,
+                 reaches_backward: bool = False) -> Any:
+    """A path remembered as eager: an ``EagerRun`` for the caller to run (its frames are what
+    a recursive function that runs eagerly nests per level), or, where the run needs more
+    than the frame hook (strict mode, torch.distributed), the result of ``_run_eager``."""
+    if config.strict or distributed.active():
+        return _run_eager(state, slots, cells, record, reaches_backward)
+    record.count += 1
+    state.stats.fallback_calls += 1
+    return EagerRun(record)
 
 
 def _run_eager(state: CodeState, slots, cells, record: FallbackRecord,

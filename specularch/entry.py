@@ -6,7 +6,11 @@
             <graph inputs and every object the commit will touch, read from their sources>
         except Exception:
             return MISS
-        R = GRAPH(s0, s3, ...)
+        try:
+            R = GRAPH(s0, s3, ...)
+        except BaseException:                       # also KeyboardInterrupt
+            SET_GRAD(GRAD)                            # the guarded grad mode, as before the graph
+            raise
         if bool(R[4]) is not True: return FAILED[0]    # in-graph assumptions
         <objects created in the call, built from R and constants>
         <shadow-heap commit: the deferred writes, in program order>
@@ -23,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .guards import GuardSet, SourceNamer, TensorGuard, guard_lines
+from .guards import GlobalStateGuard, GuardSet, SourceNamer, TensorGuard, guard_lines
 from .guards.guard import const_name
 from .guards.sources import PINNED
 
@@ -204,6 +208,33 @@ def _only_plain_tensors(guards: GuardSet) -> bool:
     return all(g.tensor_type in _PLAIN_TENSORS for g in guards if isinstance(g, TensorGuard))
 
 
+def _tensor_commit(render: Renderer, writes: list, plain: bool) -> list[str]:
+    """The statements that copy the graph's final values into the tensors written in place.
+
+    Each ``("tensor", target, value, bumps)`` write leaves ``target``'s autograd version
+    counter where eager leaves it: ``bumps`` higher (the in-place ops eager ran on it, counted
+    at capture). ``copy_`` bumps it once; a tensor eager wrote without a bump (batch_norm's
+    running stats) is copied through ``.data`` (same memory, its own counter), so a graph that
+    autograd saved it for (the first call of a siamese model) still runs backward."""
+    targets = values = ""
+    extra: list[str] = []
+    for w in writes:
+        target, bumps = render.expr(w[1]), w[3]
+        targets += f"{target}.data, " if bumps == 0 else f"{target}, "
+        values += f"{render.expr(w[2])}, "
+        extra += [target] * max(bumps - 1, 0)
+    copy = "FOREACH_COPY_ALL" if plain else "COPY_ALL"
+    lines = [f"{copy}(({targets}), ({values}))"]
+    if extra:
+        lines.append(f"BUMP_VERSIONS(({', '.join(extra)}, ))")
+    return lines
+
+
+def _guarded_grad_mode(guards: GuardSet) -> bool:
+    """The grad mode a call passing ``guards`` runs in (every capture guards it)."""
+    return next(g.grad_enabled for g in guards if isinstance(g, GlobalStateGuard))
+
+
 def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph_fn: Callable,
                 fast_tensors: bool = True, writes: list = (), assertions: list = (),
                 random_graph: bool = False) -> tuple[Callable, str]:
@@ -216,10 +247,7 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     commit = [render.write(w) for w in writes if w[0] != "tensor"]
     tensor_writes = [w for w in writes if w[0] == "tensor"]
     if tensor_writes:  # one no_grad block for every in-place tensor update
-        targets = "".join(f"{render.expr(w[1])}, " for w in tensor_writes)
-        values = "".join(f"{render.expr(w[2])}, " for w in tensor_writes)
-        copy = "FOREACH_COPY_ALL" if _only_plain_tensors(guards) else "COPY_ALL"
-        commit.insert(0, f"{copy}(({targets}), ({values}))")
+        commit[:0] = _tensor_commit(render, tensor_writes, _only_plain_tensors(guards))
     result = render.expr(output_spec)
     body += namer.lines
     failed = [AssumptionFailed(where, site, expected) for _, expected, where, site in assertions]
@@ -227,13 +255,15 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     src += [f"        {line}" for line in body] or ["        pass"]
     src += ["    except Exception:", "        return MISS"]
     call = f"R = GRAPH({', '.join(inputs)})"
-    if random_graph:
-        # The eager re-run after a failed assumption or a graph that raised must draw the
-        # same random numbers as if the graph had never run.
-        src += ["    RNG = GET_RNG()", "    try:", f"        {call}",
-                "    except BaseException:", "        SET_RNG(RNG)", "        raise"]
-    else:
-        src.append(f"    {call}")
+    # The graph switches grad mode around its no_grad blocks: one stopped inside such a block
+    # (an error, or Ctrl-C's KeyboardInterrupt) must not leave the caller's mode switched; the
+    # guards passed, so the mode before the graph is the guarded one. The eager re-run after
+    # a failed assumption or a graph that raised must draw the same random numbers as if the
+    # graph had never run.
+    restore = ["SET_GRAD(GRAD)", *(["SET_RNG(RNG)"] if random_graph else [])]
+    src += ["    RNG = GET_RNG()"] if random_graph else []
+    src += ["    try:", f"        {call}", "    except BaseException:",
+            *[f"        {line}" for line in restore], "        raise"]
     for i, (index, expected, _, _) in enumerate(assertions):
         restore = "SET_RNG(RNG); " if random_graph else ""
         src.append(f"    if bool(R[{index}]) is not {expected}: {restore}return FAILED[{i}]")
@@ -243,9 +273,11 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     ns: dict[str, Any] = dict(consts, MISS=MISS, GRAPH=graph_fn, O=PINNED, NEW=_new_object,
                               FAILED=failed, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
                               FOREACH_COPY_ALL=_foreach_copy_all,
+                              BUMP_VERSIONS=torch.autograd.graph.increment_version,
                               AS_INFERENCE=as_inference, PRINT=builtins.print,
                               FORMAT=builtins.format, STR=str, REPR=repr, ASCII=ascii,
-                              GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state)
+                              GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state,
+                              SET_GRAD=torch.set_grad_enabled, GRAD=_guarded_grad_mode(guards))
     exec(compile(text, "<specularch entry>", "exec"), ns)
     return ns["entry"], text
 

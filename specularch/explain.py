@@ -1,9 +1,20 @@
-"""``specularch.explain(obj)``: what was captured, guarded, or fell back, and why."""
+"""``specularch.explain(obj)``: what was captured, guarded, or fell back, and why.
+
+``str(report)`` is a short summary (a few lines per graph, whatever the model's size): per
+graph its backend, runs, capture and compile time and how many inputs and guards it has, then
+every fallback and recompile with its reason and the user's ``file:line``. The guards and the
+graph code (hundreds to thousands of lines for a real model) are printed only on request:
+``explain(obj, verbose=True)``, or ``SPECULARCH_LOG=guards,graphs`` as graphs are captured.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from .records import FallbackRecord, RecompileRecord
+
+# The summary's last line: where the detail it leaves out is.
+DETAIL_HINT = ("guards and graph code: print(specularch.explain(obj, verbose=True)), "
+               "or SPECULARCH_LOG=guards,graphs while the program runs")
 
 
 @dataclass
@@ -17,9 +28,17 @@ class GraphReport:
     compile_seconds: float
     note: str = ""            # why the requested backend was not used, if it was not
 
+    def _timing(self) -> str:
+        return (f"backend={self.backend} runs={self.hits} capture={self.capture_seconds * 1e3:.1f}ms "
+                f"compile={self.compile_seconds * 1e3:.1f}ms")
+
+    def summary(self) -> str:
+        """One line (two with a backend note): the guards and inputs counted, not listed."""
+        line = f"{self._timing()} inputs={len(self.inputs)} guards={len(self.guards)}"
+        return line + (f"\n    note: {self.note}" if self.note else "")
+
     def __str__(self) -> str:
-        lines = [f"  backend={self.backend} runs={self.hits} "
-                 f"capture={self.capture_seconds * 1e3:.1f}ms compile={self.compile_seconds * 1e3:.1f}ms",
+        lines = [f"  {self._timing()}",
                  *([f"  note: {self.note}"] if self.note else []),
                  "  inputs: " + (", ".join(self.inputs) or "(none)"),
                  "  guards:"]
@@ -30,12 +49,21 @@ class GraphReport:
 
 @dataclass
 class Explanation:
+    """What specularch did with one optimized object.
+
+    ``print(report)`` shows the summary; ``print(specularch.explain(obj, verbose=True))`` (or
+    ``report.verbose = True``) shows everything: each graph's inputs, guards and code too.
+    The detail is always in the attributes: ``report.graphs[i].guards`` / ``.code`` /
+    ``.inputs``, ``report.fallbacks``, ``report.recompiles``, ``report.relaxations``.
+    """
+
     name: str
     graphs: list[GraphReport] = field(default_factory=list)
     fallbacks: list[FallbackRecord] = field(default_factory=list)
     recompiles: list[RecompileRecord] = field(default_factory=list)
     stats: object = None
     relaxations: list[str] = field(default_factory=list)
+    verbose: bool = field(default=False, compare=False)  # str() lists guards and graph code
 
     @property
     def guards(self) -> list[str]:
@@ -44,23 +72,33 @@ class Explanation:
     def __str__(self) -> str:
         out = [f"specularch report for {self.name}", f"stats: {self.stats}",
                f"graphs: {len(self.graphs)}"]
-        for i, g in enumerate(self.graphs):
-            out.append(f"--- graph {i} ---")
-            out.append(str(g))
-        out.append(f"fallbacks: {len(self.fallbacks)}")
+        if self.verbose:
+            for i, g in enumerate(self.graphs):
+                out += [f"--- graph {i} ---", str(g)]
+        else:
+            out += [f"  graph {i}: {g.summary()}" for i, g in enumerate(self.graphs)]
+        out += self._records()
+        if self.graphs and not self.verbose:
+            out.append(DETAIL_HINT)
+        return "\n".join(out)
+
+    def _records(self) -> list[str]:
+        """Fallbacks, recompiles and relaxations, each in full: they are why something did
+        not run as one graph, and there are few of them (fallback records are capped)."""
+        out = [f"fallbacks: {len(self.fallbacks)}"]
         out += [f"  {line}" for f in self.fallbacks for line in str(f).splitlines()]
         out.append(f"recompiles: {len(self.recompiles)}")
         out += [f"  {r}" for r in self.recompiles]
         out.append(f"relaxations: {len(self.relaxations)}")
         out += [f"  {r}" for r in self.relaxations]
-        return "\n".join(out)
+        return out
 
 
-def explain_state(state) -> Explanation:
+def explain_state(state, verbose: bool = False) -> Explanation:
     graphs = [GraphReport(e.capture.code, e.capture.guards.readable(),
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
                           e.capture.seconds, e.compile_seconds, e.note)
               for e in reversed(state.entries)]
     return Explanation(state.target.name, graphs, [replace(f) for f in state.fallbacks.values()],
                        list(state.recompiles), replace(state.stats),
-                       list(state.general.relaxations))
+                       list(state.general.relaxations), verbose)

@@ -48,9 +48,11 @@ FALLBACK_KINDS: dict[str, tuple[str, str]] = {
         "An nn.Module called in the function has forward/backward hooks registered.",
         "Remove the hooks, or optimize a function that does not call the hooked module."),
     "recursion_limit": (
-        "Inlined calls were nested deeper than config.inline_depth, or too many instructions "
-        "ran (config.max_instructions).",
-        "Raise the limit, or restructure deep recursion into a loop over tensors."),
+        "Inlined calls were nested deeper than config.inline_depth, too many instructions "
+        "ran (config.max_instructions), or unrolling a long Python loop (more than "
+        "max_instructions/100 iterations) took longer than max(0.5 s, 2 eager calls).",
+        "Raise the limit, or restructure deep recursion or long loops into tensor operations "
+        "(or keep them out of the optimized function)."),
     "cache_limit": (
         "This code already has config.cache_limit graphs; a new guard failure would need another.",
         "Check `specularch.explain(fn).recompiles` for the value that keeps changing; raise cache_limit."),

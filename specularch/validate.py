@@ -103,7 +103,7 @@ def validator(state, slots, cells, run) -> Any:
                or _first_difference(expected_output[1], got_output[1], "printed stderr"))
     if problem is not None:
         report = (f"specularch compare mode: {target.name} differs from eager: {problem}\n"
-                  f"{explain_state(state)}")
+                  f"{explain_state(state, verbose=True)}")  # the graph code too
         MISMATCHES.append(report)
         raise SpecularchMismatch(report)
     if got_error is not None:

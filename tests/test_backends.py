@@ -329,7 +329,7 @@ def test_flattening_backends_refuse_parameters_with_gradient_hooks(kind):
 
 
 def test_default_backend_per_device():
-    """The measured default (README, Benchmarks): fx on CPU and, until measured, on CUDA; the
+    """The measured default (docs/benchmarks.md): fx on CPU and, until measured, on CUDA; the
     configuration's default agrees with it."""
     from specularch.fx_lower import default_backend
     assert default_backend(None) == default_backend("cpu") == default_backend(torch.device("cpu")) == "fx"

@@ -17,7 +17,7 @@ from specularch.fx_lower.passes import fold_clones
 
 def _ran_graph(fn) -> torch.fx.GraphModule:
     """The GraphModule the `fx` backend runs for the optimized function's first graph."""
-    return _state_of(fn).entries[0].fn.__globals__["GRAPH"].__self__
+    return _state_of(fn).entries[0].graph_fn.__self__
 
 
 def _adam_setup(amsgrad=False):

@@ -2,6 +2,7 @@
 a new graph (never a wrong answer), and failures explain themselves with expected vs actual
 and the user's file:line."""
 import builtins
+import enum
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 import specularch
+from differential import A, T, check
 from specularch.guards import GuardSet, LocalSource, TensorGuard, ValueGuard
 
 pytestmark = pytest.mark.usefixtures("no_profiling")
@@ -258,3 +260,38 @@ def test_float_guards_tell_signed_zeros_and_nan_apart():
     with specularch.config.patch(profile_calls=0):
         for s in (0.0, -0.0, 0.0, -0.0):
             assert torch.equal(opt(torch.ones(2), s), _signed(torch.ones(2), s)), s
+
+
+class Key(str):
+    """A str subclass with str's own equality: its value decides dict lookups."""
+
+
+class LooseKey(str):
+    """A str subclass with its own equality: guarded by identity."""
+
+    def __eq__(self, other):
+        return str.__eq__(self.lower(), str(other).lower())
+
+    def __hash__(self):
+        return hash(self.lower())
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 1
+    EVAL = 2
+
+
+SCALES = {"train": 2.0, "eval": 3.0, 1: 4.0, 2: 5.0}
+
+
+def scale_by_key(x, k):
+    return x * SCALES[k]
+
+
+@pytest.mark.parametrize("make_key", [Key, LooseKey, lambda k: Mode.TRAIN if k == "train" else Mode.EVAL],
+                         ids=["str_subclass", "own_equality", "int_enum"])
+def test_value_subclass_arguments_are_guarded_by_value(make_key):
+    """An argument of a str/int subclass looked up in a dict: a graph captured for one value is
+    not reused for another (it once had only a type guard and returned the first key's result)."""
+    keys = ["train", "train", "eval", "train", "eval"]
+    check(scale_by_key, lambda i: A(T(2), make_key(keys[i])), calls=len(keys))

@@ -42,19 +42,21 @@ _counts = {"callback_calls": 0, "skips": 0, "skip_once": 0, "trampolines_install
 class Target:
     """One intercepted code object and everything built for it.
 
-    ``fn`` is the first function registered for ``code``; closures made by the same
-    ``def`` share the Target. ``trampoline`` is None for generators and coroutines
-    (``is_generator``), which are never intercepted.
+    ``fn`` is the first function registered for ``code`` while it is alive (None after):
+    closures made by the same ``def`` share the Target, which lives as long as the process,
+    so it must not keep the first closure's cells (say, a model) alive. ``trampoline`` is
+    None for generators and coroutines (``is_generator``), which are never intercepted.
     """
 
-    __slots__ = ("fn", "code", "key", "name", "filename", "firstlineno", "globals",
+    __slots__ = ("_fn", "_fn_name", "code", "key", "name", "filename", "firstlineno", "globals",
                  "argnames", "trampoline", "shadow_code", "is_generator", "_binder_code",
                  "_binders", "_shadow_fn", "_unbind", "_rename", "_glue", "__weakref__")
 
     def __init__(self, fn: FunctionType, key: int, glue: str = _tr.GLUE_NAME) -> None:
         code = fn.__code__
         layout = _tr.Layout.of(code)
-        self.fn, self.code, self.key, self._glue = fn, code, key, glue
+        self._fn, self._fn_name = weakref.ref(fn), fn.__name__
+        self.code, self.key, self._glue = code, key, glue
         self.name, self.filename, self.firstlineno = fn.__qualname__, code.co_filename, code.co_firstlineno
         self.globals, self.argnames = fn.__globals__, layout.argnames
         self.is_generator = bool(code.co_flags & _th.CO_RESUMABLE)
@@ -70,10 +72,25 @@ class Target:
     def __repr__(self) -> str:
         return f"<Target {self.name} at {self.filename}:{self.firstlineno}>"
 
+    @property
+    def fn(self) -> Optional[FunctionType]:
+        return self._fn()
+
     def _shadow_function(self, cells: Optional[tuple]) -> FunctionType:
-        f = FunctionType(self.shadow_code, self.globals, self.fn.__name__, None, cells)
+        f = FunctionType(self.shadow_code, self.globals, self._fn_name, None, cells)
         if self._rename:
-            f.__qualname__ = self.fn.__qualname__
+            f.__qualname__ = self.name
+        return f
+
+    def shadow_for(self, fn: FunctionType) -> FunctionType:
+        """``fn`` with the shadow code (see ``call_original``): called like ``fn``, with its
+        defaults, globals and closure, it runs the original bytecode unintercepted."""
+        if not isinstance(fn, FunctionType) or fn.__code__ is not self.code:
+            raise TypeError(f"shadow_for needs a function whose code is {self.name}'s, "
+                            f"got {fn!r:.80}")
+        f = FunctionType(self.shadow_code, fn.__globals__, fn.__name__, fn.__defaults__,
+                         fn.__closure__)
+        f.__kwdefaults__, f.__qualname__ = fn.__kwdefaults__, fn.__qualname__
         return f
 
     def binder_for(self, fn: FunctionType) -> FunctionType:

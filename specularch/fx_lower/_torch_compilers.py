@@ -175,3 +175,16 @@ def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list)
                 scripted(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args]))
 
     return run
+
+
+def torch_compile_original(obj) -> object | None:
+    """The module or function ``torch.compile`` wrapped into ``obj`` (an ``OptimizedModule``
+    or the function it returns), or None when ``obj`` is not what ``torch.compile`` returned.
+    ``torch._dynamo`` is not imported for this: before it is, nothing made by it exists."""
+    import sys
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return None
+    if isinstance(obj, eval_frame.OptimizedModule):
+        return obj._orig_mod
+    return getattr(obj, "_torchdynamo_orig_callable", None)

@@ -8,6 +8,7 @@ Register more with ``register_backend``. ``fx`` takes every graph; the compiling
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,9 +38,26 @@ def register_backend(name: str, compile_fn: Callable, *, help: str,
                      supports: Callable | None = None, replace: bool = False) -> Backend:
     if name in BACKENDS and not replace:
         raise ValueError(f"backend {name!r} is already registered (pass replace=True to override)")
-    backend = Backend(name, compile_fn, help, supports or (lambda gm: None))
+    backend = Backend(name, _drawing_nothing(compile_fn), help, supports or (lambda gm: None))
     BACKENDS[name] = backend
     return backend
+
+
+def _drawing_nothing(compile_fn: Callable) -> Callable:
+    """``compile_fn`` with the random-number state put back afterwards: a compiler that runs
+    the graph while compiling (warm-up runs, autotuning, ``ts_compile`` on real inputs) would
+    otherwise advance the generators, and the call would then draw other numbers than eager."""
+    @functools.wraps(compile_fn)
+    def compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            return compile_fn(gm, example_inputs)
+        finally:
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+    return compile
 
 
 def get_backend(name: str) -> Backend:
@@ -59,9 +77,10 @@ def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     # out-of-place ops first (``passes.fold_clones``: the same bits, one pass fewer), then
     # the same op over many tensors (an optimizer update) batched into one
     # ``torch._foreach_*`` call (``foreach.batch_foreach``: the same per-tensor kernels).
+    from ._torch_fx_names import bind_renamed_targets
     from .foreach import batch_foreach
     from .passes import fold_clones
-    return batch_foreach(fold_clones(gm)).forward
+    return bind_renamed_targets(batch_foreach(fold_clones(gm))).forward
 
 
 def _flattened(gm: torch.fx.GraphModule) -> bool:

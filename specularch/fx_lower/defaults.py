@@ -1,5 +1,5 @@
-"""The default backend for each device type, chosen from measurements (README, "Benchmarks"
-and "The default backend": ``benchmarks/mlp_forward.py``, ``benchmarks/train_step.py``,
+"""The default backend for each device type, chosen from measurements (docs/benchmarks.md,
+"The default backend": ``benchmarks/mlp_forward.py``, ``benchmarks/train_step.py``,
 ``python -m specularch.bench``).
 
 CPU: ``fx``. On the team's 2-core VM (1 thread, torch 2.13.0) ``fx`` ran the training steps
@@ -8,7 +8,7 @@ takes every graph. ``torchscript`` (0.63-1.47x) and ``inductor`` (0.64-2.03x; 7-
 graph from an empty cache) each lose to ``fx`` on some workload (LeNet), refuse dynamic
 sizes, and pay off only after thousands of steps at one shape: a measured opt-in.
 
-CUDA: ``fx`` until measured (no GPU on the team's machines); see the README for what
+CUDA: ``fx`` until measured (no GPU on the team's machines); see docs/benchmarks.md for what
 ``cudagraphs`` and ``inductor`` are expected to give and how to measure them.
 """
 from __future__ import annotations

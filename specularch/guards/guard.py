@@ -7,10 +7,11 @@ expressions over ``v`` (the expression of the source's value) used by the compil
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import math
+import weakref
 
 import torch
 
@@ -91,18 +92,63 @@ class TypeGuard(Guard):
 
 @dataclass(frozen=True, eq=False)
 class IdGuard(Guard):
-    """The very same object (modules, functions, classes called or read)."""
+    """The very same object (modules, functions, classes called or read).
 
-    expected: Any
+    The object is held through a weak reference where it can be: a strong one would keep
+    every module a graph was captured for alive as long as its cache (which its own
+    ``optimize`` state is). A dead reference fails the guard (the call recaptures); it can
+    never match a new object that reuses the id, since a dead ``weakref.ref`` returns None.
+    """
+
+    obj: InitVar[Any]
+    ref: Any = field(init=False, repr=False)  # () -> the object, or None once it died
+    weak: bool = field(init=False, repr=False)
+
+    def __post_init__(self, obj):
+        try:
+            ref, weak = weakref.ref(obj), True
+        except TypeError:  # builtins, ints ...: no weak references; they are long-lived
+            ref, weak = _Strong(obj), False
+        object.__setattr__(self, "ref", ref)
+        object.__setattr__(self, "weak", weak)
+
+    @property
+    def expected(self) -> Any:
+        return self.ref()
 
     def conditions(self, v, consts):
-        return [f"{v} is {const_name(consts, self.expected)}"]
+        if not self.weak:
+            return [f"{v} is {const_name(consts, self.ref.obj)}"]
+        # ``is not None``: a dead reference must not match a source that now reads None
+        return [f"{v} is {const_name(consts, self.ref)}() is not None"]
 
     def describe(self):
-        return f"{self.source} is <{type(self.expected).__qualname__} at {id(self.expected):#x}>"
+        obj = self.ref()
+        if obj is None and self.weak:
+            return f"{self.source} is <an object that no longer exists>"
+        return f"{self.source} is <{type(obj).__qualname__} at {id(obj):#x}>"
 
     def mismatch(self, value):
+        if self.ref() is None and self.weak:
+            return "expected the object seen at capture, which no longer exists"
         return f"expected the same object as at capture, got another {type(value).__qualname__}"
+
+
+def refers_to_dead(guards) -> bool:
+    """Whether some guard holds an object that no longer exists: they can never pass again."""
+    return any(type(g) is IdGuard and g.weak and g.ref() is None for g in guards)
+
+
+class _Strong:
+    """``weakref.ref``'s interface for an object that cannot be weakly referenced."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
 
 
 def _inexact_eq(b: Any) -> bool:

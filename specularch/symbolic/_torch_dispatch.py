@@ -38,6 +38,14 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def version_bumps(t: torch.Tensor) -> int | None:
+    """Autograd's version counter of ``t``: how many in-place writes autograd saw since ``t``
+    was made (0 for a fresh ``clone``); None for an inference tensor, which has none. Ops
+    with undeclared writes (``batch_norm``'s running stats) do not bump it, in eager or
+    during capture."""
+    return None if t.is_inference() else t._version
+
+
 class MutationCheck(TorchDispatchMode):
     """Allows writes only into storages in ``fresh``; records storages ops create."""
 

@@ -12,12 +12,13 @@ import types
 import torch
 import torch.nn as nn
 
+from ..guards.lookups import AttrIsGuard, stable
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
 from .leaf_writes import metadata_of
 from .tracer import _is_trusted_module
-from .values import Const, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
+from .values import Const, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
 
 _MISSING = object()
 
@@ -38,7 +39,7 @@ def load_attr(tracer, frame, v: Value, name: str) -> Value:
         return _super_attr(tracer, v, name)
     if isinstance(v, NewObjV):
         return _new_object_attr(tracer, v, name)
-    if isinstance(v, UntrackedContainer):
+    if isinstance(v, (UntrackedContainer, DictViewV)):
         return MethodV(v, None, name)
     if isinstance(v, TupleV) and v.cls is not tuple and not callable(getattr(v.cls, name, None)):
         return _tuple_field(v, name)
@@ -95,18 +96,37 @@ def _object_attr(tracer, frame, v: Obj, name: str) -> Value:
         except AttributeError as e:
             raise Unsupported("exception_handling", f"AttributeError: {e}") from None
         trusted = _is_trusted_module(obj)
+        if trusted and callable(attr) and _root(obj) == "torch":  # F.linear, torch.relu
+            guard_lookup(tracer, obj, name)
         return tracer.wrap(attr, None if trusted or v.source is None else AttrSource(v.source, name))
     if isinstance(obj, type):
         try:
             attr = getattr(obj, name)
         except AttributeError as e:
             raise Unsupported("exception_handling", f"AttributeError: {e}") from None
-        return tracer.wrap(attr, _source(v, name, trusted_owner=obj))
+        source = _source(v, name, trusted_owner=obj)
+        if source is None and callable(attr) and _root(obj) == "torch":  # nn.Linear.forward
+            guard_lookup(tracer, obj, name)
+        return tracer.wrap(attr, source)
     if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
         if name in ("__name__", "__qualname__", "__module__", "__doc__"):
             return Const(getattr(obj, name))
         raise Unsupported("unsupported_call", f"reading {name!r} of a function")
     return _instance_attr(tracer, v, name)
+
+
+def _root(owner) -> str:
+    name = owner.__name__ if isinstance(owner, types.ModuleType) else getattr(owner, "__module__", "")
+    return (name or "").split(".")[0]
+
+
+def guard_lookup(tracer, owner, name: str) -> None:
+    """``owner.name`` (a class or module whose attributes have no guarded source: torch's
+    own) was looked up: guard that it is still that object, so a patch after capture
+    (``nn.Linear.forward = ...``, ``F.linear = ...``) is seen by the next call."""
+    if stable(owner, name):
+        tracer.guards.add(AttrIsGuard(None, owner=owner, name=name,
+                                      expected=getattr(owner, name), where=tracer.where()))
 
 
 def _source(v: Obj, name: str, trusted_owner=None):
@@ -228,6 +248,8 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
 def _super_attr(tracer, v: SuperV, name: str) -> Value:
     mro = type(v.self_value.concrete()).__mro__
     start = mro.index(v.cls) + 1
+    if start < len(mro) and mro[start].__mro__ == mro[start:]:  # resolved as the class would
+        guard_lookup(tracer, mro[start], name)
     for klass in mro[start:]:
         if name in klass.__dict__:
             attr = klass.__dict__[name]

@@ -22,14 +22,18 @@ selected gradient into NaN, which eager never computes.
 from __future__ import annotations
 
 import dis
+import linecache
 
 import torch
 
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
 from .symint import SymV
-from .values import (CellV, Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
+from .values import (CellV, Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
                      TensorV, TupleV, Value)
+
+SIDE_META = "merged_branch"  # node.meta: (file, line, function) of the merged branch
+
 
 class _NoMerge(Exception):
     pass
@@ -89,6 +93,7 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
         if sides[second][0] != returned:
             raise _NoMerge("one side returns and the other does not")
         before.check(tracer)
+        before.tag_sides(tracer, at)
         _, true_locals, true_stack, true_result = sides[taken_when_true]
         _, false_locals, false_stack, false_result = sides[taken_when_false]
         cond = tracer.call_op("call_method", "bool", [predicate], {}, name="bool")
@@ -176,6 +181,8 @@ def _state_of(v: Value) -> tuple:
         return ("obj", tuple(v.attrs), tuple(map(id, v.attrs.values()))), list(v.attrs.values())
     if isinstance(v, SetV):
         return ("set", frozenset(v.items)), []
+    if isinstance(v, DictViewV):  # reads its dict: a change to the dict must be seen
+        return ("view",), [v.mapping]
     if isinstance(v, CellV):
         return ("cell", id(v.contents)), [] if v.contents is None else [v.contents]
     if isinstance(v, IterV):
@@ -198,15 +205,24 @@ class _Mark:
         self.assertions = len(tracer.assertions)
         self.last_node = list(tracer.graph.nodes)[-1] if len(tracer.graph.nodes) else None
 
+    def new_nodes(self, tracer) -> list:
+        nodes = list(tracer.graph.nodes)
+        return nodes[nodes.index(self.last_node) + 1:] if self.last_node is not None else nodes
+
+    def tag_sides(self, tracer, at: tuple) -> None:
+        """Mark the nodes both sides added: the graph runs them whichever side is taken,
+        so one of them raising says nothing about a bug (see ``side_not_taken``). An inner
+        merged branch keeps its own (more precise) mark."""
+        for node in self.new_nodes(tracer):
+            node.meta.setdefault(SIDE_META, at)
+
     def check(self, tracer) -> None:
         from ..entry import is_random_node
         if len(tracer.heap) != self.heap:
             raise _NoMerge("a side writes state that outlives the call")
         if len(tracer.assertions) != self.assertions:
             raise _NoMerge("a side speculates on another tensor value")
-        nodes = list(tracer.graph.nodes)
-        new = nodes[nodes.index(self.last_node) + 1:] if self.last_node is not None else nodes
-        for node in new:
+        for node in self.new_nodes(tracer):
             if node.meta.get("mutates"):
                 raise _NoMerge("a side writes into a tensor in place")
             if is_random_node(node):
@@ -253,3 +269,27 @@ def _select(tracer, cond: TensorV, a: Value, b: Value, at: tuple) -> Value:
 
 def _layout(t: torch.Tensor) -> tuple:
     return type(t), t.stride(), t.storage_offset(), t.is_inference()
+
+
+def side_not_taken(error: BaseException, graphs: list) -> tuple | None:
+    """When a graph raised ``error`` and eager did not: ``(branch position, where the op
+    is)`` if the op that raised belongs to a merged branch's side (the graph computes both
+    sides, eager only the one taken: an index out of range or an integer division by zero on
+    the other side is no bug of ours), else None. The op is found from the traceback's line
+    in the FX code of one of ``graphs`` (GraphModules)."""
+    codes = {}
+    for gm in graphs:
+        forward = getattr(type(gm), "forward", None)
+        if isinstance(gm, torch.fx.GraphModule) and forward is not None:
+            codes[forward.__code__] = gm
+    tb = error.__traceback__
+    while tb is not None:
+        gm = codes.get(tb.tb_frame.f_code)
+        if gm is not None:
+            line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
+            name = line.split(" = ", 1)[0].strip() if " = " in line else ""
+            node = next((n for n in gm.graph.nodes if n.name == name), None)
+            if node is not None and SIDE_META in node.meta:
+                return node.meta[SIDE_META], node.meta.get("where", "")
+        tb = tb.tb_next
+    return None

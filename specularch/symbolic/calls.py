@@ -209,6 +209,7 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
 def call_module(tracer, mod: Obj, args, kwargs) -> Value:
     m = mod.obj
     tracer.guard_module_call(mod)
+    _guard_call_path(tracer, type(m))
     forward = m.__dict__.get("forward")
     if forward is not None and not getattr(forward, MODULE_FORWARD_ATTR, False):
         raise Unsupported("unsupported_call", f"{type(m).__name__} has an instance-level forward")
@@ -221,6 +222,22 @@ def call_module(tracer, mod: Obj, args, kwargs) -> Value:
         if source is not None:  # its code and defaults are guarded too
             fn = Obj(func, source)
     return inline_function(tracer, fn, [mod, *args], kwargs)
+
+
+_MODULE_PY = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "module.py")
+
+
+def _guard_call_path(tracer, cls: type) -> None:
+    """``m(x)`` is captured as ``forward`` (hooks are guarded apart) only while ``__call__``
+    and ``_call_impl`` are nn.Module's own; a class overriding them, or a patch (a profiler
+    wrapping ``nn.Module.__call__``) runs code of its own: the call runs eagerly."""
+    from .attrs import guard_lookup
+    for name in ("__call__", "_call_impl"):
+        code = getattr(getattr(cls, name, None), "__code__", None)
+        if code is None or code.co_filename != _MODULE_PY:
+            raise Unsupported("unsupported_call", f"{cls.__name__}.{name} is not nn.Module's "
+                              "own (overridden or patched): calling the module runs it")
+        guard_lookup(tracer, cls, name)
 
 
 def inline_function(tracer, fn: Obj, args, kwargs) -> Value:

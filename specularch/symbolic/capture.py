@@ -20,13 +20,14 @@ from ..entry import is_random_node
 from ..guards import GuardSet
 from ..guards.sources import CellSource, LocalSource, Source
 from ..records import Unsupported
-from . import branch_merge, grad_mode
+from . import branch_merge, grad_mode, saved_versions
+from ._torch_dispatch import version_bumps
 from .frame import Frame
 from .printing import StrV
 from .symint import SymV
 from .tracer import Tracer
 from .training import ScalarV, item_snapshot
-from .values import (CellV, Const, DictV, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
+from .values import (CellV, Const, DictV, DictViewV, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value)
 
 
@@ -78,7 +79,8 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             for i, (name, cell) in enumerate(zip(code.co_freevars, cells or ()))}
     try:
         with _restore_process_state(tracer):
-            result = Frame(tracer, code, globals_, locals_, free).run()
+            with saved_versions.tracking(tracer):
+                result = Frame(tracer, code, globals_, locals_, free).run()
             grad_mode.check_at_return(tracer)
             tracer.guard_aliasing()
             specs = SpecBuilder()
@@ -199,6 +201,8 @@ class SpecBuilder:
             return ("source", v.source) if v.source is not None else ("object", v.obj)
         if isinstance(v, SetV):
             return ("set", frozenset(v.items))
+        if isinstance(v, DictViewV):  # a live view of the very dict rebuilt (or read) here
+            return ("call", getattr(v.mapping.cls, v.kind), [self.build(v.mapping)], [])
         if id(v) in self._building:
             raise Unsupported("unsupported_call", "a value that contains itself cannot be rebuilt")
         self._building.add(id(v))
@@ -257,8 +261,10 @@ class SpecBuilder:
             return ("append", ("source", w.target.source), self.build(w.value))
         if w.kind == "item":
             return ("item", self.build(w.target), self.build(w.name), self.build(w.value))
-        if w.kind == "tensor":
-            return ("tensor", ("source", w.target.source), self.out(w.target.node))
+        if w.kind == "tensor":  # the copy the graph wrote was bumped as eager bumps the tensor
+            bumps = version_bumps(w.target.example)  # (a copy made in inference mode: unknown)
+            return ("tensor", ("source", w.target.source), self.out(w.target.node),
+                    1 if bumps is None else bumps)
         if w.kind == "print":
             args, sep, end, stream, flush = w.value
             return ("print", [self.build(a) for a in args],

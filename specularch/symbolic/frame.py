@@ -105,6 +105,8 @@ class Frame:
                               f"opcode {ins.opname} is not supported by the symbolic executor")
         target = handler(self, ins)
         if target is not None:
+            if target < ins.offset:  # one more iteration of a loop
+                self.tracer.budget.backward_jump(self.code, ins.offset, self.lineno)
             self.jump(target)
 
     def run_span(self, stop: int | None) -> bool:

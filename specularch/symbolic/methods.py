@@ -8,7 +8,7 @@ from ..records import Unsupported
 from . import grad_mode, printing, training, untracked
 from .operators import consume, contains, ensure_local, identical
 from .tracer import FORBIDDEN_TENSOR_METHODS
-from .values import (Const, DictV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
+from .values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value, is_const)
 
 
@@ -38,6 +38,8 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
         return _dict_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, SetV):
         return _set_method(tracer, self_v, name, args, kwargs)
+    if isinstance(self_v, DictViewV) and name == "isdisjoint" and self_v.kind != "values":
+        return Const(not any(contains(tracer, item, self_v) for item in consume(tracer, args[0])))
     if isinstance(self_v, TupleV) and name in ("index", "count"):
         return _sequence_query(tracer, self_v, name, args)
     if isinstance(self_v, TupleV) and name == "_asdict":
@@ -128,12 +130,10 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
     if name == "get":
         key = args[0].concrete()
         return items.get(key, args[1] if len(args) > 1 else Const(None))
-    if name == "keys":
-        return ListV([Const(k) for k in items])
-    if name == "values":
-        return ListV(list(items.values()))
-    if name == "items":
-        return ListV([TupleV([Const(k), v]) for k, v in items.items()])
+    if name in ("keys", "values", "items"):  # live views: they read `d` when used
+        if args or kwargs:
+            raise Unsupported("exception_handling", f"TypeError: dict.{name}() takes no arguments")
+        return DictViewV(d, name)
     if name == "copy":
         return d.like(dict(items))
     if name == "__contains__":

@@ -18,7 +18,7 @@ from ..records import Unsupported
 from . import symint, untracked
 from .symint import SymV
 from .training import ScalarV
-from .values import (Const, DictV, FuncV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
+from .values import (Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
                      TensorV, TupleV, UntrackedContainer, Value, contains_tensor, is_const)
 
 # BINARY_OP's argument -> (operator, symbol); 13.. are the in-place forms (dis._nb_ops order).
@@ -128,12 +128,19 @@ def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
     if (isinstance(a, SymV) or isinstance(b, SymV)) and symint.is_symbolic_operand(a) \
             and symint.is_symbolic_operand(b):
         return symint.compare(tracer, op, a, b)
+    if symbol in ("==", "!=") and _values_view(a, b):  # dict_values compare by identity
+        same = a is b
+        return Const(same if symbol == "==" else not same)
     if is_const(a) and is_const(b):
         return concrete_op(tracer, op, a, b)
     if symbol in ("==", "!=") and _identity_comparable(a) and _identity_comparable(b):
         same = identical(a, b)
         return Const(same if symbol == "==" else not same)
     raise Unsupported("unsupported_call", f"comparison {symbol} of {_kind(a)} and {_kind(b)}")
+
+
+def _values_view(*values: Value) -> bool:
+    return any(isinstance(v, DictViewV) and v.kind == "values" for v in values)
 
 
 def _identity_comparable(v: Value) -> bool:
@@ -172,6 +179,8 @@ def truth(tracer, v: Value) -> bool:
         return len(v.items) > 0
     if isinstance(v, (DictV, SetV)):
         return len(v.items) > 0
+    if isinstance(v, DictViewV):
+        return len(v.mapping.items) > 0
     if isinstance(v, Obj):
         obj = v.obj
         if isinstance(obj, (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList)):
@@ -317,6 +326,10 @@ def contains(tracer, item: Value, container: Value) -> bool:
         return untracked.contains(tracer, item, container)
     if isinstance(container, DictV):
         return item.concrete() in container.items
+    if isinstance(container, DictViewV):  # the dict as it is now
+        if container.kind == "keys":
+            return contains(tracer, item, container.mapping)
+        return contains(tracer, item, ListV(container.current()))
     if isinstance(container, (TupleV, ListV)):
         if is_const(item) and all(is_const(i) for i in container.items):
             return item.concrete() in [i.concrete() for i in container.items]
@@ -344,6 +357,8 @@ def iterate(tracer, v: Value) -> IterV:
         return IterV([], source=_list_items(v))
     if isinstance(v, (DictV, SetV)):
         return IterV([], source=_keys(v))
+    if isinstance(v, DictViewV):
+        return IterV([], source=_view_items(v))
     if isinstance(v, Const):
         try:
             return IterV([tracer.wrap_python(x) for x in v.value])
@@ -391,6 +406,23 @@ def _keys(v: Value):
     return gen()
 
 
+def _view_items(v: DictViewV):
+    """An iterator over a dict view, made now: its keys as they are now (a key added or
+    removed before it is used up makes eager raise, as for the dict itself); values are read
+    when each item is handed out."""
+    d, keys = v.mapping, _keys(v.mapping)  # the keys are taken now, not at the first next()
+
+    def gen():
+        for k in keys:
+            if v.kind == "keys":
+                yield k
+            elif v.kind == "values":
+                yield d.items[k.value]
+            else:
+                yield TupleV([k, d.items[k.value]])
+    return gen()
+
+
 def lazy(tracer, v: Value):
     """The items of ``iter(v)`` (taken now, as Python does), one at a time when asked for."""
     it = iterate(tracer, v)
@@ -411,6 +443,8 @@ def length(tracer, v: Value) -> int:
         return len(v.items)
     if isinstance(v, (DictV, SetV)):
         return len(v.items)
+    if isinstance(v, DictViewV):
+        return len(v.mapping.items)
     if isinstance(v, Const):
         return len(v.value)
     if isinstance(v, TensorV):

@@ -26,6 +26,7 @@ from ..guards.sources import Source
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import ExternalMutation, MutationCheck, storage_key
+from . import budget
 from .leaf_writes import connect_reads
 from .merge_aliases import MergedAliases
 from .symint import SymV
@@ -81,6 +82,7 @@ class Tracer:
         self.constants: dict[str, torch.Tensor] = {}
         self.frames: list = []  # the running Frame stack (for user file:line)
         self.instructions_left = max_instructions
+        self.budget = budget.for_capture(max_instructions)  # gives up on long loops
         self.inline_depth = inline_depth
         self.fresh: set[int] = set()
         self._by_source: dict[Source, Value] = {}
@@ -212,7 +214,8 @@ class Tracer:
         if isinstance(obj, torch.Generator):
             return self._wrap_generator(obj, source)
         if source is not None:
-            self.add_guard(TypeGuard, source, t)
+            guard, expected = _object_guard(obj)
+            self.add_guard(guard, source, expected)
         return Obj(obj, source)
 
     def _wrap_generator(self, g: torch.Generator, source: Source | None) -> "GeneratorV":
@@ -368,7 +371,12 @@ class Tracer:
         """``v.name`` found a function on ``v``'s class (or nothing on the instance): guard
         that the instance still does not shadow it and, for classes outside torch, that the
         class attribute is still that function (a method swapped after capture is seen).
-        Returns the source of that class attribute (None for torch's classes)."""
+        Returns the source of that class attribute (None for torch's classes, whose
+        attribute is guarded as a library lookup instead: ``attrs.guard_lookup``)."""
+        cls = type(v.obj)
+        if cls.__module__.split(".")[0] in TRUSTED_MODULE_ROOTS:
+            from .attrs import guard_lookup
+            guard_lookup(self, cls, name)
         if v.source is None:
             return None
         obj = v.obj
@@ -577,6 +585,8 @@ class Tracer:
         if self.instructions_left < 0:
             raise Unsupported("recursion_limit", "capture ran more bytecode instructions than "
                               "config.max_instructions (a very long unrolled loop?)")
+        if not self.instructions_left & (budget.CHECK_EVERY - 1):
+            self.budget.check()
 
 
 _getitem = __import__("operator").getitem
@@ -589,6 +599,19 @@ class _nullctx:
 
     def __exit__(self, *a):
         return False
+
+
+def _object_guard(obj) -> tuple:
+    """The guard (class, expected) for a plain object read during capture: its type, except
+    for an instance of a subclass of a builtin value type (``class Key(str)``, an ``IntEnum``
+    member), whose value decides dict lookups, comparisons and formatting: its value, or its
+    identity when the class defines its own equality."""
+    base = next((b for b in (int, float, str, bytes, complex) if isinstance(obj, b)), None)
+    if base is None:
+        return TypeGuard, type(obj)
+    if type(obj).__eq__ is not base.__eq__ or type(obj).__hash__ is not base.__hash__:
+        return IdGuard, obj
+    return ValueGuard, obj
 
 
 def _is_library_file(filename: str) -> bool:

@@ -133,6 +133,37 @@ class DictV(Value):
 
 
 @dataclass(eq=False, repr=False)
+class DictViewV(Value):
+    """``d.keys()`` / ``d.values()`` / ``d.items()`` of a ``DictV``: like CPython's views it
+    holds no items of its own but reads its dict each time it is used, so writes to the
+    dict after the view was made are seen (``keys = d.keys(); d[k] = v; k in keys``)."""
+
+    mapping: DictV
+    kind: str  # "keys", "values" or "items"
+
+    def current(self) -> list:
+        """The view's items as values, read from the dict as it is now."""
+        items = self.mapping.items
+        if self.kind == "keys":
+            return [Const(k) for k in items]
+        if self.kind == "values":
+            return list(items.values())
+        return [TupleV([Const(k), v]) for k, v in items.items()]
+
+    def concrete(self):
+        d = self.mapping
+        if self.kind == "keys":  # only the keys count: values need not be concrete
+            return d.cls.fromkeys(d.items).keys()
+        return getattr(d.concrete(), self.kind)()
+
+    def python_type(self):
+        return type(getattr(self.mapping.cls(), self.kind)())
+
+    def __repr__(self):
+        return f"DictViewV({self.kind})"
+
+
+@dataclass(eq=False, repr=False)
 class SetV(Value):
     """A set of constants built during capture."""
 
@@ -416,6 +447,8 @@ def is_const(v: Value) -> bool:
         return all(is_const(i) for i in v.items.values())
     if isinstance(v, SetV):
         return True
+    if isinstance(v, DictViewV):
+        return v.kind == "keys" or is_const(v.mapping)
     return False
 
 

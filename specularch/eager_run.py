@@ -1,0 +1,118 @@
+"""The eager path in the caller's own frame, and the lock that makes a graph call atomic.
+
+**Eager runs.** A call that runs the original Python (its path is remembered as eager, or
+the object is disabled) is not run by the dispatcher: ``dispatcher.start`` returns an
+``EagerRun`` and the caller (the ``optimize`` wrapper) runs the original itself:
+
+    with token:
+        return token.done(shadow(*args, **kwargs))
+
+so a recursive function that runs eagerly nests two frames per level (wrapper, original)
+instead of seven (wrapper, run, _run, _run_eager, call_original, unbinder, original). The
+one frame eager does not have is paid for by raising the recursion limit by one while the
+call runs: a program that runs eagerly reaches the depth eager reaches, and the
+``RecursionError`` eager raises beyond it (never a deeper one: the limit is raised by the
+frames added, no more).
+
+**Graph calls and threads.** An entry reads the heap (guards, graph inputs), runs the graph
+(torch releases the GIL) and writes the heap (commit). Two threads calling one optimized
+object would both read ``count == 5`` and both commit 6. An entry that commits anything holds
+``COMMIT_LOCK`` from its guards to its commit (``locked_entry``); entries that write nothing
+take no lock. One lock for every such entry, not one per optimized object: the same object
+is often written by the graphs of several (a module inlined into its caller's graph and also
+called directly), and one re-entrant lock cannot deadlock with itself. The price: graphs that
+write run one at a time across threads. Eager runs never hold it: they run user code, which
+may wait for other threads (a lock held there could deadlock where eager does not).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+from . import frames, log
+
+_LIMIT_LOCK = threading.Lock()  # the recursion limit is process-wide: adjust it atomically
+# Eager runs in flight (all threads), each paid one frame of recursion limit. Changed in the
+# caller's frame without a call (``EXTRA[0] += 1``): a call can itself hit the recursion limit,
+# and a count missed while unwinding a RecursionError would raise the limit for good.
+EXTRA = [0]
+_APPLIED = [None, 0]  # the limit last set here, and the EXTRA it included
+
+
+def sync_limit() -> None:
+    """Set the recursion limit to the program's own limit plus ``EXTRA``. A limit the program
+    set itself meanwhile becomes its own limit. Best effort: a sync that cannot be made now
+    (too deep to call, or to lower the limit) is made by the next one."""
+    with _LIMIT_LOCK:
+        current = sys.getrecursionlimit()
+        limit, included = _APPLIED
+        own = current - included if current == limit else current
+        wanted = own + EXTRA[0]
+        if wanted != current:
+            try:
+                sys.setrecursionlimit(wanted)
+            except (RecursionError, ValueError):
+                return
+        _APPLIED[:] = [wanted, EXTRA[0]]
+
+
+class EagerRun:
+    """Returned instead of a result: run the original Python in the caller's frame, as
+
+        with token:            # the frame hook on: nested optimized calls are seen
+            EXTRA[0] += 1      # pay for the caller's frame
+            try:
+                sync_limit()
+                return token.done(original(*args, **kwargs))
+            finally:
+                EXTRA[0] -= 1  # (synced by __exit__)
+
+    A hook block or a sync that a RecursionError keeps from running is ended or made by the
+    next one out. ``done(result)`` finishes the bookkeeping of a call that returned."""
+
+    __slots__ = ("record", "_hook")
+
+    def __init__(self, record) -> None:
+        self.record = record
+        self._hook = None
+
+    def __enter__(self) -> "EagerRun":
+        self._hook = frames.hook_active()
+        self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        self._hook.__exit__(*exc_info)
+        try:
+            sync_limit()
+        except RecursionError:  # unwinding a RecursionError: an outer level syncs
+            pass
+        return False
+
+    def done(self, result: Any) -> Any:
+        log.warn_fallback(self.record)  # a call that returned (not one that raised)
+        return result
+
+    def run(self, fn: Callable, *args: Any) -> Any:
+        """The pattern above for ``fn(*args)`` (one frame more than writing it out)."""
+        with self:
+            EXTRA[0] += 1
+            try:
+                sync_limit()
+                return self.done(fn(*args))
+            finally:
+                EXTRA[0] -= 1
+
+
+COMMIT_LOCK = threading.RLock()
+
+
+def locked_entry(fn: Callable) -> Callable:
+    """``fn`` (an entry: guards, graph, commit) run while holding ``COMMIT_LOCK``."""
+    lock = COMMIT_LOCK
+
+    def entry(slots, cells, G, B):
+        with lock:
+            return fn(slots, cells, G, B)
+    return entry
