@@ -29,7 +29,7 @@ from .guards.guard import refers_to_dead
 from .relax import Generalisation, fact
 from .records import (FALLBACK_KINDS, FallbackRecord, RecompileRecord, SpecularchStrictError,
                       Unsupported)
-from .symbolic import branch_merge, budget
+from .symbolic import branch_merge, budget, exceptions
 from .symbolic.capture import Capture, capture
 from .symbolic.values import RelaxationRefused
 
@@ -421,12 +421,12 @@ def _graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, 
 
 def _eager_did_not_raise(entry: GraphEntry, error: Exception, what: str) -> Unsupported:
     """A graph raised where the original code does not: an op on the side of a merged
-    tensor branch that this call does not take (the graph computes both sides), or else a
-    bug of ours (``backend_error``)."""
-    ran = getattr(entry.graph_fn, "__self__", None)
-    side = branch_merge.side_not_taken(error, [entry.capture.graph_module, ran])
+    tensor branch that this call does not take (the graph computes both sides), an op under
+    a try the code handles, or else a bug of ours (``backend_error``)."""
+    graphs = [entry.capture.graph_module, getattr(entry.graph_fn, "__self__", None)]
+    side = branch_merge.side_not_taken(error, graphs)
     if side is None:
-        return Unsupported("backend_error", f"{what}, but the original code does not")
+        return exceptions.eager_did_not_raise(error, graphs, what)
     (filename, lineno, function), op_at = side
     failure = Unsupported(
         "data_dependent_branch",

@@ -6,12 +6,15 @@
             <graph inputs and every object the commit will touch, read from their sources>
         except Exception:
             return MISS
+        c0 = CLOCK()                                # clock reads made before any tensor op
         try:
             R = GRAPH(s0, s3, ...)
         except BaseException:                       # also KeyboardInterrupt
             SET_GRAD(GRAD)                            # the guarded grad mode, as before the graph
             raise
         if bool(R[4]) is not True: return FAILED[0]    # in-graph assumptions
+        c1 = CLOCK(); n0 = ...                      # clocks after the graph; numbers computed
+                                                    # from .item() values (symbolic/deferred.py)
         <objects created in the call, built from R and constants>
         <shadow-heap commit: the deferred writes, in program order>
         return <the Python return value>
@@ -69,6 +72,8 @@ class Renderer:
         self.namer = namer
         self.consts = consts
         self.prelude: list[str] = []   # statements run after the graph, before the commit
+        self.numbers: list[str] = []   # numbers computed after the graph, before the prelude
+        self.clocks: dict[int, tuple] = {}  # clock reads: seq -> (function, "before"/"after")
         self._made: dict[int, str] = {}
 
     def const(self, value: Any) -> str:
@@ -105,6 +110,17 @@ class Renderer:
         if kind == "call":
             args = [self.expr(s) for s in spec[2]] + [f"{k}={self.expr(s)}" for k, s in spec[3]]
             return f"{self.const(spec[1])}({', '.join(args)})"
+        if kind == "num":  # computed once, before any write (symbolic/deferred.py)
+            key = ("num", spec[3])
+            if key not in self._made:
+                args = ", ".join(self.expr(s) for s in spec[2])
+                var = f"n{len(self._made)}"
+                self.numbers.append(f"{var} = {self.const(spec[1])}({args})")
+                self._made[key] = var
+            return self._made[key]
+        if kind == "clock":
+            self.clocks[spec[2]] = (spec[1], spec[3])
+            return f"c{spec[2]}"
         if kind == "inference":  # once per tensor: two uses stay one tensor object
             key = ("inference", spec[2])
             if key not in self._made:
@@ -230,6 +246,22 @@ def _tensor_commit(render: Renderer, writes: list, plain: bool) -> list[str]:
     return lines
 
 
+def _clock_reads(render: Renderer, phase: str) -> list[str]:
+    """The clock reads of one side of the graph, in program order."""
+    return [f"c{seq} = {render.const(fn)}()" for seq, (fn, at) in sorted(render.clocks.items())
+            if at == phase]
+
+
+def _numbers(lines: list[str], random_graph: bool) -> list[str]:
+    """The numbers the commit computes (symbolic/deferred.py), all before any write: one
+    that raises (a division by a zero ``.item()``) leaves every object untouched, and the
+    dispatcher runs the call eagerly, which raises it; that run must draw what the graph drew."""
+    if not lines or not random_graph:
+        return [f"    {line}" for line in lines]
+    return ["    try:", *[f"        {line}" for line in lines],
+            "    except BaseException:", "        SET_RNG(RNG)", "        raise"]
+
+
 def _guarded_grad_mode(guards: GuardSet) -> bool:
     """The grad mode a call passing ``guards`` runs in (every capture guards it)."""
     return next(g.grad_enabled for g in guards if isinstance(g, GlobalStateGuard))
@@ -262,11 +294,14 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     # graph had never run.
     restore = ["SET_GRAD(GRAD)", *(["SET_RNG(RNG)"] if random_graph else [])]
     src += ["    RNG = GET_RNG()"] if random_graph else []
+    src += [f"    {line}" for line in _clock_reads(render, "before")]
     src += ["    try:", f"        {call}", "    except BaseException:",
             *[f"        {line}" for line in restore], "        raise"]
     for i, (index, expected, _, _) in enumerate(assertions):
         restore = "SET_RNG(RNG); " if random_graph else ""
         src.append(f"    if bool(R[{index}]) is not {expected}: {restore}return FAILED[{i}]")
+    src += [f"    {line}" for line in _clock_reads(render, "after")]
+    src += _numbers(render.numbers, random_graph)
     src += [f"    {line}" for line in render.prelude + commit]
     src.append(f"    return {result}")
     text = "\n".join(src) + "\n"

@@ -27,8 +27,13 @@ FALLBACK_KINDS: dict[str, tuple[str, str]] = {
         "The optimized code is a generator or coroutine; these always run eagerly.",
         "Optimize the function that consumes the generator instead."),
     "exception_handling": (
-        "The code catches exceptions (try/except) or an exception was raised during capture.",
-        "Avoid try/except inside the optimized function; validate inputs before calling it."),
+        "An exception leaves the optimized function (a `raise` reached, a missing key, an op "
+        "raising on these values), or a graph op raised at run time inside a try/with block "
+        "whose handler the original code takes. try/except/finally and `with` blocks are "
+        "captured; handlers run in the graph when a Python-level raise decides them.",
+        "Expected when the error really happens (the call runs eagerly and raises or handles "
+        "it exactly as eager); to keep such calls in a graph, check values before the op "
+        "instead of relying on the exception."),
     "side_effect": (
         "The code changes state that outlives the call in a way specularch does not defer yet "
         "(I/O, mutation of an object that existed before the call).",

@@ -13,6 +13,7 @@ test change shapes or Python values from one call to the next.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dis
@@ -149,6 +150,10 @@ class _Comparer:
         elif isinstance(a, (set, frozenset)):
             if a != b:
                 self.fail(path, f"set differs: eager {a!r}, optimized {b!r}")
+        elif isinstance(a, collections.deque):
+            if a.maxlen != b.maxlen:
+                self.fail(path, f"deque maxlen differs: eager {a.maxlen}, optimized {b.maxlen}")
+            self.sequence(a, b, path, None)
         elif isinstance(a, nn.Module):
             self.module(a, b, path)
         elif isinstance(a, functools.partial):

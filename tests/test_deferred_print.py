@@ -199,9 +199,9 @@ def item_string_as_dict_key(x):
 
 
 def item_to_int(x):
-    n = int(x.sum().item())  # mark
-    print(n)
-    return x + n
+    n = int(x.sum().item())  # computed at commit (symbolic/deferred.py), but a torch op
+    print(n)                 # needs its value while capturing:
+    return x + n  # mark
 
 
 def item_string_joined(x):

@@ -16,15 +16,19 @@ from ..guards.lookups import AttrIsGuard, stable
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
+from .deque_model import DequeV
 from .leaf_writes import metadata_of
+from .stdlib_objects import refuse_frozen_write
 from .tracer import _is_trusted_module
-from .values import Const, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
+from .values import Const, DictV, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
 
 _MISSING = object()
 
-# Tensor attributes that are metadata (guarded through the tensor's own guard).
+# Tensor attributes that are metadata (guarded through the tensor's own guard: the device
+# kinds follow from its device, the layouts from its type, dtype and strides).
 TENSOR_META = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout",
-               "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "is_cpu",
+               "is_sparse", "is_sparse_csr", "is_quantized", "is_meta", "is_mkldnn", "is_nested",
+               "is_cpu", "is_xpu", "is_mps", "is_ipu", "is_maia", "is_mtia", "is_vulkan", "is_xla",
                "is_leaf", "itemsize", "nbytes"}
 # Tensor attributes that produce a tensor (recorded as ``getattr`` nodes).
 TENSOR_VIEWS = {"T", "mT", "H", "mH", "real", "imag", "data"}
@@ -33,6 +37,9 @@ TENSOR_VIEWS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 def load_attr(tracer, frame, v: Value, name: str) -> Value:
     if isinstance(v, TensorV):
         return _tensor_attr(tracer, v, name)
+    if isinstance(v, Obj) and isinstance(v.obj, BaseException) and v.source is None:
+        from .exceptions import exception_attr
+        return exception_attr(tracer, v, name)
     if isinstance(v, Obj):
         return _object_attr(tracer, frame, v, name)
     if isinstance(v, SuperV):
@@ -41,6 +48,8 @@ def load_attr(tracer, frame, v: Value, name: str) -> Value:
         return _new_object_attr(tracer, v, name)
     if isinstance(v, (UntrackedContainer, DictViewV)):
         return MethodV(v, None, name)
+    if name == "maxlen" and isinstance(v, DequeV):
+        return Const(v.maxlen)
     if isinstance(v, TupleV) and v.cls is not tuple and not callable(getattr(v.cls, name, None)):
         return _tuple_field(v, name)
     if isinstance(v, Const):
@@ -141,12 +150,16 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
     obj = v.obj
     cls = type(obj)
     if name in ("step", "zero_grad"):
-        from .optim_model import is_modelled
+        from .optim_model import captured_names, is_modelled
         if is_modelled(obj):
             return MethodV(v, None, name)  # captured by optim_model, not inlined
+        if isinstance(obj, torch.optim.LBFGS) and name == "step":
+            raise Unsupported("unsupported_call", "LBFGS.step(closure) is not captured: it calls "
+                              "the closure (forward and backward) a number of times that depends "
+                              "on the loss values (line search, convergence tests)")
         if isinstance(obj, torch.optim.Optimizer):
             raise Unsupported("unsupported_call", f"{cls.__name__}.{name}() is not captured "
-                              "(captured optimizers: SGD, Adam, AdamW)")
+                              f"(captured optimizers: {captured_names()})")
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and name == "step":
             raise Unsupported("unsupported_call", "an LR scheduler's step() inside the optimized "
                               "function is not captured; call it between calls (the learning "
@@ -189,13 +202,15 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
                 return tracer.wrap(entries[name], src)
     if hasattr(cls, "__getattr__") and not isinstance(obj, nn.Module):
         raise Unsupported("unsupported_call", f"{cls.__name__}.__getattr__ for {name!r}")
-    raise Unsupported("exception_handling", f"{cls.__name__!r} object has no attribute {name!r}")
+    from .exceptions import missing_attribute
+    raise missing_attribute(tracer, v, name)
 
 
 def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     """``owner.name = value`` (``value`` None: ``del owner.name``). Objects created in this
     call are plain values; writes to objects that existed before go to the shadow heap."""
     if isinstance(owner, NewObjV):
+        refuse_frozen_write(owner, name)
         if value is not None:
             owner.attrs[name] = value
         elif owner.attrs.pop(name, None) is None:
@@ -246,7 +261,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
 
 
 def _super_attr(tracer, v: SuperV, name: str) -> Value:
-    mro = type(v.self_value.concrete()).__mro__
+    mro = v.self_value.python_type().__mro__  # (an object made in the call has no concrete one)
     start = mro.index(v.cls) + 1
     if start < len(mro) and mro[start].__mro__ == mro[start:]:  # resolved as the class would
         guard_lookup(tracer, mro[start], name)
@@ -256,7 +271,7 @@ def _super_attr(tracer, v: SuperV, name: str) -> Value:
             if isinstance(attr, staticmethod):
                 return tracer.wrap(attr.__func__, None)
             if isinstance(attr, classmethod):
-                return MethodV(Obj(type(v.self_value.concrete())), tracer.wrap(attr.__func__, None), name)
+                return MethodV(Obj(v.self_value.python_type()), tracer.wrap(attr.__func__, None), name)
             if isinstance(attr, types.FunctionType):
                 return MethodV(v.self_value, tracer.wrap(attr, None), name)
             if callable(attr):
@@ -267,6 +282,10 @@ def _super_attr(tracer, v: SuperV, name: str) -> Value:
 
 def _new_object_attr(tracer, v: NewObjV, name: str) -> Value:
     static = inspect.getattr_static(v.cls, name, _MISSING)
+    if name == "__class__":
+        return Obj(v.cls)
+    if name == "__dict__" and "__dict__" not in v.attrs:  # the very attribute table
+        return DictV(v.attrs)
     if static is not _MISSING and _is_data_descriptor(static):
         if isinstance(static, property) and static.fget is not None:
             from .calls import call
@@ -274,8 +293,6 @@ def _new_object_attr(tracer, v: NewObjV, name: str) -> Value:
         raise Unsupported("unsupported_call", f"descriptor {name!r} of {v.cls.__name__}")
     if name in v.attrs:
         return v.attrs[name]
-    if name == "__class__":
-        return Obj(v.cls)
     if static is _MISSING:
         raise Unsupported("exception_handling", f"{v.cls.__name__!r} object has no attribute {name!r}")
     if isinstance(static, staticmethod):
@@ -284,6 +301,12 @@ def _new_object_attr(tracer, v: NewObjV, name: str) -> Value:
         return MethodV(Obj(v.cls), tracer.wrap(static.__func__, None), name)
     if isinstance(static, types.FunctionType):
         return MethodV(v, tracer.wrap(static, None), name)
+    getter = getattr(type(static), "__get__", None)
+    if isinstance(getter, types.FunctionType):  # a Python descriptor (torch's lazy_property)
+        from .calls import call
+        return call(tracer, tracer.wrap(getter, None), [Obj(static), v, Obj(v.cls)], {})
+    if v.cls_source is None and _root(v.cls) == "torch":  # Distribution._validate_args
+        guard_lookup(tracer, v.cls, name)
     source = None if v.cls_source is None else AttrSource(v.cls_source, name)
     return tracer.wrap(static, source)
 

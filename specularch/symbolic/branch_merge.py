@@ -28,6 +28,7 @@ import torch
 
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
+from .deque_model import DequeV
 from .symint import SymV
 from .values import (CellV, Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
                      TensorV, TupleV, Value)
@@ -256,7 +257,7 @@ def _select(tracer, cond: TensorV, a: Value, b: Value, at: tuple) -> Value:
             and a.value == b.value:
         return a
     if type(a) is type(b) and isinstance(a, (TupleV, ListV)) and len(a.items) == len(b.items) \
-            and a.source is None and b.source is None:
+            and not isinstance(a, DequeV) and a.source is None and b.source is None:
         items = [_select(tracer, cond, x, y, at) for x, y in zip(a.items, b.items)]
         return TupleV(items, a.cls) if isinstance(a, TupleV) else ListV(items)
     if isinstance(a, DictV) and isinstance(b, DictV) and a.source is None and b.source is None \

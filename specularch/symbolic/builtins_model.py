@@ -17,6 +17,7 @@ import torch
 
 from ..guards import HasAttrGuard
 from ..records import Unsupported
+from .exceptions import python_error
 from . import operators as ops
 from .values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
@@ -42,8 +43,8 @@ def _concrete_call(tracer, fn, args, kwargs) -> Value:
     except Unsupported:  # forcing a lazy string (printing.StrV) falls back with its own kind
         raise
     except Exception as e:
-        raise Unsupported("exception_handling",
-                          f"{getattr(fn, '__name__', fn)}() raised {type(e).__name__}: {e}") from None
+        raise python_error(e.with_traceback(None), f"{getattr(fn, '__name__', fn)}() raised "
+                           f"{type(e).__name__}: {e}") from None
     return tracer.wrap_python(result)
 
 
@@ -118,8 +119,18 @@ def _guard_hasattr(tracer, obj: Value, name: str) -> None:
         tracer.add_guard(HasAttrGuard, obj.source, name=name, expected=hasattr(obj.obj, name))
 
 
-@model(setattr, delattr, input, open, id, exec, eval, compile, globals, locals, vars,
-       breakpoint, __import__)
+@model(setattr, delattr)
+def _setattr(tracer, fn, args, kwargs):
+    """``setattr(o, "name", v)`` / ``delattr(o, "name")``: ``o.name = v`` / ``del o.name``."""
+    from .attrs import store_attr
+    if kwargs or len(args) != (3 if fn is setattr else 2) or not isinstance(args[1], Const) \
+            or type(args[1].value) is not str:
+        return _impure(tracer, fn, args, kwargs)
+    store_attr(tracer, args[0], args[1].value, args[2] if fn is setattr else None)
+    return Const(None)
+
+
+@model(input, open, id, exec, eval, compile, globals, locals, vars, breakpoint, __import__)
 def _impure(tracer, fn, args, kwargs):
     label = getattr(fn, "__name__", "this builtin")
     raise Unsupported("unsupported_call", f"{label}() has effects outside the graph (I/O, "
@@ -143,6 +154,9 @@ def _minmax(tracer, fn, args, kwargs):
         # Python returns the first item whose key is extreme
         best = fn(range(len(items)), key=lambda i: keys[i])
         return items[best]
+    number = deferred.builtin(fn, list(items), kwargs)  # max(best, v.item()): at commit
+    if number is not None:
+        return number
     if any(isinstance(i, TensorV) for i in items):
         raise Unsupported("data_dependent_branch",
                           f"{fn.__name__}() of tensors compares tensor values in Python; "
@@ -171,6 +185,9 @@ def _scalar(tracer, fn, args, kwargs):
     text = printing.builtin(fn, args, kwargs)  # str(loss.item()): formatted at commit
     if text is not None:
         return text
+    number = deferred.builtin(fn, args, kwargs)  # round(loss.item(), 4): computed at commit
+    if number is not None:
+        return number
     if _all_const(args, kwargs):
         return _concrete_call(tracer, fn, args, kwargs)
     if any(isinstance(a, TensorV) for a in args):
@@ -320,7 +337,7 @@ def _next(tracer, fn, args, kwargs):
     if item is None:
         if len(args) > 1:
             return args[1]
-        raise Unsupported("exception_handling", "StopIteration during capture")
+        raise python_error(StopIteration(), "StopIteration during capture")
     return item
 
 
@@ -384,11 +401,19 @@ def call_builtin_like(tracer, fn: Obj, args, kwargs) -> Value:
                               "on non-constant values")
         if any(contains_tensor(a) for a in args):
             return tracer.call_op("call_function", obj, args, kwargs)
+        number = deferred.math_call(obj, args, kwargs)  # math.sqrt(v.item()): at commit
+        if number is not None:
+            return number
         raise Unsupported("unsupported_call", f"{obj.__name__}() of non-constant values")
     if isinstance(obj, type):
         return _construct(tracer, obj, args, kwargs, fn.source)
+    owner = getattr(obj, "__objclass__", None)
+    if isinstance(obj, types.MethodDescriptorType) and owner in (dict, list) and args \
+            and args[0].python_type() is owner:  # dict.update(d, x) is d.update(x): it writes d
+        from .methods import call_method
+        return call_method(tracer, args[0], obj.__name__, list(args[1:]), kwargs)
     if isinstance(obj, (types.MethodDescriptorType, types.BuiltinMethodType)) and _all_const(args, kwargs) \
-            and getattr(obj, "__objclass__", None) in (str, int, float, tuple, dict, list, bytes):
+            and owner in (str, int, float, tuple, bytes):
         return _concrete_call(tracer, obj, args, kwargs)
     name = getattr(obj, "__qualname__", None) or type(obj).__name__
     raise Unsupported("unsupported_call", f"call to {module + '.' if module else ''}{name}, which "
@@ -414,6 +439,10 @@ def _construct(tracer, cls: type, args, kwargs, cls_source=None) -> Value:
         return Obj(_concrete_call(tracer, cls, args, kwargs).concrete())
     if cls is functools.partial:
         return PartialV(args[0], list(args[1:]), dict(kwargs))
+    if issubclass(cls, torch.nn.Module):  # a user's module class (torch's: torch_objects)
+        raise Unsupported("unsupported_call", f"creating a {cls.__qualname__} module inside the "
+                          "optimized function (only torch.nn's own modules are modelled: another "
+                          "__init__ may act outside the module)", "Create the module in __init__.")
     reason = _plain_class_problem(cls)
     if reason:
         raise Unsupported("unsupported_call",
@@ -429,14 +458,26 @@ def _construct(tracer, cls: type, args, kwargs, cls_source=None) -> Value:
     return obj
 
 
+@model(object.__init__)
+def _object_init(tracer, fn, args, kwargs):
+    """``super().__init__()`` reaching ``object``: does nothing to an object made in the call
+    (its class's ``__init__``/``__new__`` are Python's own, see ``_plain_class_problem``)."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], NewObjV):
+        raise Unsupported("unsupported_call", "object.__init__ called on another object or "
+                          "with arguments")
+    return Const(None)
+
+
 def _plain_class_problem(cls: type) -> str | None:
     """Why instances of ``cls`` cannot be modelled as attribute dicts (None if they can)."""
     if type(cls) is not type:
         return "it has a metaclass"
     if cls.__new__ is not object.__new__:
         return "it defines __new__"
+    from .stdlib_objects import frozen_dataclass_hook
     for name in ("__setattr__", "__getattribute__", "__getattr__", "__delattr__"):
-        if getattr(cls, name, None) is not getattr(object, name, None):
+        if getattr(cls, name, None) is not getattr(object, name, None) and not (
+                name in ("__setattr__", "__delattr__") and frozen_dataclass_hook(cls, name)):
             return f"it defines {name}"
     if any("__slots__" in k.__dict__ for k in cls.__mro__[:-1]):
         return "it uses __slots__"
@@ -452,6 +493,10 @@ def construct_torch_class(tracer, cls: type, args, kwargs) -> Value:
         return ctx
     if cls in (torch.Size, torch.device) and _all_const(args, kwargs):
         return _concrete_call(tracer, cls, args, kwargs)
+    from .torch_objects import construct as construct_torch_object
+    made = construct_torch_object(tracer, cls, args, kwargs)
+    if made is not None:
+        return made
     raise Unsupported("unsupported_call", f"creating a {cls.__module__}.{cls.__qualname__} inside "
                       "the optimized function")
 
@@ -469,3 +514,4 @@ def _clip_grad_value(tracer, fn, args, kwargs):
 
 
 from . import stdlib_model  # noqa: E402,F401  (registers functools/itertools/collections models)
+from . import deferred  # noqa: E402  (registers time.time & co.; used above)

@@ -27,8 +27,13 @@ class CodeInfo:
     code: types.CodeType
     instructions: tuple
     index_of: dict          # offset -> index into instructions
-    catches_exceptions: bool  # has a try/except or try/finally handler (not just `with`)
     is_generator: bool
+    # instruction offset -> the exception-table entry (target, depth, lasti) covering it: where
+    # an exception raised there continues (3.11 tables never overlap: one entry per offset)
+    handlers: dict
+
+    def handler_at(self, offset: int):
+        return self.handlers.get(offset)
 
     @property
     def filename(self) -> str:
@@ -49,22 +54,17 @@ def analyse(code: types.CodeType) -> CodeInfo:
         if ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs:
             if ins.argval not in index_of:
                 raise ValueError(f"{code.co_qualname}: jump to {ins.argval} is not an instruction")
-    info = CodeInfo(code, instructions, index_of, _catches(code, instructions, index_of),
-                    bool(code.co_flags & (CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR)))
+    info = CodeInfo(code, instructions, index_of,
+                    bool(code.co_flags & (CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR)),
+                    _handlers(code, instructions))
     _CACHE[id(code)] = (code, info)
     return info
 
 
-def _catches(code, instructions, index_of) -> bool:
-    """True if an exception handler other than a ``with`` block's cleanup exists."""
-    for entry in dis.Bytecode(code).exception_entries:
-        n = index_of.get(entry.target)
-        if n is None or instructions[n].opname != "PUSH_EXC_INFO":
-            continue  # the re-raise cleanup inside another handler
-        following = instructions[n + 1].opname if n + 1 < len(instructions) else ""
-        if following != "WITH_EXCEPT_START":
-            return True
-    return False
+def _handlers(code, instructions) -> dict:
+    entries = dis.Bytecode(code).exception_entries
+    return {ins.offset: entry for entry in entries for ins in instructions
+            if entry.start <= ins.offset < entry.end}
 
 
 def arg_names(code: types.CodeType) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from ..guards import DictKeysGuard, IdGuard, LenGuard, ValueGuard
 from ..guards.sources import AttrSource, ClosureSource, DerefSource, ItemSource
 from ..records import Unsupported
 from .bytecode import CO_VARARGS, CO_VARKEYWORDS
+from .exceptions import PyRaise, leaving_generator
 from .tracer import FORBIDDEN_TENSOR_METHODS, _is_torch_file
 from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, Obj, PartialV, TupleV,
                      Value)
@@ -99,9 +100,12 @@ _NN_MODULES_DIR = os.path.join(os.path.dirname(torch.__file__), "nn", "modules")
 
 
 def _is_module_code(func) -> bool:
-    """Methods of torch.nn modules (forward, _conv_forward, ModuleDict.items, ...) are
-    inlined like user code; other torch Python functions are graph nodes."""
-    return func.__code__.co_filename.startswith(_NN_MODULES_DIR)
+    """Methods of torch.nn modules (forward, _conv_forward, ModuleDict.items, ...) and the
+    code of torch.distributions are inlined like user code; other torch Python functions
+    are graph nodes."""
+    from .torch_objects import is_distributions_code
+    filename = func.__code__.co_filename
+    return filename.startswith(_NN_MODULES_DIR) or is_distributions_code(filename)
 
 
 def _hashable(obj) -> bool:
@@ -190,8 +194,10 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
                             else AttrSource(fn.source, "__wrapped__"))
         try:
             result = call(tracer, inner, args, kwargs)
-        except Unsupported:
-            if not ctx.inference:  # an inference block is left by the capture's own unwinding
+        except Unsupported as e:
+            # an inference block is left by the capture's own unwinding, unless the code
+            # catches this exception (a Python-level raise) and goes on
+            if not ctx.inference or isinstance(e, PyRaise):
                 grad_mode.exit(tracer, ctx)
             raise
         grad_mode.exit(tracer, ctx)
@@ -203,6 +209,9 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
         if isinstance(a, (Obj, FuncV, MethodV)) and not isinstance(getattr(a, "obj", None), torch.Generator):
             raise Unsupported("unsupported_call",
                               f"{obj.__module__}.{obj.__qualname__} called with a {a!r} argument")
+    from .torch_objects import returns_metadata
+    if returns_metadata(tracer, obj, args, kwargs):
+        return inline_function(tracer, fn, args, kwargs)
     return torch_call(tracer, obj, args, kwargs)
 
 
@@ -240,7 +249,7 @@ def _guard_call_path(tracer, cls: type) -> None:
         guard_lookup(tracer, cls, name)
 
 
-def inline_function(tracer, fn: Obj, args, kwargs) -> Value:
+def inline_function(tracer, fn: Obj, args, kwargs, *, frame_only: bool = False) -> Value:
     func = fn.obj
     closure = ()
     if func.__closure__:
@@ -258,7 +267,8 @@ def inline_function(tracer, fn: Obj, args, kwargs) -> Value:
     kwdefaults = {k: tracer.wrap(d, _default_source(fn, "__kwdefaults__", k))
                   for k, d in (func.__kwdefaults__ or {}).items()}
     return inline(tracer, func.__code__, func.__globals__, args, kwargs, defaults=defaults,
-                  kwdefaults=kwdefaults, closure=closure, name=func.__qualname__)
+                  kwdefaults=kwdefaults, closure=closure, name=func.__qualname__,
+                  frame_only=frame_only)
 
 
 def _check_trusted_closure(func) -> None:
@@ -298,17 +308,24 @@ def _default_source(fn: Obj, table: str, key):
 
 
 def inline(tracer, code: types.CodeType, globals_: dict, args: list[Value], kwargs: dict[str, Value],
-           *, defaults=(), kwdefaults=None, closure=(), name="") -> Value:
+           *, defaults=(), kwdefaults=None, closure=(), name="", frame_only=False) -> Value:
+    """Run ``code`` in a new frame; ``frame_only``: the generator frame, not run yet (a
+    ``contextmanager`` drives it: ``context_managers.py``)."""
     from .frame import Frame
     from .bytecode import analyse
     bound = bind_arguments(code, args, kwargs, defaults, kwdefaults or {}, name)
     cells = {n: c for n, c in zip(code.co_freevars, closure)}
     info = analyse(code)
+    if frame_only:
+        return Frame(tracer, code, globals_, bound, cells, generator=True)
     if info.is_generator:
         if code.co_name != "<genexpr>":
             raise Unsupported("generator", f"calling generator function {name} inside capture")
         frame = Frame(tracer, code, globals_, bound, cells, generator=True)
-        frame.run()
+        try:
+            frame.run()
+        except PyRaise as error:
+            raise leaving_generator(error) from None
         return IterV(frame.yielded)
     return Frame(tracer, code, globals_, bound, cells).run()
 

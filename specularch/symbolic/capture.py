@@ -20,14 +20,17 @@ from ..entry import is_random_node
 from ..guards import GuardSet
 from ..guards.sources import CellSource, LocalSource, Source
 from ..records import Unsupported
-from . import branch_merge, grad_mode, saved_versions
+from . import branch_merge, deferred, grad_mode, saved_versions, view_writes
 from ._torch_dispatch import version_bumps
+from . import deque_model
+from .deque_model import DequeV
 from .frame import Frame
 from .printing import StrV
+from .stdlib_objects import counter_from_pairs
 from .symint import SymV
 from .tracer import Tracer
 from .training import ScalarV, item_snapshot
-from .values import (CellV, Const, DictV, DictViewV, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
+from .values import (CellV, Const, DictV, DictViewV, FreshObj, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value)
 
 
@@ -82,6 +85,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             with saved_versions.tracking(tracer):
                 result = Frame(tracer, code, globals_, locals_, free).run()
             grad_mode.check_at_return(tracer)
+            deferred.settle(tracer)  # clock reads: before or after the graph
             tracer.guard_aliasing()
             specs = SpecBuilder()
             writes = [specs.write(w, globals_) for w in tracer.heap.pending()]
@@ -93,6 +97,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
                 raise branch_merge.refuse(*seen)
             assertions = [(specs.out(node)[1], expected, where, site)
                           for node, expected, where, site in tracer.assertions]
+            view_writes.check(tracer, specs.outputs)  # views read after a deferred write
             if tracer.generators and assertions:
                 raise Unsupported("data_dependent_branch", "speculating on a tensor value in a "
                                   "graph that draws from a torch.Generator is not supported (a "
@@ -163,7 +168,8 @@ class SpecBuilder:
     ('inference', ('out', i), key) graph output i seen as an inference tensor, one per key
     (see grad_mode.py) | ('format', v, conversion, spec) ``format(conv(v), spec)`` |
     ('concat', [..]) ``''.join`` | ('call', fn, [..], [(k, ..)]) ``fn(..)``: strings formatted
-    by the commit (see printing.py).
+    by the commit (see printing.py) | ('num', fn, [..], uid) a number the commit computes,
+    ('clock', fn, seq, phase) a clock read before/after the graph (see deferred.py).
     Containers created in the call carry ``uid`` so one object stays one object.
     """
 
@@ -193,10 +199,15 @@ class SpecBuilder:
             return ("const", v.value)
         if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)
             return self.out(v.node)
+        if isinstance(v, ScalarV) and v.node is None:  # arithmetic / clocks (deferred.py)
+            return deferred.spec(v, self.build)
         if isinstance(v, ScalarV):  # `t.item()`: read from the graph's output afterwards
             return ("item", self.out(item_snapshot(v.node), as_value=False)[1])
         if isinstance(v, (ListV, DictV, UntrackedContainer)) and v.source is not None:
             return ("source", v.source)
+        if isinstance(v, FreshObj):
+            raise Unsupported("unsupported_call", f"a {type(v.obj).__name__} made in the call is "
+                              "returned or stored: eager makes a new one on every call")
         if isinstance(v, Obj):
             return ("source", v.source) if v.source is not None else ("object", v.obj)
         if isinstance(v, SetV):
@@ -209,6 +220,8 @@ class SpecBuilder:
         try:
             if isinstance(v, TupleV):
                 return ("tuple", [self.build(i) for i in v.items], v.cls)
+            if isinstance(v, DequeV):
+                return deque_model.build_spec(self, v)
             if isinstance(v, ListV):
                 return ("list", [self.build(i) for i in v.items], id(v))
             if isinstance(v, DictV) and v.cls is not dict:
@@ -231,7 +244,7 @@ class SpecBuilder:
             raise Unsupported("unsupported_call", f"a {v.cls.__name__} made in the call is "
                               "returned or stored in more than one place")
         self._rebuilt.add(id(v))
-        maker = v.cls
+        maker = counter_from_pairs if v.cls is collections.Counter else v.cls
         if v.cls is collections.defaultdict:
             if v.factory is not None and not isinstance(v.factory, (Obj, Const)):
                 raise Unsupported("unsupported_call", "a defaultdict whose default_factory was "
@@ -274,11 +287,12 @@ class SpecBuilder:
 
 
 def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
-    """Drop unused nodes, keeping in-place ops (FX's own DCE cannot see them) and random
-    ops (an unused draw still advances the RNG)."""
+    """Drop unused nodes, keeping in-place ops (FX's own DCE cannot see them), random
+    ops (an unused draw still advances the RNG) and ops under a try (``x[i]`` only to see
+    whether it raises: the handler runs eagerly if it does, see exceptions.py)."""
     for node in reversed(list(graph.nodes)):
         if node.op in ("placeholder", "output") or node.users or node.meta.get("mutates") \
-                or is_random_node(node):
+                or is_random_node(node) or node.meta.get("in_try"):
             continue
         graph.erase_node(node)
 

@@ -8,6 +8,7 @@ from ..guards.sources import BuiltinSource, GlobalSource, ItemSource, ObjectSour
 from ..guards import NotShadowedGuard
 from ..records import Unsupported
 from .bytecode import analyse
+from .exceptions import PyRaise, step_in_try, unwind
 from .registry import HANDLERS, _load_families
 from .values import CellV, Value
 
@@ -28,9 +29,6 @@ class Frame:
         self.result: Value | None = None
         self.generator = generator
         self.yielded: list[Value] = []
-        if self.info.catches_exceptions:
-            raise Unsupported("exception_handling",
-                              f"{code.co_qualname} contains try/except or try/finally")
 
     # ---- stack helpers ------------------------------------------------------------------
     def push(self, v: Value) -> None:
@@ -103,7 +101,13 @@ class Frame:
         if handler is None:
             raise Unsupported("unsupported_opcode",
                               f"opcode {ins.opname} is not supported by the symbolic executor")
-        target = handler(self, ins)
+        try:
+            if self.info.handlers and ins.offset in self.info.handlers:
+                target = step_in_try(self, handler, ins)
+            else:
+                target = handler(self, ins)
+        except PyRaise as error:  # raised as eager raises it: to the handler, if one covers it
+            target = unwind(self, ins, error)
         if target is not None:
             if target < ins.offset:  # one more iteration of a loop
                 self.tracer.budget.backward_jump(self.code, ins.offset, self.lineno)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..records import Unsupported
-from . import grad_mode, printing, training, untracked
+from .exceptions import python_error
+from . import deque_model, grad_mode, printing, stdlib_objects, training, untracked
+from .deque_model import DequeV
 from .operators import consume, contains, ensure_local, identical
 from .tracer import FORBIDDEN_TENSOR_METHODS
 from .values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
@@ -20,6 +22,11 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
             return training.backward(tracer, self_v, args, kwargs)
         if name == "requires_grad_":
             return grad_mode.requires_grad_(tracer, self_v, args, kwargs)
+        if name == "numpy":
+            raise Unsupported("data_dependent_value", "Tensor.numpy() is not captured: the array "
+                              "shares the tensor's memory and NumPy code reads its data in "
+                              "Python; return the tensor and call .numpy() outside the "
+                              "optimized function")
         if name in FORBIDDEN_TENSOR_METHODS:
             kind = "unsupported_call" if name in ("backward", "register_hook", "retain_grad",
                                                   "requires_grad_", "share_memory_",
@@ -30,6 +37,8 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
         if self_v.dynamic and name == "stride":
             raise Unsupported("unsupported_call", "stride() of a tensor whose shape varies between calls")
         return tracer.call_op("call_method", name, [self_v, *args], kwargs, name=name)
+    if isinstance(self_v, DequeV):
+        return deque_model.call_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, ListV):
         return _list_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, UntrackedContainer):
@@ -42,6 +51,8 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
         return Const(not any(contains(tracer, item, self_v) for item in consume(tracer, args[0])))
     if isinstance(self_v, TupleV) and name in ("index", "count"):
         return _sequence_query(tracer, self_v, name, args)
+    if isinstance(self_v, TupleV) and name == "_replace":
+        return stdlib_objects.namedtuple_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, TupleV) and name == "_asdict":
         return DictV(dict(zip(self_v.cls._fields, self_v.items)))
     if isinstance(self_v, Const):
@@ -72,7 +83,7 @@ def _const_method(tracer, self_v: Const, name, args, kwargs) -> Value:
     except Unsupported:  # forcing a lazy string (printing.StrV) falls back with its own kind
         raise
     except Exception as e:
-        raise Unsupported("exception_handling", f"{name}() raised {type(e).__name__}: {e}") from None
+        raise python_error(e.with_traceback(None), f"{name}() raised {type(e).__name__}: {e}") from None
     return tracer.wrap_python(result)
 
 
@@ -84,7 +95,10 @@ def _sequence_query(tracer, seq, name, args) -> Value:
     if name == "count":
         return Const(len(matches))
     if not matches:
-        raise Unsupported("exception_handling", "ValueError: item not in sequence")
+        if not is_const(target):
+            raise Unsupported("exception_handling", "ValueError: item not in sequence")
+        raise python_error(ValueError(f"{target.concrete()!r} is not in list" if isinstance(seq, ListV)
+                                      else "tuple.index(x): x not in tuple"))
     return Const(matches[0])
 
 
@@ -103,7 +117,7 @@ def _list_method(tracer, lst: ListV, name, args, kwargs) -> Value:
         items.insert(args[0].concrete(), args[1])
     elif name == "pop":
         if not items:
-            raise Unsupported("exception_handling", "IndexError: pop from empty list")
+            raise python_error(IndexError("pop from empty list"))
         return items.pop(args[0].concrete() if args else -1)
     elif name == "clear":
         items.clear()
@@ -116,7 +130,7 @@ def _list_method(tracer, lst: ListV, name, args, kwargs) -> Value:
                 del items[i]
                 break
         else:
-            raise Unsupported("exception_handling", "ValueError: list.remove(x): x not in list")
+            raise python_error(ValueError("list.remove(x): x not in list"))
     elif name == "sort":
         from .builtins_model import sort_values
         items[:] = sort_values(tracer, items, kwargs)
@@ -139,7 +153,8 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
     if name == "__contains__":
         return Const(contains(tracer, args[0], d))
     from .stdlib_model import ordered_dict_method
-    done = ordered_dict_method(tracer, d, name, args, kwargs)
+    done = ordered_dict_method(tracer, d, name, args, kwargs) or stdlib_objects.counter_method(
+        tracer, d, name, args, kwargs)
     if done is not None:
         return done
     ensure_local(tracer, d, f"dict.{name}")
@@ -149,7 +164,7 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
             return items.pop(key)
         if len(args) > 1:
             return args[1]
-        raise Unsupported("exception_handling", f"KeyError: {key!r}")
+        raise python_error(KeyError(key), f"KeyError: {key!r}")
     if name == "setdefault":
         return items.setdefault(args[0].concrete(), args[1] if len(args) > 1 else Const(None))
     if name == "update":

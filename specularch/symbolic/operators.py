@@ -15,10 +15,12 @@ import torch.nn as nn
 from ..guards import DictKeysGuard
 from ..guards.sources import ModuleDictSource
 from ..records import Unsupported
+from .exceptions import python_error
 from . import symint, untracked
 from .symint import SymV
 from .training import ScalarV
-from .values import (Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
+from . import deque_model
+from .values import (Const, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
                      TensorV, TupleV, UntrackedContainer, Value, contains_tensor, is_const)
 
 # BINARY_OP's argument -> (operator, symbol); 13.. are the in-place forms (dis._nb_ops order).
@@ -43,8 +45,8 @@ def concrete_op(tracer, fn, *values: Value) -> Value:
     except Unsupported:  # forcing a lazy string (printing.StrV) falls back with its own kind
         raise
     except Exception as e:
-        raise Unsupported("exception_handling",
-                          f"{getattr(fn, '__name__', fn)} raised {type(e).__name__} during capture: {e}") from None
+        raise python_error(e.with_traceback(None), f"{getattr(fn, '__name__', fn)} raised "
+                           f"{type(e).__name__} during capture: {e}") from None
     return tracer.wrap_python(result)
 
 
@@ -59,9 +61,17 @@ def binary(tracer, op, a: Value, b: Value) -> Value:
     text = printing.binary(op, a, b)  # "%.4f" % loss.item(), "loss " + s: formatted at commit
     if text is not None:
         return text
+    from . import deferred
+    number = deferred.binary(op, a, b)  # running = 0.9 * running + r.item(): computed at commit
+    if number is not None:
+        return number
     _no_item_values(a, b)
     if isinstance(a, TensorV) or isinstance(b, TensorV):
         return tracer.call_op("call_function", op, [a, b], {})
+    from .stdlib_objects import binary as stdlib_binary
+    made = stdlib_binary(tracer, op, a, b)  # a deque or Counter operand
+    if made is not None:
+        return made
     if (isinstance(a, SymV) or isinstance(b, SymV)) and op in symint.ARITHMETIC \
             and symint.is_symbolic_operand(a) and symint.is_symbolic_operand(b):
         return symint.arithmetic(tracer, op, a, b)
@@ -191,7 +201,7 @@ def truth(tracer, v: Value) -> bool:
         if isinstance(obj, (type, type(len))):
             return True
         raise Unsupported("unsupported_call", f"truth value of a {cls.__name__} object")
-    if isinstance(v, (FuncV, MethodV)):
+    if isinstance(v, (FuncV, MethodV, GradModeV)):  # (grad-mode objects define no __bool__)
         return True
     if isinstance(v, NewObjV):
         if hasattr(v.cls, "__bool__") or hasattr(v.cls, "__len__"):
@@ -204,6 +214,10 @@ def truth(tracer, v: Value) -> bool:
 
 
 def unary(tracer, op, v: Value) -> Value:
+    from . import deferred
+    number = deferred.unary(op, v)  # -v, abs(v) of a `.item()` value: computed at commit
+    if number is not None:
+        return number
     _no_item_values(v)
     if isinstance(v, TensorV):
         return tracer.call_op("call_function", op, [v], {})
@@ -224,10 +238,12 @@ def getitem(tracer, container: Value, key: Value) -> Value:
         raise Unsupported("data_dependent_value", "indexing a Python container with a tensor")
     if isinstance(container, (TupleV, ListV)):
         k = key.concrete()
+        deque_model.check_key(container, k)  # a deque takes no slices
         try:
             picked = container.items[k]
         except Exception as e:
-            raise Unsupported("exception_handling", f"indexing raised {type(e).__name__}: {e}") from None
+            raise python_error(e.with_traceback(None),
+                               f"indexing raised {type(e).__name__}: {e}") from None
         if isinstance(k, slice):
             if isinstance(container, ListV):
                 return ListV(picked)
@@ -293,6 +309,7 @@ def setitem(tracer, container: Value, key: Value, value: Value) -> None:
     if isinstance(container, ListV):
         ensure_local(tracer, container, "item assignment")
         k = key.concrete()
+        deque_model.check_key(container, k)
         if isinstance(k, slice):  # `l[1:3] = iterable`: assign its items
             value = consume(tracer, value)
         try:
@@ -313,6 +330,7 @@ def delitem(tracer, container: Value, key: Value) -> None:
     _untracked(container)
     if isinstance(container, (ListV, DictV)):
         ensure_local(tracer, container, "del")
+        deque_model.check_key(container, key.concrete())
         try:
             del container.items[key.concrete()]
         except Exception as e:

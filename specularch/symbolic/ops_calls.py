@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from ..records import Unsupported
 from .calls import call
-from .methods import enter_context
 from .operators import consume
 from .registry import handles
-from .values import Const, CtxExitV, DictV, FuncV, NullV
+from .values import Const, DictV, FuncV, NullV
 
 
 @handles("KW_NAMES")
@@ -63,8 +62,9 @@ def _make_function(frame, ins):
 
 @handles("BEFORE_WITH")
 def _before_with(frame, ins):
-    ctx = frame.pop()
-    frame.push(CtxExitV(ctx))
-    frame.push(enter_context(frame.tracer, ctx))
+    from .context_managers import before_with
+    exit_, entered = before_with(frame.tracer, frame.pop())
+    frame.push(exit_)
+    frame.push(entered)
 
 

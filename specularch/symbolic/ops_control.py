@@ -1,12 +1,11 @@
 """Opcode family: control flow. Branches are decided by concrete Python values (a branch
 on a tensor's value is ``data_dependent_branch``); loops are unrolled by iterating values
-known at capture time. Exceptions are never caught during capture: reaching a ``raise``
-means the call falls back and eager raises the real exception."""
+known at capture time. Exceptions (raise, try/except, with) are in ``ops_exceptions``."""
 from __future__ import annotations
 
 from ..records import Unsupported
 from .operators import iterate, truth
-from . import branch_merge
+from . import branch_merge, raising_branch
 from .registry import handles
 from .values import Const, TensorV
 
@@ -28,6 +27,8 @@ def _pop_jump_if_false(frame, ins):
 
 def _branch(frame, ins, jump_if: bool):
     v = frame.pop()
+    if isinstance(v, TensorV) and frame.tracer.speculation_stopped(frame):
+        raising_branch.keep_speculating(frame, ins)  # validation: an assumption, not a merge
     if isinstance(v, TensorV) and (frame.tracer.speculation_stopped(frame) or frame.tracer.merging) \
             and v.example.numel() == 1 and ins.opname.startswith("POP_JUMP_FORWARD"):
         join = branch_merge.merge(frame, ins, v, jump_if)  # both sides, selected in-graph
@@ -102,14 +103,7 @@ def _async_or_delegating(frame, ins):
     raise Unsupported("generator", f"{ins.opname}: generators/coroutines run eagerly")
 
 
-# ---- exceptions ---------------------------------------------------------------------------
-@handles("RAISE_VARARGS", falls_back=True)
-def _raise(frame, ins):
-    raise Unsupported("exception_handling", "the function raises an exception here; the call runs "
-                      "eagerly so the real exception is raised")
-
-
-@handles("RERAISE", "PUSH_EXC_INFO", "POP_EXCEPT", "CHECK_EXC_MATCH", "CHECK_EG_MATCH",
-         "WITH_EXCEPT_START", "PREP_RERAISE_STAR", falls_back=True)
-def _exception_machinery(frame, ins):
-    raise Unsupported("exception_handling", f"{ins.opname}: exception handling is not captured")
+# ---- exceptions (the rest: ops_exceptions.py) --------------------------------------------
+@handles("CHECK_EG_MATCH", "PREP_RERAISE_STAR", falls_back=True)
+def _exception_groups(frame, ins):
+    raise Unsupported("exception_handling", f"{ins.opname}: `except*` is not captured")

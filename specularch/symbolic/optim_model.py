@@ -1,6 +1,8 @@
-"""``opt.zero_grad()`` and ``opt.step()`` of torch's SGD, Adam and AdamW, captured into the
+"""``opt.zero_grad()`` and ``opt.step()`` of torch's SGD, Adam and AdamW (here) and of
+Adadelta, RMSprop, Adagrad, Adamax, NAdam and RAdam (optim_more.py), captured into the
 graph by replaying the same tensor operations torch's single-tensor (CPU default) update
-runs, in the same order, so the result is bit-for-bit eager's.
+runs, in the same order, so the result is bit-for-bit eager's. ``_table`` maps each
+optimizer class to the param-group keys its ``step()`` reads and its per-group update.
 
 Parameters, momentum buffers and Adam moments are updated in place through the shadow heap
 (computed functionally in the graph, committed after the call succeeded); new optimizer
@@ -13,7 +15,9 @@ hyperparameters, complex or sparse parameters, hooks) fall back.
 """
 from __future__ import annotations
 
+import functools
 import operator
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -26,8 +30,26 @@ from .values import Const, DictV, Obj, TensorV, TupleV, Value
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam)  # AdamW is an Adam subclass in torch 2.13
 
 
+class Model(NamedTuple):
+    reads: frozenset   # the param-group keys step() reads (see _READS)
+    update: Callable   # (tracer, opt_v, hyper, params): one param group's update
+
+
+@functools.cache
+def _table() -> dict:
+    """Optimizer class (exact type: a subclass may override step) -> its Model."""
+    from .optim_more import MODELS
+    adam = Model(_READS[torch.optim.Adam], _adam)
+    return {torch.optim.SGD: Model(_READS[torch.optim.SGD], _sgd), torch.optim.Adam: adam,
+            torch.optim.AdamW: adam, **MODELS}
+
+
 def is_modelled(opt) -> bool:
-    return type(opt) in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+    return type(opt) in _table()
+
+
+def captured_names() -> str:
+    return ", ".join(cls.__name__ for cls in _table())
 
 
 def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
@@ -54,11 +76,9 @@ def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
         prior = torch.is_grad_enabled()
         _set_grad(tracer, False)
         try:
+            update = _table()[type(opt)].update
             for group, params in groups:
-                if isinstance(opt, torch.optim.Adam):
-                    _adam(tracer, opt_v, group, params)
-                else:
-                    _sgd(tracer, opt_v, group, params)
+                update(tracer, opt_v, group, params)
         finally:
             _set_grad(tracer, prior)
         return Const(None)
@@ -101,7 +121,7 @@ _SYMBOLIC = {"lr", "momentum"}
 
 
 def _reads(opt) -> frozenset:
-    return _READS[torch.optim.Adam if isinstance(opt, torch.optim.Adam) else torch.optim.SGD]
+    return _table()[type(opt)].reads
 
 
 def _written_here(tracer, obj) -> bool:
@@ -164,7 +184,7 @@ def _hyper_value(tracer, key: str, raw, src: Source) -> Value:
     (OneCycleLR and CyclicLR replace ``betas[0]`` every step); anything else a guarded constant."""
     from ..guards import LenGuard
     if key in _SYMBOLIC and type(raw) is float:
-        return tracer.wrap_argument(raw, src, frozenset(), True)
+        return number_input(tracer, raw, src)
     if key == "betas" and type(raw) is tuple and len(raw) == 2:
         tracer.add_guard(LenGuard, src, tuple, 2)
         items = []
@@ -173,10 +193,28 @@ def _hyper_value(tracer, key: str, raw, src: Source) -> Value:
                 raise Unsupported("unsupported_call", "optimizer option betas holds tensors "
                                   "and is not captured")
             item_src = ItemSource(src, i)
-            items.append(tracer.wrap_argument(beta, item_src, frozenset(), True)
+            items.append(number_input(tracer, beta, item_src)
                          if type(beta) is float else tracer.wrap(beta, item_src))
         return TupleV(items, tuple, src)
     return tracer.wrap(raw, src)
+
+
+def number_input(tracer, raw, src: Source) -> Value:
+    """A Python number read before the graph runs, as a graph input; one per source (a
+    second ``step()`` in the call reads the same input, not a second placeholder)."""
+    seen = tracer._by_source.get(src)
+    return seen if seen is not None else tracer.wrap_argument(raw, src, frozenset(), True)
+
+
+def state_number(tracer, items: dict, src: Source, key: str) -> Value:
+    """The number in the 0-d state tensor ``items[key]`` as eager's ``_get_value`` reads it
+    (``.item()``): a graph input read before the graph runs, so only while this call has
+    not written the tensor (a second ``step()`` in one call would read the old count)."""
+    t = items[key]
+    if not isinstance(t, TensorV) or t.real is None or t.updated or t.example.numel() != 1:
+        raise Unsupported("unsupported_call", f"optimizer state {key!r} written earlier in the "
+                          "call (two step() calls in one optimized call) is not captured")
+    return number_input(tracer, t.real.item(), ScalarOfSource(ItemSource(src, key)))
 
 
 def _state(tracer, opt_v: Obj, p: TensorV) -> tuple[DictV | None, Source]:
@@ -202,6 +240,7 @@ def _new_state(tracer, opt_v: Obj, p: TensorV, items: dict) -> DictV:
 
 
 def _m(tracer, t: Value, name: str, *args, **kwargs) -> Value:
+    args = [a if isinstance(a, Value) else Const(a) for a in args]
     return tracer.call_op("call_method", name, [t, *args],
                           {k: (v if isinstance(v, Value) else Const(v)) for k, v in kwargs.items()},
                           name=name)
@@ -297,8 +336,7 @@ def _adam(tracer, opt_v, hyper, params) -> None:
             if set(state.items) != keys:
                 raise Unsupported("unsupported_call", f"Adam state with keys {sorted(state.items)}")
             step_t, exp_avg, exp_avg_sq = (state.items[k] for k in ("step", "exp_avg", "exp_avg_sq"))
-            steps_before = tracer.wrap_argument(step_t.real.item(), ScalarOfSource(ItemSource(src, "step")),
-                                                frozenset(), True)
+            steps_before = state_number(tracer, state.items, src, "step")
         if maximize:
             grad = _m(tracer, grad, "neg")
         step_t = _m(tracer, step_t, "add_", Const(1))

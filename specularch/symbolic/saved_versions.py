@@ -8,6 +8,11 @@ raises. While capturing, every tensor autograd saves is packed with its *logical
 (its own counter plus the bumps its deferred writes made so far); unpacking it with another
 logical version raises the error eager raises, which makes the call fall back to eager.
 
+A write that bumps no version (through ``p.data``, see view_writes.py; batch_norm's running
+statistics) leaves eager's backward reading the new values without an error, while the
+graph's reads the values saved before the deferred write: such a backward is refused
+(``input_mutation``).
+
 Hooks replace autograd's own version check, so this check covers every saved tensor (fresh
 ones too). A backward outside the call needs nothing: the commit bumps the counters as
 eager does (``entry._tensor_commit``).
@@ -18,6 +23,7 @@ import weakref
 
 import torch
 
+from ..records import Unsupported
 from ._torch_dispatch import storage_key, version_bumps
 
 
@@ -29,10 +35,14 @@ def tracking(tracer) -> torch.autograd.graph.saved_tensors_hooks:
     model would stay alive through tracer -> example tensors -> grad_fn -> hook -> tracer."""
     tracer_ref = weakref.ref(tracer)
 
-    def deferred(key: int) -> int:
+    def written(key: int | None):
         live = tracer_ref()
-        written = live._external.get(key) if live is not None else None
-        return _own_version(written.example) if written is not None and written.updated else 0
+        external = live._external.get(key) if live is not None and key is not None else None
+        return external if external is not None and external.updated else None
+
+    def deferred(key: int | None) -> int:
+        external = written(key)
+        return _own_version(external.example) if external is not None else 0
 
     def key_of(t: torch.Tensor):
         return storage_key(t) if t.layout is torch.strided and t.numel() else None
@@ -41,16 +51,22 @@ def tracking(tracer) -> torch.autograd.graph.saved_tensors_hooks:
         # detached (same storage and version counter): a saved *output* packed as itself
         # would hold its own grad_fn, a cycle through C++ that gc cannot collect
         key = key_of(t)
-        return t.detach(), key, _own_version(t) + (deferred(key) if key is not None else 0)
+        return t.detach(), key, _own_version(t) + deferred(key), written(key) is not None
 
     def unpack(packed):
-        t, key, saved = packed
-        now = _own_version(t) + (deferred(key) if key is not None else 0)
+        t, key, saved, was_written = packed
+        now = _own_version(t) + deferred(key)
         if now != saved:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by "
                 f"an inplace operation: [{t.type()} {list(t.shape)}] is at version {now}; "
                 f"expected version {saved} instead")
+        if not was_written and written(key) is not None:
+            raise Unsupported("input_mutation", f"{written(key).source} is written in place "
+                              "without a version bump (through `.data`, or batch_norm's "
+                              "running statistics) after autograd saved it, then backward "
+                              "runs: eager's backward reads the new values, the graph's would "
+                              "read the old ones")
         return t
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -16,6 +16,7 @@ import itertools
 import operator
 
 from ..records import Unsupported
+from .exceptions import python_error
 from . import operators as ops
 from .builtins_model import _dict, model
 from .values import Const, DictV, IterV, Obj, TupleV, Value
@@ -145,8 +146,10 @@ def _defaultdict(tracer, fn, args, kwargs):
 def missing_item(tracer, d: DictV, key) -> Value:
     """``d[key]`` for a key ``d`` lacks: a defaultdict calls its factory and stores the result
     (``__missing__``); any other dict raises KeyError (the call runs eagerly)."""
+    if d.cls is collections.Counter:  # Counter.__missing__: 0, not stored
+        return Const(0)
     if d.factory is None:
-        raise Unsupported("exception_handling", f"KeyError: {key!r} during capture")
+        raise python_error(KeyError(key), f"KeyError: {key!r} during capture")
     from .calls import call
     value = call(tracer, d.factory, [], {})
     ops.setitem(tracer, d, Const(key), value)
@@ -168,12 +171,12 @@ def ordered_dict_method(tracer, d: DictV, name: str, args, kwargs) -> Value | No
     ops.ensure_local(tracer, d, f"{d.cls.__name__}.{name}")
     if name == "popitem":
         if not d.items:
-            raise Unsupported("exception_handling", "KeyError: popitem(): dictionary is empty")
+            raise python_error(KeyError("popitem(): dictionary is empty"))
         key = next(reversed(d.items)) if last.value else next(iter(d.items))
         return TupleV([Const(key), d.items.pop(key)])
     key = args[0].concrete()
     if key not in d.items:
-        raise Unsupported("exception_handling", f"KeyError: {key!r}")
+        raise python_error(KeyError(key), f"KeyError: {key!r}")
     value = d.items.pop(key)
     if last.value:
         d.items[key] = value
@@ -208,3 +211,7 @@ def _call_attrgetter(tracer, obj, args, kwargs) -> Value:
 # type of a called object -> handler (tracer, obj, args, kwargs)
 INSTANCE_CALLS = {operator.itemgetter: _call_itemgetter, operator.attrgetter: _call_attrgetter}
 
+
+
+# deque / Counter / enum / dataclasses / lru_cache / methodcaller and more itertools
+from . import stdlib_iter_model, stdlib_objects  # noqa: E402,F401

@@ -17,7 +17,6 @@ from typing import Any
 import torch.fx
 
 from ..guards.guard import ExprGuard, same_value
-from ..records import Unsupported
 from .values import Const, Value
 
 _SYMBOL = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
@@ -79,8 +78,12 @@ def arithmetic(tracer, op, a: Value, b: Value) -> Value:
     nb, vb, eb, lb = _operand(b)
     try:
         value = op(va, vb)
-    except ArithmeticError as e:  # 1 / n with n == 0: the user's error, raised eagerly
-        raise Unsupported("exception_handling", f"{type(e).__name__}: {e}") from None
+    except ArithmeticError as e:  # 1 / n with n == 0: the user's error, as eager raises it
+        for x in (a, b):  # pinned to these values, the error is decided by guards
+            if isinstance(x, SymV):
+                x.concrete()
+        from .exceptions import python_error
+        raise python_error(e.with_traceback(None)) from None
     node = tracer.graph.call_function(op, (na, nb))
     known = ea is not None and eb is not None
     sym = _SYMBOL[op]

@@ -26,7 +26,7 @@ from ..guards.sources import Source
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import ExternalMutation, MutationCheck, storage_key
-from . import budget
+from . import budget, view_writes
 from .leaf_writes import connect_reads
 from .merge_aliases import MergedAliases
 from .symint import SymV
@@ -42,6 +42,12 @@ CONST_TYPES = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis)
 TRUSTED_MODULE_ROOTS = {"torch", "math", "operator", "builtins", "functools", "itertools",
                         "collections", "typing", "numbers", "abc", "enum", "types", "warnings",
                         "numpy", "dataclasses", "copy", "inspect"}
+
+# operator.iadd -> operator.add, ...: what an in-place operator does to a Python number.
+_PLAIN_OF_INPLACE = {getattr(__import__("operator"), "i" + name.rstrip("_")):
+                     getattr(__import__("operator"), name)
+                     for name in ("add", "and_", "floordiv", "lshift", "matmul", "mod", "mul",
+                                  "or_", "pow", "rshift", "sub", "truediv", "xor")}
 
 # Tensor methods/functions that return Python values derived from metadata only (shape,
 # dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
@@ -95,7 +101,8 @@ class Tracer:
         self.merging = 0  # > 0 while branch_merge runs both sides of a branch
         self.merged_aliases = MergedAliases()  # what merged branches must not let be seen
         self._external: dict[int, TensorV] = {}  # storage key -> tensor that outlives the call
-        self.viewed: set[int] = set()            # external storages that have views
+        self.viewed: set[int] = set()            # external storages two inputs share
+        self.view_writes: list = []              # deferred writes, see view_writes.py
         self._sizes: dict = {}                   # (node, dim) -> SymV of a dynamic size
         self.opt_state: dict = {}                # (id(optimizer), id(param)) -> new state entry
         self.symbolic_sources: set = set()       # int/float sources read as graph inputs
@@ -409,6 +416,11 @@ class Tracer:
             args, kwargs = connect_reads(self, args, kwargs)
         cargs = [_concrete(a) for a in args]
         ckwargs = {k: _concrete(v) for k, v in kwargs.items()}
+        plain = _PLAIN_OF_INPLACE.get(target) if type(target) is types.BuiltinFunctionType else None
+        if plain is not None and cargs and isinstance(cargs[0], (int, float, complex)):
+            # `loss = 0.; loss += t`: a number has no in-place form, Python computes `loss + t`
+            # (recorded as `iadd`, FX would print `0.0 += t`, which does not compile)
+            target = fn = plain
         if fn is None:
             fn = (lambda *a, **k: getattr(a[0], target)(*a[1:], **k)) if kind == "call_method" else target
         has_tensor_input = any(contains_tensor(a) for a in args) or any(
@@ -484,10 +496,11 @@ class Tracer:
         if external is None:
             refuse("the tensor is not an input the graph can read")
         if error.key in self.viewed:
-            refuse("views of that tensor were taken before the write")
-        if not any(a is external for a in [*args, *kwargs.values()]):
+            refuse("another input of the call shares its memory")
+        alias = view_writes.data_alias(external, args, kwargs)  # `p.data.add_(...)`
+        if alias is None and not any(a is external for a in [*args, *kwargs.values()]):
             refuse("it writes through a view; write to the tensor itself")
-        if external.example.requires_grad and torch.is_grad_enabled():
+        if alias is None and external.example.requires_grad and torch.is_grad_enabled():
             refuse("the tensor requires grad (do the update under torch.no_grad())")
         if external.source is None:
             refuse("the tensor cannot be addressed after the call")
@@ -495,18 +508,23 @@ class Tracer:
                 and not torch.is_inference_mode_enabled():
             refuse("it is an inference tensor (made under torch.inference_mode()), which torch "
                    "does not update in place outside inference mode", unguarded=True)
-        copy = self.call_op("call_method", "clone", [external], {}, name="clone")
-        swap = lambda v: copy if v is external else v  # noqa: E731
+        written = external if alias is None else alias
+        copy = self.call_op("call_method", "clone", [written], {}, name="clone")
+        into = copy if alias is None else view_writes.data_target(self, copy)
+        swap = lambda v: into if v is written else v  # noqa: E731
         result = self.call_op(kind, target, [swap(a) for a in args],
                               {k: swap(v) for k, v in kwargs.items()}, fn=fn, name=label,
                               keep_node=True)
+        view_writes.note_write(self, error.key, copy.node, external, label)
         if external.example.requires_grad and external.stale_leaf is None:
             external.stale_leaf = (external.node, external.example)  # see leaf_writes.py
         external.node, external.example = copy.node, copy.example
         external.updated = True
+        if alias is not None:
+            view_writes.rebind_data(alias, into, external)
         self.heap.update_tensor(external, self.where())
-        if isinstance(result, TensorV) and result.example is copy.example:
-            return external  # `y = x.add_(1)`: y is x
+        if isinstance(result, TensorV) and result.example is into.example:
+            return written  # `y = x.add_(1)`: y is x
         return result
 
     def speculation_stopped(self, frame) -> bool:
@@ -535,13 +553,11 @@ class Tracer:
     def wrap_output(self, node: torch.fx.Node, result: Any) -> Value:
         if isinstance(result, torch.Tensor):
             node.meta["example"] = result
-            self._note_view(result)
             return TensorV(node, result)
         if isinstance(result, (tuple, list)):
             items = []
             for i, x in enumerate(result):
                 if isinstance(x, torch.Tensor):
-                    self._note_view(x)
                     sub = self.graph.call_function(_getitem, (node, i))
                     sub.meta["example"] = x
                     items.append(TensorV(sub, x))
@@ -551,14 +567,6 @@ class Tracer:
                 return ListV(items)
             return TupleV(items, type(result))
         raise Unsupported("unsupported_call", f"an op returned {type(result).__name__} holding tensors")
-
-    def _note_view(self, t: torch.Tensor) -> None:
-        """A value aliasing a tensor that outlives the call: in-place writes to that tensor
-        can no longer be moved into a functional copy."""
-        if t.numel():
-            external = self._external.get(storage_key(t))
-            if external is not None and external.example is not t:
-                self.viewed.add(storage_key(t))
 
     def wrap_python(self, value: Any) -> Value:
         """A Python value computed during capture from constants (no source, no guard)."""
@@ -687,7 +695,7 @@ def _concrete(v: Value) -> Any:
         return set(v.items)
     if isinstance(v, Obj) and isinstance(v.obj, (torch.Generator,)):
         return v.obj
-    if type(v).__name__ == "ScalarV" or isinstance(v, UntrackedContainer):
+    if type(v).__name__ in ("ScalarV", "NumV", "ClockV") or isinstance(v, UntrackedContainer):
         return v.concrete()  # raises data_dependent_value / RelaxationRefused
     raise Unsupported("unsupported_call", f"passing {v!r} to a torch operation is not supported")
 

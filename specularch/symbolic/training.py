@@ -45,6 +45,8 @@ class ScalarV(Value):
 def item(tracer, t: TensorV) -> Value:
     if t.example.numel() != 1:
         raise Unsupported("exception_handling", "item() of a tensor with more than one element")
+    from .view_writes import refuse_stale_read  # (the value is read after the graph ran)
+    refuse_stale_read(tracer, t, "item()")
     return ScalarV(t.node, t.example.item())
 
 
@@ -104,8 +106,10 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         raise Unsupported("exception_handling", "grad can be implicitly created only for scalar outputs")
     if not loss.example.requires_grad:
         raise Unsupported("exception_handling", "element 0 of tensors does not require grad")
+    # a leaf written in place earlier in the call (under no_grad, through .data) is still the
+    # leaf: its gradient is the original tensor's (reads after the write route to it too)
     leaves = [v for v in tracer.graph_inputs() if v.real is not None and v.real.requires_grad
-              and v.real.is_leaf and v.example is v.real]
+              and v.real.is_leaf and (v.example is v.real or v.stale_leaf is not None)]
     if not leaves:
         raise Unsupported("exception_handling", "backward(): no leaf tensor requires grad")
     for leaf in leaves:  # checked before capture runs backward (hooks must not run here)
@@ -125,11 +129,11 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         ids = {"step": Const(tracer.code.co_qualname),
                "layout": Const(agreement.layout_hash([str(leaf.source) for leaf in leaves]))}
         grads = tracer.call_op("call_function", distributed.grad_and_allreduce,
-                               [loss, _list(leaves)], ids, name="autograd.grad",
+                               [loss, _list(map(_leaf_tensor, leaves))], ids, name="autograd.grad",
                                fn=lambda l, p, **_: torch.autograd.grad(l, p, allow_unused=True))
     else:
         grads = tracer.call_op("call_function", torch.autograd.grad,
-                               [loss, _list(leaves)], {"allow_unused": Const(True)},
+                               [loss, _list(map(_leaf_tensor, leaves))], {"allow_unused": Const(True)},
                                name="autograd.grad")
     for leaf, grad in zip(leaves, grads.items):
         if isinstance(grad, Const):  # unused leaf: eager leaves its .grad alone
@@ -143,6 +147,12 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         else:  # in-place accumulation into the existing .grad (committed by the heap)
             tracer.call_op("call_method", "add_", [current, grad], {}, name="add_")
     return Const(None)
+
+
+def _leaf_tensor(v: TensorV) -> TensorV:
+    """The leaf autograd sends ``v``'s gradient to: ``v`` itself, or the tensor a write
+    replaced by a copy (``TensorV.stale_leaf``, see leaf_writes.py)."""
+    return v if v.stale_leaf is None else TensorV(*v.stale_leaf)
 
 
 def _list(values):

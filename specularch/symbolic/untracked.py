@@ -18,7 +18,7 @@ Anything else (``len``, iteration, ``pop``, ``del``, old items of the list, ...)
 from __future__ import annotations
 
 from ..guards import ContainsGuard, ItemSource
-from ..records import Unsupported
+from .exceptions import python_error
 from .symint import SymV
 from .values import AppendOnlyListV, Const, KeyedDictV, RelaxationRefused, Value
 
@@ -33,7 +33,7 @@ def getitem(tracer, c, key: Value) -> Value:
     if k in c.written:
         return c.written[k]
     if not _present(tracer, c, k):
-        raise Unsupported("exception_handling", f"KeyError: {k!r} (reading {c.source})")
+        raise python_error(KeyError(k), f"KeyError: {k!r} (reading {c.source})")
     return tracer.wrap(c.real[k], ItemSource(c.source, k))
 
 

@@ -7,6 +7,7 @@ outside the frame, its ``source``. Tensors also carry the FX node that computes 
 from __future__ import annotations
 
 import collections
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,11 @@ class Value:
         return type(self.concrete())
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.concrete()!r})"
+        try:
+            shown = repr(self.concrete())
+        except _NoConcrete as e:  # (a message about such a value must not fail itself)
+            shown = str(e)
+        return f"{type(self).__name__}({shown})"
 
 
 @dataclass(eq=False, repr=False)
@@ -192,6 +197,12 @@ class Obj(Value):
 
 
 @dataclass(eq=False, repr=False)
+class FreshObj(Obj):
+    """A real object built at capture time that stands for one eager makes anew on every call
+    (``nn.ReLU()`` in forward): usable inside the call, refused where it would outlive it."""
+
+
+@dataclass(eq=False, repr=False)
 class GeneratorV(Obj):
     """A ``torch.Generator`` read from outside the frame: a graph input (``node``)."""
 
@@ -321,6 +332,16 @@ class GradModeV(Value):
     def concrete(self):
         raise _NoConcrete("a grad-mode context manager")
 
+    def python_type(self):
+        if self.inference is not None:
+            return torch.inference_mode
+        if self.switched:
+            return torch.set_grad_enabled
+        return torch.enable_grad if self.enabled else torch.no_grad
+
+    def __repr__(self):
+        return f"GradModeV({self.python_type().__name__})"
+
 
 @dataclass(eq=False, repr=False)
 class CtxExitV(Value):
@@ -445,8 +466,10 @@ def is_const(v: Value) -> bool:
         return all(is_const(i) for i in v.items)
     if isinstance(v, DictV):
         return all(is_const(i) for i in v.items.values())
-    if isinstance(v, SetV):
-        return True
+    if isinstance(v, SetV) or (isinstance(v, Obj) and isinstance(v.obj, enum.Enum)):
+        return True  # an enum member: an immutable, hashable singleton
+    if isinstance(v, Obj) and isinstance(v.obj, BaseException) and v.source is None:
+        return True  # an exception raised in the call (made from constants: exceptions.py)
     if isinstance(v, DictViewV):
         return v.kind == "keys" or is_const(v.mapping)
     return False

@@ -1,0 +1,35 @@
+"""Branches on a tensor's value where one side only raises: argument validation.
+
+``if not torch._is_all_true(scale > 0): raise ValueError(...)`` (torch.distributions checks
+its arguments like this) is an assumption the graph checks, never a branch to merge: the
+raising side cannot be part of a graph. A call that violates it fails the assumption and runs
+eagerly, which raises eager's error; later valid calls keep using a graph, instead of the
+site being marked as going both ways and no longer speculated.
+"""
+from __future__ import annotations
+
+import dis
+
+_ENDS_BLOCK = {"RETURN_VALUE", "RERAISE"} | {dis.opname[op] for op in dis.hasjrel + dis.hasjabs}
+
+
+def side_raises(frame, ins) -> bool:
+    """Whether a side of the conditional jump ``ins`` (just executed in ``frame``) raises an
+    exception that nothing in the frame catches, before any other control flow."""
+    info = frame.info
+    return _raises_from(info, frame.ip) or _raises_from(info, info.index_of[ins.argval])
+
+
+def _raises_from(info, index: int) -> bool:
+    for ins in info.instructions[index:]:
+        if ins.opname == "RAISE_VARARGS":
+            return ins.arg > 0 and info.handler_at(ins.offset) is None
+        if ins.opname in _ENDS_BLOCK:
+            return False
+    return False
+
+
+def keep_speculating(frame, ins) -> None:
+    """Speculate the branch ``ins`` again (an assumption the graph checks) when a side raises."""
+    if side_raises(frame, ins):
+        frame.tracer.unstable_sites.discard((id(frame.code), frame.ip))
