@@ -463,6 +463,20 @@ class ItemOfBufferThenUpdate(nn.Module):
         return before
 
 
+def written_in_place_then_item(x):
+    y = x.sum() * 2
+    y.add_(1)  # before .item(): counts
+    middle = y.item()
+    y.mul_(3)  # after it: does not
+    return middle, y.item(), y
+
+
 def test_item_reads_the_value_at_the_call_not_after_later_writes():
     check(item_then_written_in_place, lambda: A(T(4)), calls=5, expect="graph")
     check_module(ItemOfBufferThenUpdate, lambda: A(T(3)), calls=5, expect="graph")
+
+
+def test_item_sees_in_place_writes_made_before_it():
+    """The copy for a value read later is taken where ``.item()`` was called, not where the
+    tensor was made (it once missed ``y.add_(1)`` between the two)."""
+    check(written_in_place_then_item, lambda: A(T(4)), calls=5, expect="graph")

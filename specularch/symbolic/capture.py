@@ -202,7 +202,7 @@ class SpecBuilder:
         if isinstance(v, ScalarV) and v.node is None:  # arithmetic / clocks (deferred.py)
             return deferred.spec(v, self.build)
         if isinstance(v, ScalarV):  # `t.item()`: read from the graph's output afterwards
-            return ("item", self.out(item_snapshot(v.node), as_value=False)[1])
+            return ("item", self.out(item_snapshot(v.node, v.read_after), as_value=False)[1])
         if isinstance(v, (ListV, DictV, UntrackedContainer)) and v.source is not None:
             return ("source", v.source)
         if isinstance(v, FreshObj):

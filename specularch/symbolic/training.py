@@ -7,7 +7,7 @@ None, an in-place add otherwise), so nothing changes before the call has succeed
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ class ScalarV(Value):
 
     node: torch.fx.Node
     value: Any
+    # the graph's last node when ``.item()`` was called (keyword: subclasses add positionals)
+    read_after: torch.fx.Node | None = field(default=None, kw_only=True)
 
     def concrete(self):
         raise Unsupported("data_dependent_value",
@@ -47,22 +49,24 @@ def item(tracer, t: TensorV) -> Value:
         raise Unsupported("exception_handling", "item() of a tensor with more than one element")
     from .view_writes import refuse_stale_read  # (the value is read after the graph ran)
     refuse_stale_read(tracer, t, "item()")
-    return ScalarV(t.node, t.example.item())
+    return ScalarV(t.node, t.example.item(), read_after=tracer.graph._root.prev)
 
 
-def item_snapshot(node: torch.fx.Node) -> torch.fx.Node:
+def item_snapshot(node: torch.fx.Node, read_after: torch.fx.Node) -> torch.fx.Node:
     """The graph output a ``t.item()`` is read from after the run. ``t`` itself only while
     nothing can change it before that read: a tensor from outside the call (or a view of one)
-    may be written by the commit, and a later in-place op may write ``t``'s storage; then the
-    value is copied where ``.item()`` was called."""
-    if "item_snapshot" in node.meta:
-        return node.meta["item_snapshot"]
+    may be written by the commit, and an in-place op after the ``.item()`` call (after the
+    graph node ``read_after``) may write ``t``'s storage; then the value is copied there, where
+    ``.item()`` was called (in-place ops between making ``t`` and ``.item()`` count)."""
+    snapshots = node.meta.setdefault("item_snapshots", {})
+    if read_after in snapshots:
+        return snapshots[read_after]
     example = node.meta["example"]
     key = storage_key(example)
     graph = node.graph
     inputs = {storage_key(n.meta["example"]) for n in graph.nodes if n.op == "placeholder"
               and isinstance(n.meta.get("example"), torch.Tensor)}
-    later, written = node.next, key in inputs
+    later, written = read_after.next, key in inputs
     while not written and later.op != "output" and later is not graph._root:
         # a node with no tensor inputs (a grad-mode switch) cannot write ``t``'s storage
         written = (bool(later.meta.get("mutates")) and bool(later.all_input_nodes)
@@ -70,14 +74,14 @@ def item_snapshot(node: torch.fx.Node) -> torch.fx.Node:
         later = later.next
     snapshot = node
     if written:
-        at = node
+        at = read_after
         while at.next.op == "placeholder":
             at = at.next
         with graph.inserting_after(at):
             snapshot = graph.call_method("clone", (node,))
         snapshot.meta.update(example=example.clone(), where=node.meta.get("where"),
                              mutates=False, writes=frozenset())
-    node.meta["item_snapshot"] = snapshot
+    snapshots[read_after] = snapshot
     return snapshot
 
 
