@@ -254,6 +254,12 @@ def summary(results: list[ProgramResult]) -> str:
     lines = ["| programs | " + " | ".join(STATUSES) + " | share captured whole |",
              "|---" * (len(STATUSES) + 2) + "|",
              f"| {total} | " + " | ".join(str(counts[s]) for s in STATUSES) + f" | {share:.1%} |"]
+    # Per module class too: a class with hundreds of samples would otherwise weigh most.
+    modules = collections.defaultdict(set)
+    for r in results:
+        modules[r.module].add(r.status)
+    whole = sum(statuses == {"captured whole"} for statuses in modules.values())
+    lines += ["", f"Module classes with every program captured whole: {whole} of {len(modules)}."]
     return "\n".join(lines)
 
 

@@ -180,20 +180,22 @@ def per_call_site(target, handler: Callable) -> None:
 
 def dispatch(target, slots: tuple, cells: tuple | None) -> Any:
     """Called by trampolines (frames reached through the hook) for every call of ``target``."""
+    # A call that runs the original returns an ``EagerRun`` for the trampoline to run in
+    # its own frame (``frames.set_run_here``): recursion through the hook keeps eager's depth.
     resolve = _PER_INSTANCE.get(target.key)
     if resolve is not None:
         state = resolve(slots[0]) if slots else None
         if state is not None:
-            return run(state, slots, cells)
+            return start(state, slots, cells)
         if not frames.auto_targeting():  # another instance of an optimized module's class
-            return target.call_original(slots, cells)
+            return EagerRun(None, target, cells)
     handler = _PER_CALL_SITE.get(target.key)
     if handler is not None:
         return handler(target, slots, cells)
     state = _STATES.get(target.key)
     if state is None or state.target is not target:
         state = state_for(target)
-    return run(state, slots, cells)
+    return start(state, slots, cells)
 
 
 # Set by the pytest plugin's compare mode: ``validator(state, slots, cells, run_fn)``.
@@ -616,7 +618,7 @@ def _defer_eager(state: CodeState, slots, cells, record: FallbackRecord,
         return _run_eager(state, slots, cells, record, reaches_backward)
     record.count += 1
     state.stats.fallback_calls += 1
-    return EagerRun(record)
+    return EagerRun(record, state.target, cells)
 
 
 def _run_eager(state: CodeState, slots, cells, record: FallbackRecord,

@@ -8,7 +8,10 @@ the object is disabled) is not run by the dispatcher: ``dispatcher.start`` retur
         return token.done(shadow(*args, **kwargs))
 
 so a recursive function that runs eagerly nests two frames per level (wrapper, original)
-instead of seven (wrapper, run, _run, _run_eager, call_original, unbinder, original). The
+instead of seven (wrapper, run, _run, _run_eager, call_original, unbinder, original). A call
+reached through the frame hook (a function recursing by its own name, a module's forward
+calling a child of its class) gets the token back in its trampoline, which runs the original
+the same way in its own frame (``frames.set_run_here``): two frames per level there too. The
 one frame eager does not have is paid for by raising the recursion limit by one while the
 call runs: a program that runs eagerly reaches the depth eager reaches, and the
 ``RecursionError`` eager raises beyond it (never a deeper one: the limit is raised by the
@@ -69,21 +72,35 @@ class EagerRun:
                 EXTRA[0] -= 1  # (synced by __exit__)
 
     A hook block or a sync that a RecursionError keeps from running is ended or made by the
-    next one out. ``done(result)`` finishes the bookkeeping of a call that returned."""
+    next one out. ``done(result)`` finishes the bookkeeping of a call that returned.
 
-    __slots__ = ("record", "_hook")
+    A token with ``target`` (made for a call reached through the frame hook) is also run by
+    the trampoline, as ``original`` (see ``frames.set_run_here``). Without a ``record`` it is
+    a plain run of the original (a module forward not optimized at this call): no fallback
+    is reported and the hook, already on in a trampoline, is not entered again."""
 
-    def __init__(self, record) -> None:
-        self.record = record
+    __slots__ = ("record", "target", "cells", "_hook")
+    extra = EXTRA  # what the trampoline reads (``frames.set_run_here``)
+    sync = staticmethod(sync_limit)
+
+    def __init__(self, record, target=None, cells=None) -> None:
+        self.record, self.target, self.cells = record, target, cells
         self._hook = None
 
+    @property
+    def original(self) -> Callable:
+        """The original bytecode as a function of the call's arguments (trampoline runs)."""
+        return self.target.original_function(self.cells)
+
     def __enter__(self) -> "EagerRun":
-        self._hook = frames.hook_active()
-        self._hook.__enter__()
+        if self.record is not None:
+            self._hook = frames.hook_active()
+            self._hook.__enter__()
         return self
 
     def __exit__(self, *exc_info: Any) -> bool:
-        self._hook.__exit__(*exc_info)
+        if self._hook is not None:
+            self._hook.__exit__(*exc_info)
         try:
             sync_limit()
         except RecursionError:  # unwinding a RecursionError: an outer level syncs
@@ -91,7 +108,8 @@ class EagerRun:
         return False
 
     def done(self, result: Any) -> Any:
-        log.warn_fallback(self.record)  # a call that returned (not one that raised)
+        if self.record is not None:
+            log.warn_fallback(self.record)  # a call that returned (not one that raised)
         return result
 
     def run(self, fn: Callable, *args: Any) -> Any:
@@ -104,6 +122,8 @@ class EagerRun:
             finally:
                 EXTRA[0] -= 1
 
+
+frames.set_run_here(EagerRun)
 
 COMMIT_LOCK = threading.RLock()
 

@@ -25,6 +25,7 @@ were before the call, and nothing is written unless every guard and assertion pa
 from __future__ import annotations
 
 import builtins
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -181,7 +182,11 @@ class Renderer:
 def _new_object(cls: type, attrs: dict) -> Any:
     """An object created during the call, rebuilt with the attributes it ended up with."""
     obj = cls.__new__(cls)
-    obj.__dict__.update(attrs)
+    for name, value in attrs.items():
+        if isinstance(getattr(cls, name, None), types.MemberDescriptorType):
+            object.__setattr__(obj, name, value)  # a __slots__ field
+        else:
+            obj.__dict__[name] = value
     return obj
 
 

@@ -36,6 +36,7 @@ from torch.nn.modules import module as _module
 from . import dispatcher, frames
 from .frames import interceptor as _interceptor
 from .config import config
+from .eager_run import EagerRun
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
@@ -89,7 +90,7 @@ def _run_if_outermost(target, slots: tuple, cells) -> object:
     # While an outermost call runs (eagerly: a graph runs no Python frames), every module
     # call reaching a target is nested: known without looking at the stack.
     if _running.depth or not is_outermost_call(_caller_of_trampoline(target)):
-        return target.call_original(slots, cells)
+        return EagerRun(None, target, cells)  # the trampoline runs it (recursion depth)
     _running.depth += 1
     try:
         return dispatcher.run(dispatcher.state_for(target), slots, cells)

@@ -199,9 +199,9 @@ def item_string_as_dict_key(x):
 
 
 def item_to_int(x):
-    n = int(x.sum().item())  # computed at commit (symbolic/deferred.py), but a torch op
-    print(n)                 # needs its value while capturing:
-    return x + n  # mark
+    n = int(x.sum().item())  # printed by the commit (symbolic/deferred.py), and computed
+    print(n)                 # in the graph for the torch op (symbolic/item_args.py)
+    return x + n
 
 
 def item_string_joined(x):
@@ -210,7 +210,11 @@ def item_string_joined(x):
     return x, s
 
 
-@pytest.mark.parametrize("fn", [format_item_in_a_list, item_string_as_dict_key, item_to_int,
+def test_int_of_item_printed_and_used_in_a_torch_op_is_captured():
+    check(item_to_int, lambda i: A(T(3, seed=i)), calls=5, expect="graph")
+
+
+@pytest.mark.parametrize("fn", [format_item_in_a_list, item_string_as_dict_key,
                                 item_string_joined])
 def test_item_text_needed_in_python_falls_back_as_data_dependent(fn):
     explanation = check(fn, lambda i: A(T(3, seed=i)), calls=5, expect="fallback",

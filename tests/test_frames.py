@@ -44,11 +44,12 @@ class Recorder:
 def rec():
     frames.reset()
     recorder = Recorder()
+    before = interceptor._dispatcher  # specularch's own, restored for the tests after these
     frames.set_dispatcher(recorder)
     callback, region = _torch_hook.get_callback(), _torch_hook.get_region()
     yield recorder
     frames.disable_globally()
-    frames.set_dispatcher(None)
+    frames.set_dispatcher(before)
     frames.reset()
     assert _torch_hook.get_callback() is callback, "a test left a frame callback behind"
     assert _torch_hook.get_region() == region, "a test left the region changed"

@@ -295,3 +295,32 @@ def test_value_subclass_arguments_are_guarded_by_value(make_key):
     not reused for another (it once had only a type guard and returned the first key's result)."""
     keys = ["train", "train", "eval", "train", "eval"]
     check(scale_by_key, lambda i: A(T(2), make_key(keys[i])), calls=len(keys))
+
+
+def test_an_input_with_autograd_history_is_not_taken_for_a_leaf():
+    """A step captured with a leaf input that requires grad is not reused for an input with
+    autograd history: eager's backward goes on into that history (here: ``lin``'s
+    gradients), the graph's stops at its inputs. It once ran the graph and lost them."""
+    def run(optimized):
+        torch.manual_seed(0)
+        lin, head = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def step(x):
+            loss = head(x).sum()
+            loss.backward()
+            return loss.item()
+        fn = specularch.optimize(step) if optimized else step
+        grads = []
+        for i in range(6):
+            lin.zero_grad()
+            head.zero_grad()
+            x = torch.randn(2, 3, requires_grad=True) if i < 4 else lin(torch.randn(2, 3))
+            fn(x)
+            grads.append(None if lin.weight.grad is None else lin.weight.grad.clone())
+        return grads
+
+    with specularch.config.patch(profile_calls=0):
+        got = run(True)
+    expected = run(False)
+    assert [g is None for g in got] == [g is None for g in expected] == [True] * 4 + [False] * 2
+    assert all(torch.equal(a, b) for a, b in zip(got[4:], expected[4:]))

@@ -39,14 +39,17 @@ def data_dependent_while(x):
 
 
 def item_in_python_arithmetic(x):
-    # `.item()` alone is captured (read after the graph runs); computing on it is not
+    # `.item()` alone is captured (read after the graph runs), and so is arithmetic on it
+    # that a torch op takes as a value (`x * (s + 1)`); a number used as a size is not
     s = x.sum().item()
-    return x * (s + 1), s  # mark
+    return x.repeat(int(abs(s)) % 2 + 1), s  # mark
 
 
 def float_of_tensor(x):
-    k = float(x.max())  # mark
-    return x / (abs(k) + 1)
+    # `float(t)` taken by an op as a value is captured (test_torch_fn_objects.py); a branch
+    # on it is not
+    k = float(x.max())
+    return x / (abs(k) + 1) if k > 0 else x  # mark
 
 
 def tolist_of_tensor(x):

@@ -28,6 +28,16 @@ FAST_MODULES = ("Linear", "Conv2d", "BatchNorm1d", "LSTM", "GRUCell", "Fractiona
                 "TransformerEncoderLayer", "Embedding", "PReLU", "GroupNorm")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """As the tool runs: on a shared machine, two OpenMP threads per op make the whole
+    corpus several times slower, not faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _describe(results):
     return "\n".join(f"{r.name} {r.status}: {r.detail or corpus._first_internal(r)}"
                      for r in results if r.status in BAD)

@@ -13,7 +13,9 @@ Design
   is decided in C with no Python callback. ``slots`` are the bound argument values in
   ``co_varnames`` order, ``cells`` the function's real closure cells, so ``nonlocal``
   writes reach the user. Every other code object is marked SKIP once and then costs only
-  a C-side check.
+  a C-side check. A dispatcher result of the ``set_run_here`` type (an eager run) is run
+  by the trampoline itself, the original one frame below it: recursion through the hook
+  nests two frames per level, and the token raises the recursion limit by one for it.
 * **Shadow code.** ``Target.call_original`` runs a ``code.replace()`` copy of the original:
   a distinct identity with no cache state, so the original body runs unintercepted while
   targets it calls are still intercepted.
@@ -51,10 +53,10 @@ from typing import Any, Optional
 from . import _torch_hook
 from . import interceptor as _interceptor
 from .interceptor import (Target, auto_targeting, is_active, register, reset, set_auto_target,
-                          set_dispatcher)
+                          set_dispatcher, set_run_here)
 from .trampoline import NotInterceptable, call_with_slots
 
-__all__ = ["register", "set_dispatcher", "set_auto_target", "auto_targeting", "hook_active", "enable_globally", "disable_globally",
+__all__ = ["register", "set_dispatcher", "set_run_here", "set_auto_target", "auto_targeting", "hook_active", "enable_globally", "disable_globally",
            "is_active", "reset", "Target", "HOOK_AVAILABLE", "hook_unavailable_reason",
            "NotInterceptable", "call_with_slots"]
 

@@ -82,6 +82,16 @@ class Target:
             f.__qualname__ = self.name
         return f
 
+    def original_function(self, cells: Optional[tuple]) -> FunctionType:
+        """A function (no defaults) running the original bytecode unintercepted with closure
+        ``cells``: what ``call_original`` calls, for a caller passing every argument."""
+        if cells is None:
+            f = self._shadow_fn
+            if f is None:
+                raise TypeError(f"{self.name} is a closure; call_original needs its cells")
+            return f
+        return self._shadow_function(cells)
+
     def shadow_for(self, fn: FunctionType) -> FunctionType:
         """``fn`` with the shadow code (see ``call_original``): called like ``fn``, with its
         defaults, globals and closure, it runs the original bytecode unintercepted."""
@@ -206,6 +216,26 @@ def _glue(key: int, slots: tuple, cells: Optional[tuple]) -> Any:
 
 
 setattr(builtins, _tr.GLUE_NAME, _glue)   # resolves from any module's globals
+setattr(builtins, _tr.TYPE_NAME, type)
+
+
+class _NeverReturned:
+    """The run-here type while none is set: no dispatcher result is one."""
+
+
+def set_run_here(token_type: Optional[type]) -> None:
+    """Make trampolines run the original in their own frame when the dispatcher returns an
+    instance ``r`` of exactly ``token_type``: ``r`` is a context manager with ``extra`` (a
+    one-element list of frames paid for, see ``eager_run.EXTRA``), ``sync()``,
+    ``original`` (the function to call with the call's arguments, e.g.
+    ``target.original_function(cells)``) and ``done(result) -> result`` (see
+    ``trampoline._run_here_lines``). None: every result is returned as it is."""
+    if token_type is not None and not isinstance(token_type, type):
+        raise TypeError(f"set_run_here needs a class, not {type(token_type).__name__}")
+    setattr(builtins, _tr.RUN_HERE_NAME, token_type or _NeverReturned)
+
+
+set_run_here(None)
 
 
 def unregister_all() -> None:
@@ -257,7 +287,8 @@ def _callback(frame: Any, cache_entry: Any, frame_state: Any) -> Any:
             _skipped.add(id(code))
             _counts["skips"] += 1
             return _th.SKIP_CODE
-        if lasti >= 0 or target._glue not in frame_builtins:
+        if lasti >= 0 or target._glue not in frame_builtins \
+                or _tr.RUN_HERE_NAME not in frame_builtins:
             # A started frame cannot be replaced; custom __builtins__ cannot see the glue.
             _counts["skip_once"] += 1
             return _th.SKIP_ONCE

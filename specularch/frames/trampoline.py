@@ -22,6 +22,11 @@ from . import _torch_hook as _th
 
 #: Builtins name through which every trampoline calls the interceptor.
 GLUE_NAME = "__specularch_dispatch__"
+#: Builtins names of the type whose instances a trampoline runs in its own frame
+#: (``interceptor.set_run_here``) and of ``type`` itself (a parameter may be named ``type``).
+RUN_HERE_NAME = "__specularch_run_here__"
+TYPE_NAME = "__specularch_type__"
+_RESULT = "__specularch_r__"
 _FACTORY = "__specularch_make__"
 _INNER = "__specularch_inner__"
 
@@ -73,6 +78,16 @@ class Layout:
             parts.append("**" + self.varkw)
         return ", ".join(parts)
 
+    def call_arguments(self) -> str:
+        """The arguments of a call rebuilding these slots: ``a, b, *args, k=k, **kw``."""
+        parts = list(self.argnames[:self.npos])
+        if self.varargs:
+            parts.append("*" + self.varargs)
+        parts += [f"{name}={name}" for name in self.kwonly]
+        if self.varkw:
+            parts.append("**" + self.varkw)
+        return ", ".join(parts)
+
     def slot_tuple(self) -> str:
         """Source of the slot tuple expression, e.g. ``(a, k, args, kw,)``."""
         return "(" + "".join(name + ", " for name in self.argnames) + ")"
@@ -85,8 +100,9 @@ def _compile_function(src: str, filename: str, name: str) -> FunctionType:
 
 
 def build_trampoline(code: CodeType, key: int, glue: str = GLUE_NAME) -> CodeType:
-    """A code object with ``code``'s exact frame layout whose body is
-    ``return <glue>(key, <slot tuple>, <closure cells or None>)``.
+    """A code object with ``code``'s exact frame layout whose body returns
+    ``<glue>(key, <slot tuple>, <closure cells or None>)``, or, when that is a run-here
+    token, runs the original in this frame (``_run_here_lines``).
 
     Torch runs it in a copy of the original function (same globals, defaults and closure),
     so the free variables it reads are the user's real cells: ``nonlocal`` writes made by
@@ -109,7 +125,8 @@ def build_trampoline(code: CodeType, key: int, glue: str = GLUE_NAME) -> CodeTyp
         if local_cells:
             body.append(f"    {' = '.join(local_cells)} = None")
         body.append(f"    (lambda: ({', '.join(cells)},))")
-    body.append(f"return {glue}({key}, {layout.slot_tuple()}, {closure})")
+    body.append(f"{_RESULT} = {glue}({key}, {layout.slot_tuple()}, {closure})")
+    body += _run_here_lines(layout)
     src = (f"def {_FACTORY}():\n"
            + "".join(f"    {free} = None\n" for free in frees)   # makes them free below
            + f"    def {_INNER}({layout.parameters()}):\n"
@@ -122,6 +139,35 @@ def build_trampoline(code: CodeType, key: int, glue: str = GLUE_NAME) -> CodeTyp
     if problem is not None:  # a CPython change in how it orders cells would land here
         raise NotInterceptable(f"trampoline layout for {code.co_qualname} differs: {problem}")
     return trampoline
+
+
+def _run_here_lines(layout: Layout) -> list[str]:
+    """The trampoline's tail: a result that is not a run-here token is the call's result;
+    for a token ``r`` (an eager run, see ``interceptor.set_run_here``) run the original
+    bytecode here, one frame below the trampoline, with the token's bookkeeping:
+
+        with r:                 # e.g. the hook on
+            r.extra[0] += 1     # pay for this frame: the recursion limit is raised by one
+            try:
+                r.sync()
+                return r.done(r.original(<the arguments>))
+            finally:
+                r.extra[0] -= 1
+
+    So a recursive target that runs eagerly nests two frames per level (trampoline,
+    original), not eight (trampoline, glue, dispatcher..., unbinder, original). The count
+    is changed in this frame without a call: a call can itself hit the recursion limit,
+    and a count missed while unwinding would keep the limit raised for good."""
+    r = _RESULT
+    return [f"if {TYPE_NAME}({r}) is not {RUN_HERE_NAME}:",
+            f"    return {r}",
+            f"with {r}:",
+            f"    {r}.extra[0] += 1",
+            "    try:",
+            f"        {r}.sync()",
+            f"        return {r}.done({r}.original({layout.call_arguments()}))",
+            "    finally:",
+            f"        {r}.extra[0] -= 1"]
 
 
 def build_shadow(code: CodeType) -> CodeType:

@@ -146,6 +146,8 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
     # gradients' in a clipped training step), and the sizes are what the user can change.
     if gm.meta.get("dynamic_dims"):
         return f"it has dynamic sizes ({compiler} would specialise on them)"
+    if any(n.op == "call_method" and n.target == "item" for n in gm.graph.nodes):
+        return "it reads `.item()` values inside the graph (numbers passed to torch ops)"
     if gm.meta.get("non_tensor_outputs"):
         return "it returns Python numbers or checks assumptions inside the graph"
     if gm.meta.get("scalar_inputs") and not _scalars_only_in_arithmetic(gm):

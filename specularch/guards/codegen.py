@@ -56,6 +56,8 @@ def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, A
             tensor_vars.append(v)
             if g.dynamic:  # strides go unchecked for dynamic tensors: keep their layout class
                 out.append(f"if {v}.is_contiguous() is not {g.contiguous}: return MISS")
+            if g.leaf is not None:  # not part of torch's C++ tensor check
+                out.append(f"if not {g.leaf_condition(v)}: return MISS")
             continue
         if isinstance(g, DistinctGuard):  # sources of its own: named like every other source
             conds = g.conditions(v, consts, namer.name)

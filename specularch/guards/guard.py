@@ -256,6 +256,9 @@ class TensorGuard(Guard):
     requires_grad: bool
     dynamic: frozenset = frozenset()  # dims whose size may vary (strides then unchecked)
     contiguous: bool = True
+    # For a non-Parameter tensor that requires grad: whether it was a leaf (no autograd
+    # history). A graph's backward stops at its inputs; eager's goes on into their history.
+    leaf: bool | None = None
 
     @staticmethod
     def of(source: Source, t: torch.Tensor, where: str = "") -> "TensorGuard":
@@ -272,16 +275,21 @@ class TensorGuard(Guard):
             conds.append(f"{v}.is_contiguous() is {self.contiguous}")
         else:
             conds += [f"{v}.shape == {self.shape!r}", f"{v}.stride() == {self.stride!r}"]
-        return conds + [f"{v}.requires_grad is {self.requires_grad}"]
+        conds.append(f"{v}.requires_grad is {self.requires_grad}")
+        return conds + ([self.leaf_condition(v)] if self.leaf is not None else [])
+
+    def leaf_condition(self, v: str) -> str:
+        return f"({v}.grad_fn is None) is {self.leaf}"
 
     def shown_shape(self) -> tuple:
         return tuple("?" if d in self.dynamic else s for d, s in enumerate(self.shape))
 
     def describe(self):
         stride = f"stride={self.stride}, " if not self.dynamic else ""
+        leaf = "" if self.leaf is None else f", leaf={self.leaf}"
         return (f"{self.source}: {self.tensor_type.__name__}(dtype={self.dtype}, "
                 f"shape={self.shown_shape()}, {stride}device={self.device}, "
-                f"requires_grad={self.requires_grad})")
+                f"requires_grad={self.requires_grad}{leaf})")
 
     def mismatch(self, value):
         if not isinstance(value, torch.Tensor):
@@ -295,7 +303,8 @@ class TensorGuard(Guard):
                                 ("device", self.device, value.device), ("shape", self.shown_shape(), got_shape),
                                 ("stride", None if self.dynamic else self.stride,
                                  None if self.dynamic else tuple(value.stride())),
-                                ("requires_grad", self.requires_grad, value.requires_grad)):
+                                ("requires_grad", self.requires_grad, value.requires_grad),
+                                ("is_leaf", self.leaf, None if self.leaf is None else value.grad_fn is None)):
             if want != got:
                 shown = (lambda x: x.__name__) if name == "type" else repr
                 return f".{name} expected {shown(want)}, got {shown(got)}"

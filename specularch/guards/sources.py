@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 class Source:
     """Base class; subclasses are frozen dataclasses with ``expr()`` and ``__str__``."""
@@ -96,6 +98,18 @@ def pin(obj) -> int:
     return index
 
 
+_KEY_ATOMS = (str, int, bool, type(None), torch.dtype)
+
+
+def plain_key(key) -> bool:
+    """A dict key whose equality and hash are its value, so the dict's key list can be
+    guarded by ``==``: a str, an int, or a tuple of those, bools, None and dtypes (torch's
+    ``{(device_type, dtype): ...}`` tables)."""
+    if type(key) in (str, int):
+        return True
+    return type(key) is tuple and all(type(k) in _KEY_ATOMS or plain_key(k) for k in key)
+
+
 @dataclass(frozen=True)
 class ObjectSource(Source):
     """A long-lived object (e.g. an imported module's globals dict), shown by ``label``."""
@@ -145,10 +159,12 @@ class ModuleDictSource(Source):
 @dataclass(frozen=True)
 class ItemSource(Source):
     base: Source
-    key: object  # an int or str constant
+    key: object  # an int or str constant, or a ``plain_key`` tuple
 
     def render(self, base: str) -> str:
-        return f"{base}[{self.key!r}]"
+        if type(self.key) in (str, int):
+            return f"{base}[{self.key!r}]"
+        return f"{base}[O[{pin(self.key)}]]"  # a tuple holding dtypes has no literal repr
 
     def __str__(self) -> str:
         return f"{self.base}[{self.key!r}]"

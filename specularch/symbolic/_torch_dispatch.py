@@ -99,3 +99,12 @@ class MutationCheck(TorchDispatchMode):
                 if key not in inputs:
                     self.fresh.add(key)
         return out
+
+
+def custom_op_overload(obj):
+    """The ``OpOverload`` a ``torch.library.custom_op`` function stands for (its ``__call__``
+    only forwards to it, autograd included), or None for anything else."""
+    from torch._library.custom_ops import CustomOpDef
+    if isinstance(obj, CustomOpDef) and type(obj).__call__ is CustomOpDef.__call__:
+        return obj._opoverload
+    return None

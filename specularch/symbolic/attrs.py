@@ -211,6 +211,10 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     call are plain values; writes to objects that existed before go to the shadow heap."""
     if isinstance(owner, NewObjV):
         refuse_frozen_write(owner, name)
+        from .builtins_model import slot_write_problem
+        problem = slot_write_problem(owner.cls, name)
+        if problem:
+            raise Unsupported("exception_handling", problem)
         if value is not None:
             owner.attrs[name] = value
         elif owner.attrs.pop(name, None) is None:
@@ -286,7 +290,10 @@ def _new_object_attr(tracer, v: NewObjV, name: str) -> Value:
         return Obj(v.cls)
     if name == "__dict__" and "__dict__" not in v.attrs:  # the very attribute table
         return DictV(v.attrs)
-    if static is not _MISSING and _is_data_descriptor(static):
+    if isinstance(static, types.MemberDescriptorType) and name not in v.attrs:
+        raise Unsupported("exception_handling", f"AttributeError: {name}")  # an unset slot
+    if static is not _MISSING and _is_data_descriptor(static) and not isinstance(
+            static, types.MemberDescriptorType):  # (a slot's value is in attrs)
         if isinstance(static, property) and static.fget is not None:
             from .calls import call
             return call(tracer, tracer.wrap(static.fget, None), [v], {})

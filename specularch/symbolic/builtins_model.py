@@ -190,6 +190,12 @@ def _scalar(tracer, fn, args, kwargs):
         return number
     if _all_const(args, kwargs):
         return _concrete_call(tracer, fn, args, kwargs)
+    if fn is float and len(args) == 1 and not kwargs and isinstance(args[0], TensorV) \
+            and not args[0].example.dtype.is_complex:
+        # ``Tensor.__float__`` is ``item()`` made a double: the same number as
+        # ``float(t.item())`` (an int64 rounds to nearest either way), a deferred number
+        from .training import item
+        return _scalar(tracer, fn, [item(tracer, args[0])], {})
     if any(isinstance(a, TensorV) for a in args):
         if fn in (round, divmod, pow):
             return tracer.call_op("call_function", fn, args, kwargs)
@@ -479,11 +485,33 @@ def _plain_class_problem(cls: type) -> str | None:
         if getattr(cls, name, None) is not getattr(object, name, None) and not (
                 name in ("__setattr__", "__delattr__") and frozen_dataclass_hook(cls, name)):
             return f"it defines {name}"
-    if any("__slots__" in k.__dict__ for k in cls.__mro__[:-1]):
-        return "it uses __slots__"
+    if any("__slots__" in k.__dict__ for k in cls.__mro__[:-1]) and not _plain_slots(cls):
+        return "it uses __slots__ other than plain fields"
     if not isinstance(cls.__init__, types.FunctionType) and cls.__init__ is not object.__init__:
         return "its __init__ is not a Python function"
     return None
+
+
+def _plain_slots(cls: type) -> bool:
+    """Whether every ``__slots__`` name of ``cls`` is a plain field (a member descriptor that
+    stores the value): such fields are modelled like ``__dict__`` entries."""
+    for klass in cls.__mro__[:-1]:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and not isinstance(
+                    klass.__dict__.get(name), types.MemberDescriptorType):
+                return False
+    return True
+
+
+def slot_write_problem(cls: type, name: str) -> str | None:
+    """Why ``obj.name = ...`` raises for an instance of ``cls`` that has no ``__dict__``
+    (all its classes define ``__slots__``) when ``name`` is not one of its slots."""
+    if any(isinstance(k.__dict__.get("__dict__"), types.GetSetDescriptorType) for k in cls.__mro__):
+        return None
+    if isinstance(getattr(cls, name, None), types.MemberDescriptorType):
+        return None
+    return f"AttributeError: {cls.__name__!r} object has no attribute {name!r}"
 
 
 def construct_torch_class(tracer, cls: type, args, kwargs) -> Value:

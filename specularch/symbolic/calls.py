@@ -89,6 +89,10 @@ def _call_object(tracer, fn: Obj, args, kwargs) -> Value:
     if isinstance(obj, weakref.ReferenceType) and not args and not kwargs:
         referent = obj()
         return tracer.wrap(referent, None if fn.source is None else DerefSource(fn.source))
+    from ._torch_dispatch import custom_op_overload
+    overload = custom_op_overload(obj)
+    if overload is not None:  # a custom_op: its operator is the graph node
+        return torch_call(tracer, overload, args, kwargs)
     if _is_torch_callable(obj):
         return torch_call(tracer, obj, args, kwargs)
     if not isinstance(obj, type) and isinstance(getattr(type(obj), "__call__", None), types.FunctionType):
@@ -205,14 +209,25 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
     if hasattr(obj, "__wrapped__"):
         raise Unsupported("unsupported_call",
                           f"{obj.__qualname__} wraps another function (a decorator from torch)")
-    for a in [*args, *kwargs.values()]:
-        if isinstance(a, (Obj, FuncV, MethodV)) and not isinstance(getattr(a, "obj", None), torch.Generator):
+    held = [a for a in [*args, *kwargs.values()] if _graph_cannot_hold(a)]
+    for a in held:  # torch's higher-order functions (checkpoint, vmap, jacobian, tree_map)
+        if isinstance(a, (FuncV, MethodV)) or callable(a.obj):  # change how theirs runs
             raise Unsupported("unsupported_call",
                               f"{obj.__module__}.{obj.__qualname__} called with a {a!r} argument")
+    if held:
+        # a graph node's arguments must be graph values; given a plain data object (an
+        # options object) the function runs as Python instead, like user code: the object's
+        # attribute reads are guarded and what it calls is captured or refused one by one
+        return inline_function(tracer, fn, args, kwargs)
     from .torch_objects import returns_metadata
     if returns_metadata(tracer, obj, args, kwargs):
         return inline_function(tracer, fn, args, kwargs)
     return torch_call(tracer, obj, args, kwargs)
+
+
+def _graph_cannot_hold(value: Value) -> bool:
+    return (isinstance(value, (Obj, FuncV, MethodV))
+            and not isinstance(getattr(value, "obj", None), torch.Generator))
 
 
 def call_module(tracer, mod: Obj, args, kwargs) -> Value:

@@ -7,7 +7,8 @@ small expression tree over ``.item()`` values (``ScalarV``), clock reads, symbol
 Python's own operators in the order eager applies them, so the result is bit-identical to
 eager's. It can be stored (attribute, global, list, dict), returned, printed and formatted;
 anything that steers Python during capture (a branch, a comparison, an index, ``range(n)``,
-passing it to a torch op) still needs its value and falls back as before.
+passing it to a torch op as a size) still needs its value and falls back as before; a torch
+op that takes it as a value computes it in the graph (item_args.py).
 
 Exceptions: a recipe that raises at capture (``1 / 0.0``) falls back right away. One that
 raises only with the values of a later call (``total / n`` with ``n`` from ``.item()``, an

@@ -65,9 +65,9 @@ def binary(tracer, op, a: Value, b: Value) -> Value:
     number = deferred.binary(op, a, b)  # running = 0.9 * running + r.item(): computed at commit
     if number is not None:
         return number
-    _no_item_values(a, b)
-    if isinstance(a, TensorV) or isinstance(b, TensorV):
+    if isinstance(a, TensorV) or isinstance(b, TensorV):  # `.item()` values: item_args.py
         return tracer.call_op("call_function", op, [a, b], {})
+    _no_item_values(a, b)
     from .stdlib_objects import binary as stdlib_binary
     made = stdlib_binary(tracer, op, a, b)  # a deque or Counter operand
     if made is not None:
@@ -132,9 +132,9 @@ def ensure_local(tracer, container: Value, what: str) -> None:
 
 def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
     op = COMPARE_OPS[symbol]
-    _no_item_values(a, b)
-    if isinstance(a, TensorV) or isinstance(b, TensorV):
+    if isinstance(a, TensorV) or isinstance(b, TensorV):  # `.item()` values: item_args.py
         return tracer.call_op("call_function", op, [a, b], {})
+    _no_item_values(a, b)
     if (isinstance(a, SymV) or isinstance(b, SymV)) and symint.is_symbolic_operand(a) \
             and symint.is_symbolic_operand(b):
         return symint.compare(tracer, op, a, b)

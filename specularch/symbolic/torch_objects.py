@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 
@@ -35,7 +36,7 @@ def construct(tracer, cls: type, args: list, kwargs: dict) -> Value | None:
         except Exception as e:  # torch.iinfo(torch.float32): eager's TypeError
             raise Unsupported("exception_handling", f"torch.{cls.__name__}() raised "
                               f"{type(e).__name__}: {e}") from None
-    if is_distributions_class(cls):
+    if is_distributions_class(cls) or _is_plain_dataclass(cls):
         from .builtins_model import _construct
         return _construct(tracer, cls, args, kwargs)
     if isinstance(cls, type) and issubclass(cls, nn.Module):
@@ -52,6 +53,15 @@ def is_distributions_code(filename: str) -> bool:
 def is_distributions_class(cls: type) -> bool:
     return (getattr(cls, "__module__", "") or "").startswith("torch.distributions.") \
         and isinstance(getattr(cls, "__init__", None), types.FunctionType)
+
+
+def _is_plain_dataclass(cls) -> bool:
+    """A torch dataclass (``nn.LinearCrossEntropyOptions``) whose ``__init__`` is the one
+    ``@dataclass`` generates: making one stores its fields (and runs ``__post_init__``, whose
+    validation is inlined like any torch Python code), so it is modelled like a user's class."""
+    init = getattr(cls, "__init__", None)
+    return (isinstance(cls, type) and dataclasses.is_dataclass(cls)
+            and isinstance(init, types.FunctionType) and init.__code__.co_filename == "<string>")
 
 
 def _concrete_args(cls, args, kwargs) -> tuple[list, dict]:

@@ -22,11 +22,11 @@ from ..guards import (AliasGuard, AttrSource, ContainsGuard, DictKeysGuard, Dist
                       NoGlobalHooksGuard, NoHooksGuard, ObjectSource, TensorGuard, TypeGuard,
                       ValueGuard, pin)
 from ..guards.guard import global_module_hooks
-from ..guards.sources import Source
+from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import ExternalMutation, MutationCheck, storage_key
-from . import budget, view_writes
+from . import budget, item_args, view_writes
 from .leaf_writes import connect_reads
 from .merge_aliases import MergedAliases
 from .symint import SymV
@@ -194,8 +194,8 @@ class Tracer:
             value.items.extend(self.wrap(x, _item(source, i)) for i, x in enumerate(obj))
             return value
         if is_dict:
-            if not all(type(k) in (str, int) for k in obj):
-                raise Unsupported("unsupported_call", "a dict argument with non-str/int keys")
+            if not all(plain_key(k) for k in obj):
+                raise Unsupported("unsupported_call", "a dict argument with keys other than str, int or tuples of constants")
             if source is not None:
                 self.add_guard(DictKeysGuard, source, t, tuple(obj), relaxable=True)
             value = DictV({}, source, cls=t)
@@ -299,7 +299,7 @@ class Tracer:
         else:
             self.add_guard(TensorGuard, source, t.__class__, t.dtype, t.device, tuple(t.shape),
                            tuple(t.stride()), t.requires_grad, dynamic=dyn_dims,
-                           contiguous=t.is_contiguous())
+                           contiguous=t.is_contiguous(), leaf=_leaf_state(t))
             if t.is_inference():  # its views are inference tensors (see grad_mode.output_spec)
                 self.add_guard(InferenceGuard, source)
             node = self._placeholder(_node_name(source))
@@ -409,9 +409,9 @@ class Tracer:
         """Run ``target`` on the concrete values and record it as one FX node.
 
         ``kind`` is ``call_function`` or ``call_method``. Tensor results become graph values;
-        Python results are kept only when they come from metadata (shape, dtype, ...).
-        """
+        Python results are kept only when they come from metadata (shape, dtype, ...)."""
         label = name or getattr(target, "__name__", str(target))
+        args, kwargs = item_args.substitute(self, target, label, args, kwargs)  # `t - v.item()`
         if torch.is_grad_enabled():
             args, kwargs = connect_reads(self, args, kwargs)
         cargs = [_concrete(a) for a in args]
@@ -609,6 +609,14 @@ class _nullctx:
         return False
 
 
+def _leaf_state(t: torch.Tensor) -> bool | None:
+    """Whether ``t`` has no autograd history, for a tensor that requires grad and is not a
+    Parameter (always a leaf); None: not guarded."""
+    if not t.requires_grad or isinstance(t, nn.Parameter):
+        return None
+    return t.grad_fn is None
+
+
 def _object_guard(obj) -> tuple:
     """The guard (class, expected) for a plain object read during capture: its type, except
     for an instance of a subclass of a builtin value type (``class Key(str)``, an ``IntEnum``
@@ -683,7 +691,7 @@ def _concrete(v: Value) -> Any:
     from .values import SetV
     if isinstance(v, (Const, TensorV)):
         return v.concrete()
-    if isinstance(v, SymV):
+    if isinstance(v, (SymV, item_args.ItemNumV)):
         return v.value  # the op stays symbolic: no specialisation
     if isinstance(v, TupleV):
         return v.build([_concrete(i) for i in v.items])
@@ -702,7 +710,7 @@ def _concrete(v: Value) -> Any:
 
 def _arg(v: Value) -> Any:
     """The FX argument for a value: a node for tensors, the constant otherwise."""
-    if isinstance(v, (TensorV, SymV, GeneratorV)):
+    if isinstance(v, (TensorV, SymV, GeneratorV, item_args.ItemNumV)):
         return v.node
     if isinstance(v, Const):
         return v.value

@@ -116,6 +116,7 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
               and v.real.is_leaf and (v.example is v.real or v.stale_leaf is not None)]
     if not leaves:
         raise Unsupported("exception_handling", "backward(): no leaf tensor requires grad")
+    _refuse_outside_history(tracer, loss)
     for leaf in leaves:  # checked before capture runs backward (hooks must not run here)
         if leaf.real._backward_hooks or leaf.real._post_accumulate_grad_hooks:
             raise Unsupported("module_hooks", f"{leaf.source} has gradient hooks (register_hook "
@@ -151,6 +152,26 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         else:  # in-place accumulation into the existing .grad (committed by the heap)
             tracer.call_op("call_method", "add_", [current, grad], {}, name="add_")
     return Const(None)
+
+
+def _refuse_outside_history(tracer, loss: TensorV) -> None:
+    """A loss whose autograd history runs into a tensor made before the call (an input that is
+    not a leaf: a log-prob saved by an earlier call) is not captured: capture's own backward
+    would free that history (the graph's backward would then fail), and eager's backward
+    can reach leaves through it that the call never sees."""
+    outside = {v.real.grad_fn for v in tracer.graph_inputs()
+               if v.real is not None and v.real.grad_fn is not None}
+    seen, pending = set(), [loss.example.grad_fn] if outside else []
+    while pending:
+        fn = pending.pop()
+        if fn is None or fn in seen:
+            continue
+        if fn in outside:
+            raise Unsupported("unsupported_call", "backward() through autograd history made "
+                              "before the call (a tensor that requires grad computed outside it, "
+                              "e.g. saved by an earlier call) is not captured")
+        seen.add(fn)
+        pending.extend(f for f, _ in fn.next_functions)
 
 
 def _leaf_tensor(v: TensorV) -> TensorV:
