@@ -22,13 +22,13 @@ selected gradient into NaN, which eager never computes.
 from __future__ import annotations
 
 import dis
-import linecache
 
 import torch
 
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
 from .deque_model import DequeV
+from .exceptions import raising_nodes
 from .symint import SymV
 from .values import (CellV, Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
                      TensorV, TupleV, Value)
@@ -276,21 +276,8 @@ def side_not_taken(error: BaseException, graphs: list) -> tuple | None:
     """When a graph raised ``error`` and eager did not: ``(branch position, where the op
     is)`` if the op that raised belongs to a merged branch's side (the graph computes both
     sides, eager only the one taken: an index out of range or an integer division by zero on
-    the other side is no bug of ours), else None. The op is found from the traceback's line
-    in the FX code of one of ``graphs`` (GraphModules)."""
-    codes = {}
-    for gm in graphs:
-        forward = getattr(type(gm), "forward", None)
-        if isinstance(gm, torch.fx.GraphModule) and forward is not None:
-            codes[forward.__code__] = gm
-    tb = error.__traceback__
-    while tb is not None:
-        gm = codes.get(tb.tb_frame.f_code)
-        if gm is not None:
-            line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
-            name = line.split(" = ", 1)[0].strip() if " = " in line else ""
-            node = next((n for n in gm.graph.nodes if n.name == name), None)
-            if node is not None and SIDE_META in node.meta:
-                return node.meta[SIDE_META], node.meta.get("where", "")
-        tb = tb.tb_next
+    the other side is no bug of ours), else None."""
+    for node in raising_nodes(error, graphs):
+        if SIDE_META in node.meta:
+            return node.meta[SIDE_META], node.meta.get("where", "")
     return None

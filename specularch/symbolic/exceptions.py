@@ -181,11 +181,9 @@ def eager_did_not_raise(error: BaseException, graphs: list, what: str) -> Unsupp
                        "the graph, check the values before the op instead of catching its error.")
 
 
-def raised_in_try(error: BaseException, graphs: list) -> str | None:
-    """When a graph raised ``error`` and eager did not: where the op that raised is, if it
-    ran under a try/with handler during capture (the code handled its own error: the eager
-    rerun took the handler). The op is found from the traceback's line in the FX code of one
-    of ``graphs`` (GraphModules); None if it is not such an op."""
+def raising_nodes(error: BaseException, graphs: list):
+    """The graph nodes ``error`` was raised at, innermost frame last: found from each
+    traceback line in the FX code of one of ``graphs`` (GraphModules)."""
     codes = {}
     for gm in graphs:
         forward = getattr(type(gm), "forward", None)
@@ -198,7 +196,16 @@ def raised_in_try(error: BaseException, graphs: list) -> str | None:
             line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
             name = line.split(" = ", 1)[0].strip() if " = " in line else ""
             node = next((n for n in gm.graph.nodes if n.name == name), None)
-            if node is not None and node.meta.get(IN_TRY):
-                return node.meta.get("where", "") or "an op in a try block"
+            if node is not None:
+                yield node
         tb = tb.tb_next
+
+
+def raised_in_try(error: BaseException, graphs: list) -> str | None:
+    """When a graph raised ``error`` and eager did not: where the op that raised is, if it
+    ran under a try/with handler during capture (the code handled its own error: the eager
+    rerun took the handler); None if it is not such an op."""
+    for node in raising_nodes(error, graphs):
+        if node.meta.get(IN_TRY):
+            return node.meta.get("where", "") or "an op in a try block"
     return None
