@@ -30,3 +30,12 @@ def _fresh_specularch():
     torch.manual_seed(0)
     yield
     specularch.reset()
+
+
+@pytest.fixture
+def recursion_limit():
+    """The interpreter's default recursion limit (1000) for the test, restored after."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield 1000
+    sys.setrecursionlimit(before)

@@ -64,14 +64,6 @@ def _max_depth(f, expected, hi) -> int:
     return lo
 
 
-@pytest.fixture
-def recursion_limit():
-    before = sys.getrecursionlimit()
-    sys.setrecursionlimit(1000)
-    yield 1000
-    sys.setrecursionlimit(before)
-
-
 def _compare_depths(eager, fast, expected, hi, limit):
     eager_max = _max_depth(eager, expected, hi)
     fast_max = _max_depth(fast, expected, hi)

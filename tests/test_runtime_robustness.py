@@ -292,14 +292,6 @@ def _max_depth(f) -> int:
     return lo
 
 
-@pytest.fixture
-def recursion_limit():
-    before = sys.getrecursionlimit()
-    sys.setrecursionlimit(1000)
-    yield 1000
-    sys.setrecursionlimit(before)
-
-
 def test_recursion_that_runs_eagerly_reaches_eager_depth(recursion_limit):
     _RECURSE[0] = _falls_back
     eager_max = _max_depth(_falls_back)
