@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..records import Unsupported
+from ..shadow_heap.rebuild import ClockRead, Number, Rebuild
 from .builtins_model import model
 from .symint import SymV
 from .training import ScalarV
@@ -215,8 +216,8 @@ def settle(tracer) -> None:
             raise e
 
 
-def spec(v: ScalarV, build) -> tuple:
-    """The value spec (``capture.SpecBuilder``) of a recipe or a clock read."""
+def spec(v: ScalarV, build) -> Rebuild:
+    """The rebuild record (``capture.SpecBuilder``) of a recipe or a clock read."""
     if isinstance(v, ClockV):
-        return ("clock", v.fn, v.seq, v.phase)
-    return ("num", v.fn, [build(a) for a in v.args], id(v))
+        return ClockRead(v.fn, v.seq, v.phase)
+    return Number(v.fn, tuple(build(a) for a in v.args), id(v))

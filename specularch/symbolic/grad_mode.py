@@ -14,7 +14,7 @@ points. Their flags are Python bools read (and guarded) at capture.
   The graph computes the block under ``no_grad`` (the same values; the graph stays
   compilable); tensors the block created, and views of them taken after it, that the call
   returns or stores are turned into inference tensors over the same storage after the graph
-  ran (``entry.as_inference``), so the caller gets what eager gives; arguments that are
+  ran (``shadow_heap.render.as_inference``), so the caller gets what eager gives; arguments that are
   inference tensors are guarded to stay so. Refused: views of tensors from outside the
   block used after it (eager gives them inference-mode view metadata the graph cannot),
   tensors made in the block that require grad, enabling grad inside the block, and
@@ -28,6 +28,7 @@ import torch
 
 from ..guards import GlobalStateGuard
 from ..records import Unsupported
+from ..shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
 from .values import Const, GradModeV, TensorV, Value
 
 _REGION = "inference_region"  # node meta: created inside a `with torch.inference_mode():`
@@ -168,7 +169,7 @@ def check_at_return(tracer) -> None:
                     "(requires_grad=True or requires_grad_() in the block)")
 
 
-def output_spec(v: TensorV, spec: tuple) -> tuple:
+def output_spec(v: TensorV, spec: GraphOutput) -> Rebuild:
     """How the commit/return rebuilds graph output ``spec`` for tensor ``v``: made an
     inference tensor again when eager's is one, i.e. when the capture's is: a tensor the
     block created, or a view of one taken after the block (``y[0]``, ``y.detach()``).
@@ -184,7 +185,7 @@ def output_spec(v: TensorV, spec: tuple) -> tuple:
     if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_conj() or t.is_neg():
         _refuse("an inference tensor that is not a plain strided tensor is returned or stored")
     # keyed by the tensor: `y.contiguous()` is `y` in eager, and must stay one object
-    return ("inference", spec, id(t))
+    return AsInference(spec, id(t))
 
 
 def requires_grad_(tracer, t: TensorV, args: list, kwargs: dict) -> Value:

@@ -485,7 +485,9 @@ class Tracer:
     def _functionalize(self, kind, target, args, kwargs, fn, label, error: ExternalMutation,
                        keep_node: bool) -> Value:
         """An op writes into a tensor that outlives the call: run it on a fresh copy in the
-        graph instead, and log the copy's final value for commit (shadow heap)."""
+        graph instead; the shadow heap makes the copy what later reads see and commits its
+        final value (``ShadowHeap.update_tensor``). The refusals are the writes that cannot
+        be deferred that way."""
         def refuse(why: str, unguarded: bool = False):
             error_ = Unsupported("input_mutation",
                                  f"`{label}` writes in place into a tensor that existed before "
@@ -518,11 +520,9 @@ class Tracer:
         view_writes.note_write(self, error.key, copy.node, external, label)
         if external.example.requires_grad and external.stale_leaf is None:
             external.stale_leaf = (external.node, external.example)  # see leaf_writes.py
-        external.node, external.example = copy.node, copy.example
-        external.updated = True
+        self.heap.update_tensor(external, copy, self.where())  # later reads see the copy
         if alias is not None:
             view_writes.rebind_data(alias, into, external)
-        self.heap.update_tensor(external, self.where())
         if isinstance(result, TensorV) and result.example is into.example:
             return written  # `y = x.add_(1)`: y is x
         return result
