@@ -34,6 +34,7 @@ import torch
 from .guards import GlobalStateGuard, GuardSet, SourceNamer, TensorGuard, guard_lines
 from .guards.guard import const_name
 from .guards.sources import PINNED
+from .fx_lower._torch_foreach import foreach_copy_
 
 MISS = object()
 
@@ -219,7 +220,7 @@ def _foreach_copy_all(targets: tuple, values: tuple) -> None:
     Python loop; used when every tensor of the graph is a plain Tensor or Parameter (a
     subclass would see one foreach call instead of its own ``copy_``)."""
     with torch.no_grad():
-        torch._foreach_copy_(targets, values)
+        foreach_copy_(targets, values)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
