@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..fx_lower._torch_foreach import foreach_copy_
 from ..guards.guard import const_name
 from .rebuild import Rebuild
 from .writes import UpdateTensor, Write
@@ -129,7 +130,7 @@ def _foreach_copy_all(targets: tuple, values: tuple) -> None:
     Python loop; used when every tensor of the graph is a plain Tensor or Parameter (a
     subclass would see one foreach call instead of its own ``copy_``)."""
     with torch.no_grad():
-        torch._foreach_copy_(targets, values)
+        foreach_copy_(targets, values)
 
 
 # The names the rendered records call, for the entry's namespace.

@@ -281,7 +281,7 @@ class Print(Write):
             raise malformed("Print", f"flush {self.flush!r} is not a bool")
 
     @property
-    def target(self) -> None:  # nothing is written into (see Tracer.guard_aliasing)
+    def target(self) -> None:  # nothing is written into (see symbolic/alias_guards.py)
         return None
 
     def lower(self, lowering):

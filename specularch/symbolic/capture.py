@@ -18,15 +18,17 @@ import torch.fx
 
 from ..entry import is_random_node
 from ..guards import GuardSet
-from ..guards.sources import CellSource, LocalSource, Source
+from ..guards.sources import CellSource, Source
 from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
-from . import branch_merge, deferred, grad_mode, saved_versions, view_writes
+from . import alias_guards, branch_merge, deferred, grad_mode, saved_versions, view_writes
 from ._torch_dispatch import version_bumps
 from . import deque_model
+from .assumptions import Assumptions
 from .deque_model import DequeV
 from .frame import Frame
+from .inputs import wrap_arguments
 from .printing import StrV
 from .stdlib_objects import counter_from_pairs
 from .symint import SymV
@@ -57,26 +59,15 @@ class Capture:
 
 
 def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
-            cells: tuple | None, *, max_instructions: int, inline_depth: int,
-            unstable_sites: frozenset = frozenset(), dynamic_dims: dict | None = None,
-            symbolic_scalars: frozenset = frozenset(),
-            symbolic_sources: frozenset = frozenset(),
-            append_only: frozenset = frozenset(),
-            keyed_dicts: frozenset = frozenset()) -> Capture:
-    """``dynamic_dims`` (slot -> dims) and ``symbolic_scalars`` (slots) say which argument
-    sizes and Python numbers the graph must not specialise on (profiling/relaxation)."""
+            cells: tuple | None, assumptions: Assumptions = Assumptions(), *,
+            max_instructions: int, inline_depth: int) -> Capture:
+    """``assumptions`` say which argument sizes, Python numbers, containers and tensor
+    branches the graph must not specialise on (profiling/relaxation)."""
     start = time.perf_counter()
-    tracer = Tracer(code, globals_, max_instructions, inline_depth)
-    tracer.unstable_sites = set(unstable_sites)
-    tracer.symbolic_sources = set(symbolic_sources)
-    tracer.append_only = set(append_only)
-    tracer.keyed_dicts = set(keyed_dicts)
+    tracer = Tracer(code, globals_, assumptions, max_instructions=max_instructions,
+                    inline_depth=inline_depth)
     try:
-        dynamic_dims = dynamic_dims or {}
-        locals_ = {name: tracer.wrap_argument(value, LocalSource(i, name),
-                                              frozenset(dynamic_dims.get(i, ())),
-                                              i in symbolic_scalars)
-                   for i, (name, value) in enumerate(zip(argnames, slots))}
+        locals_ = wrap_arguments(tracer, argnames, slots)
     except Unsupported as e:
         e.guards = tracer.guards
         raise
@@ -88,7 +79,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
                 result = Frame(tracer, code, globals_, locals_, free).run()
             grad_mode.check_at_return(tracer)
             deferred.settle(tracer)  # clock reads: before or after the graph
-            tracer.guard_aliasing()
+            alias_guards.guard_writes(tracer)
             specs = SpecBuilder(globals_)
             writes = tracer.heap.lower(specs)
             spec = specs.build(result)

@@ -29,6 +29,7 @@ import torch
 from ..guards import GlobalStateGuard
 from ..records import Unsupported
 from ..shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
+from ._torch_grad_mode import inference_mode_guard, tracing_mode_active
 from .values import Const, GradModeV, TensorV, Value
 
 _REGION = "inference_region"  # node meta: created inside a `with torch.inference_mode():`
@@ -90,19 +91,13 @@ def decorator_context(owner) -> GradModeV | None:
     return None
 
 
-def _regions(tracer) -> list:
-    if not hasattr(tracer, "inference_regions"):
-        tracer.inference_regions = []
-    return tracer.inference_regions
-
-
 def enter(tracer, ctx: GradModeV) -> None:
     if ctx.inference:
         ctx.prior = torch.is_grad_enabled()
         ctx.nodes_before = set(tracer.graph.nodes)
-        ctx.context = torch._C._InferenceMode(True)
+        ctx.context = inference_mode_guard()
         ctx.context.__enter__()
-        _regions(tracer).append(ctx)
+        tracer.inference_regions.append(ctx)
         set_grad(tracer, False)
         return
     if ctx.inference is False and torch.is_inference_mode_enabled():
@@ -115,7 +110,7 @@ def enter(tracer, ctx: GradModeV) -> None:
 
 def exit(tracer, ctx: GradModeV) -> None:
     if ctx.inference:
-        regions = _regions(tracer)
+        regions = tracer.inference_regions
         if not regions or regions[-1] is not ctx:
             _refuse("torch.inference_mode() blocks left out of order")
         regions.pop()
@@ -140,7 +135,7 @@ def set_grad(tracer, enabled: bool) -> None:
 
 def unwind(tracer) -> None:
     """Leave the inference-mode blocks a failed capture is still inside (innermost first)."""
-    regions = _regions(tracer)
+    regions = tracer.inference_regions
     while regions:
         ctx = regions.pop()
         ctx.context.__exit__(None, None, None)
@@ -202,17 +197,11 @@ def requires_grad_(tracer, t: TensorV, args: list, kwargs: dict) -> Value:
     return out
 
 
-_TRACING_MODES = [getattr(torch._C._TorchDispatchModeKey, k) for k in ("PROXY", "FAKE", "FUNCTIONAL")
-                  if hasattr(torch._C._TorchDispatchModeKey, k)]
-
-
 def set_requires_grad(t: torch.Tensor, flag: bool) -> torch.Tensor:
     """``t.requires_grad_(flag)`` as a graph node. A tensor made a leaf in the middle of a
     graph cannot be compiled by AOT autograd or flattened (its later gradients would be
     lost); raising while such a backend traces the graph makes the graph run with ``fx``."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    if type(t) is not torch.Tensor or _get_current_dispatch_mode() is not None \
-            or any(torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES):
+    if type(t) is not torch.Tensor or tracing_mode_active():
         raise NotImplementedError("requires_grad_() on a tensor the graph created runs with "
                                   "the 'fx' backend only")
     return t.requires_grad_(flag)
