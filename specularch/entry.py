@@ -50,6 +50,9 @@ class AssumptionFailed:
     expected: bool
 
     def explanation(self) -> str:
+        if self.site[0] == "rolled_loop":
+            return ("an assumption inside a rolled loop's body (a size or a tensor branch) did "
+                    "not hold in a later iteration")
         if self.site[0] in ("specialize", "compare"):
             return ("the graph assumed a size computed inside the function keeps the value it "
                     "had at capture (it steers Python control flow), but it changed")
@@ -132,6 +135,8 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: Rebuild, gra
 def is_random_node(node: torch.fx.Node) -> bool:
     """Whether the node draws random numbers (by op name; conservative: ``normalize`` counts).
     Such a node must run even when its result is unused, to advance the RNG like eager."""
+    if node.meta.get("draws_random"):  # a rolled loop whose body does
+        return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return any(r in str(name) for r in _RANDOM_OPS)
 

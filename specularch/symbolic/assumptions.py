@@ -27,12 +27,14 @@ class Assumptions:
     append_only: frozenset = frozenset()
     # dict sources used through single keys (``self.cache[k] = v``): keys not guarded
     keyed_dicts: frozenset = frozenset()
+    # (id(code), offset of FOR_ITER) of loops that could not be rolled: unrolled
+    unrolled_loops: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         # Callers pass their live sets; the capture keeps a snapshot no later relaxation
         # can change under it.
         for name in ("unstable_sites", "symbolic_scalars", "symbolic_sources", "append_only",
-                     "keyed_dicts"):
+                     "keyed_dicts", "unrolled_loops"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         dims = {}
         for slot, slot_dims in dict(self.dynamic_dims).items():

@@ -18,7 +18,8 @@ import torch
 from ..guards import HasAttrGuard
 from ..records import Unsupported
 from .exceptions import python_error
-from . import operators as ops
+from . import operators as ops, rolled_loops
+from .rolled_values import RolledListV
 from .values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
 
@@ -50,6 +51,8 @@ def _concrete_call(tracer, fn, args, kwargs) -> Value:
 
 @model(len)
 def _len(tracer, fn, args, kwargs):
+    if isinstance(args[0], RolledListV):
+        return args[0].length
     if isinstance(args[0], TensorV) and args[0].dynamic and args[0].example.dim():
         return tracer.sym_size(args[0], 0)
     return Const(ops.length(tracer, args[0]))
@@ -259,6 +262,9 @@ def _set(tracer, fn, args, kwargs):
 
 @model(range, slice)
 def _range(tracer, fn, args, kwargs):
+    rolled = rolled_loops.symbolic_range(tracer, args, kwargs) if fn is range else None
+    if rolled is not None:  # `for t in range(n)`: the loop is rolled, n stays symbolic
+        return rolled
     if not _all_const(args, kwargs):
         raise Unsupported("data_dependent_value", f"{fn.__name__}() of a tensor value")
     return _concrete_call(tracer, fn, args, kwargs)

@@ -11,7 +11,7 @@ import collections
 import functools
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -30,6 +30,8 @@ from .deque_model import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
 from .printing import StrV
+from .rolled_loops import LoopReport
+from .rolled_values import RollRefused
 from .stdlib_objects import counter_from_pairs
 from .symint import SymV
 from .tracer import Tracer
@@ -52,6 +54,7 @@ class Capture:
     writes: list = field(default_factory=list)       # lowered shadow-heap writes, in program order
     distributed_leaves: list = field(default_factory=list)  # broadcast from rank 0 once
     assertions: list = field(default_factory=list)   # (output index, expected, where, site)
+    loops: list = field(default_factory=list)        # rolled_loops.LoopReport per loop
 
     @property
     def code(self) -> str:
@@ -62,10 +65,47 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             cells: tuple | None, assumptions: Assumptions = Assumptions(), *,
             max_instructions: int, inline_depth: int) -> Capture:
     """``assumptions`` say which argument sizes, Python numbers, containers and tensor
-    branches the graph must not specialise on (profiling/relaxation)."""
+    branches the graph must not specialise on (profiling/relaxation).
+
+    A loop rolled by ``rolled_loops.py`` that is not regular (``RollRefused``), or an attempt
+    with rolled loops that fails in any other way, is captured again with those loops
+    unrolled, as they were before loops were rolled; ``Capture.loops`` says why."""
+    unrolled: list[LoopReport] = []
+    while True:
+        attempt: list[Tracer] = []
+        try:
+            cap = _capture_once(code, globals_, argnames, slots, cells, assumptions, attempt,
+                                max_instructions=max_instructions, inline_depth=inline_depth)
+        except Exception as e:
+            refused = _refused_loops(e, attempt)
+            if not refused or refused.keys() <= assumptions.unrolled_loops:
+                raise
+            unrolled += refused.values()
+            assumptions = replace(assumptions,
+                                  unrolled_loops=assumptions.unrolled_loops | refused.keys())
+            continue
+        cap.loops = unrolled + cap.loops
+        return cap
+
+
+def _refused_loops(error: Exception, attempt: list) -> dict:
+    """site -> report of the loops to unroll after ``error``: the loop refused, or every
+    loop this attempt rolled (what followed may not support the rolled form)."""
+    if isinstance(error, RollRefused):
+        return {error.site: LoopReport(error.where, False, error.why, site=error.site)}
+    rolled = [r for r in attempt[0].loops if r.rolled] if attempt else []
+    why = getattr(error, "explanation", None) or f"{type(error).__name__}: {error}"
+    return {r.site: LoopReport(r.where, False, f"capture failed with it rolled ({why})",
+                               site=r.site) for r in rolled}
+
+
+def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
+                  cells: tuple | None, assumptions: Assumptions, attempt: list, *,
+                  max_instructions: int, inline_depth: int) -> Capture:
     start = time.perf_counter()
     tracer = Tracer(code, globals_, assumptions, max_instructions=max_instructions,
                     inline_depth=inline_depth)
+    attempt.append(tracer)
     try:
         locals_ = wrap_arguments(tracer, argnames, slots)
     except Unsupported as e:
@@ -115,6 +155,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
     gm.meta["dynamic_dims"] = bool(tracer._sizes) or any(
         getattr(n.meta.get("value"), "dynamic", False) for n in placeholders)
     gm.meta["dynamic"] = gm.meta["scalar_inputs"] or gm.meta["dynamic_dims"]
+    gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
                                    for n in placeholders)
     gm.meta["non_tensor_outputs"] = bool(assertions) or any(
@@ -127,7 +168,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
                           "on tensor values yet (all ranks must take the same path)")
     return Capture(gm, tracer.guards, inputs, spec, time.perf_counter() - start,
                    writes=writes, assertions=assertions,
-                   distributed_leaves=tracer.distributed_leaves)
+                   distributed_leaves=tracer.distributed_leaves, loops=list(tracer.loops))
 
 
 class _restore_process_state:

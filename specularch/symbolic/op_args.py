@@ -10,13 +10,14 @@ import torch
 
 from ..records import Unsupported
 from . import item_args
+from .rolled_values import RolledListV
 from .symint import SymV
 from .values import (Const, DictV, GeneratorV, ListV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value, leaves)
 
 
 def is_dynamic(v: Value) -> bool:
-    return any(isinstance(leaf, SymV) or (isinstance(leaf, TensorV) and leaf.dynamic)
+    return any(isinstance(leaf, (SymV, RolledListV)) or (isinstance(leaf, TensorV) and leaf.dynamic)
                for leaf in leaves(v))
 
 
@@ -41,7 +42,7 @@ def holds_tensor(x: Any) -> bool:
 
 
 def concrete(v: Value) -> Any:
-    if isinstance(v, (Const, TensorV)):
+    if isinstance(v, (Const, TensorV, RolledListV)):
         return v.concrete()
     if isinstance(v, (SymV, item_args.ItemNumV)):
         return v.value  # the op stays symbolic: no specialisation
@@ -62,7 +63,7 @@ def concrete(v: Value) -> Any:
 
 def fx_arg(v: Value) -> Any:
     """The FX argument for a value: a node for tensors, the constant otherwise."""
-    if isinstance(v, (TensorV, SymV, GeneratorV, item_args.ItemNumV)):
+    if isinstance(v, (TensorV, SymV, GeneratorV, item_args.ItemNumV, RolledListV)):
         return v.node
     if isinstance(v, Const):
         return v.value

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from ..records import Unsupported
 from .operators import iterate, truth
-from . import branch_merge, raising_branch
+from . import branch_merge, raising_branch, rolled_loops
 from .registry import handles
+from .rolled_values import SymRangeIterV
 from .values import Const, TensorV
 
 
@@ -74,6 +75,8 @@ def _get_iter(frame, ins):
 
 @handles("FOR_ITER")
 def _for_iter(frame, ins):
+    if isinstance(frame.stack[-1], SymRangeIterV) and frame.stack[-1].pos == 0:
+        return rolled_loops.for_iter(frame, ins, frame.stack[-1])  # the body captured once
     item = frame.stack[-1].next()
     if item is None:
         frame.pop()

@@ -105,6 +105,8 @@ class Tracer:
         self.inference_regions: list = []        # inference_mode blocks capture is in (grad_mode.py)
         self.handled_exception: Value | None = None  # sys.exc_info() in a handler (exceptions.py)
         self.clock_reads: list = []              # clock reads in program order (deferred.py)
+        self.loops: list = []                    # rolled / unrolled loops (rolled_loops.py)
+        self.rolling = 0                         # > 0 while a rolled loop's body is captured
         self.guards.add(GlobalStateGuard.now())
 
     # ---- where are we -------------------------------------------------------------------

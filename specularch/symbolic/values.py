@@ -488,4 +488,5 @@ def leaves(v: Value):
 
 
 def contains_tensor(v: Value) -> bool:
-    return any(isinstance(leaf, TensorV) for leaf in leaves(v))
+    return any(isinstance(leaf, TensorV) or getattr(leaf, "holds_tensors", False)
+               for leaf in leaves(v))
