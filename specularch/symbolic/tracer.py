@@ -112,6 +112,12 @@ class Tracer:
         self.generators: dict = {}               # id -> (torch.Generator, state before capture)
         self._mutable: dict = {}                 # source -> (id, type) of lists, dicts, objects
         self._last_placeholder: torch.fx.Node | None = None
+        # recursion templates (specularch/templates): the path being captured, if any;
+        # recursive functions left unrolled (code -> why); families called; object inputs
+        self.template = None
+        self.unrolled: dict = {}
+        self.template_calls: list = []
+        self.object_inputs: dict = {}
         self.guards.add(GlobalStateGuard.now())
 
     # ---- where are we -------------------------------------------------------------------
@@ -439,6 +445,9 @@ class Tracer:
             error.value_dependent = has_tensor_input  # the tensors' values may be why
             raise error from None
         dynamic = any(_is_dynamic(a) for a in [*args, *kwargs.values()])
+        if dynamic and target in _VALUE_FACTORIES and not any(
+                isinstance(leaf, TensorV) and leaf.dynamic for a in args for leaf in leaves(a)):
+            dynamic = False  # `torch.tensor([n])`: symbolic numbers are values, not sizes
         if not _holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
             return self._symbolic_metadata(label, args)
         if not _holds_tensor(result) and dynamic and not check.wrote:
@@ -643,6 +652,9 @@ def _is_torch_file(filename: str) -> bool:
 import os as _os  # noqa: E402
 _TORCH_DIR = _os.path.dirname(torch.__file__) + _os.sep
 _STDLIB_DIR = _os.path.dirname(_os.__file__) + _os.sep
+
+
+_VALUE_FACTORIES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
 
 
 def _is_dynamic(v: Value) -> bool:
