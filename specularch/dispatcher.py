@@ -30,6 +30,7 @@ from .relax import Generalisation, fact
 from .records import (FALLBACK_KINDS, FallbackRecord, RecompileRecord, SpecularchStrictError,
                       Unsupported)
 from .symbolic import branch_merge, budget, exceptions
+from .symbolic.assumptions import Assumptions
 from .symbolic.capture import Capture, capture
 from .symbolic.values import RelaxationRefused
 
@@ -489,15 +490,14 @@ def _capture_with_relaxations(state: CodeState, slots, cells, G) -> Capture:
     general = state.general
     for _ in range(4 + len(general.append_only) + len(general.keyed_dicts)):
         try:
-            return capture(state.target.code, G, state.target.argnames, slots, cells,
+            assumptions = Assumptions(  # a snapshot: a refused relaxation changes `general`
+                unstable_sites=state.unstable_sites, dynamic_dims=general.dynamic_dims,
+                symbolic_scalars=general.symbolic_scalars,
+                symbolic_sources=general.symbolic_sources,
+                append_only=general.append_only, keyed_dicts=general.keyed_dicts)
+            return capture(state.target.code, G, state.target.argnames, slots, cells, assumptions,
                            max_instructions=config.max_instructions,
-                           inline_depth=config.inline_depth,
-                           unstable_sites=frozenset(state.unstable_sites),
-                           dynamic_dims={k: frozenset(v) for k, v in general.dynamic_dims.items()},
-                           symbolic_scalars=frozenset(general.symbolic_scalars),
-                           symbolic_sources=frozenset(general.symbolic_sources),
-                           append_only=frozenset(general.append_only),
-                           keyed_dicts=frozenset(general.keyed_dicts))
+                           inline_depth=config.inline_depth)
         except RelaxationRefused as refused:
             general.refuse(refused.source)
     raise Unsupported("internal_error", "relaxations kept being refused while capturing")

@@ -15,8 +15,8 @@
         if bool(R[4]) is not True: return FAILED[0]    # in-graph assumptions
         c1 = CLOCK(); n0 = ...                      # clocks after the graph; numbers computed
                                                     # from .item() values (symbolic/deferred.py)
-        <objects created in the call, built from R and constants>
-        <shadow-heap commit: the deferred writes, in program order>
+        <objects created in the call, built from R and constants>  # shadow_heap/rebuild.py
+        <shadow-heap commit: the deferred writes, in program order> # shadow_heap/writes.py
         return <the Python return value>
 
 Every source is read before the graph runs, so the commit writes into the objects as they
@@ -24,16 +24,15 @@ were before the call, and nothing is written unless every guard and assertion pa
 """
 from __future__ import annotations
 
-import builtins
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from .guards import GlobalStateGuard, GuardSet, SourceNamer, TensorGuard, guard_lines
-from .guards.guard import const_name
 from .guards.sources import PINNED
+from .shadow_heap import Rebuild
+from .shadow_heap.render import COMMIT_NAMESPACE, Renderer, commit_lines
 
 MISS = object()
 
@@ -58,197 +57,11 @@ class AssumptionFailed:
                 f"but it was {not self.expected}")
 
 
-def _literal(value: Any) -> bool:
-    if type(value) in (int, str, bool, type(None)):
-        return True
-    if type(value) is float:
-        return value == value and value not in (float("inf"), float("-inf"))
-    return False
-
-
-class Renderer:
-    """Turns value specs (``symbolic.capture.SpecBuilder``) into Python expressions."""
-
-    def __init__(self, namer: SourceNamer, consts: dict[str, Any]):
-        self.namer = namer
-        self.consts = consts
-        self.prelude: list[str] = []   # statements run after the graph, before the commit
-        self.numbers: list[str] = []   # numbers computed after the graph, before the prelude
-        self.clocks: dict[int, tuple] = {}  # clock reads: seq -> (function, "before"/"after")
-        self._made: dict[int, str] = {}
-
-    def const(self, value: Any) -> str:
-        return const_name(self.consts, value)
-
-    def expr(self, spec: tuple) -> str:
-        kind = spec[0]
-        if kind == "out":
-            return f"R[{spec[1]}]"
-        if kind == "item":
-            return f"R[{spec[1]}].item()"
-        if kind == "const":
-            return repr(spec[1]) if _literal(spec[1]) else self.const(spec[1])
-        if kind == "object":
-            return self.const(spec[1])
-        if kind == "source":
-            return self.namer.name(spec[1])
-        if kind == "set":
-            return f"set({self.const(spec[1])})"
-        if kind == "tuple":
-            body = "".join(f"{self.expr(s)}, " for s in spec[1])
-            cls = spec[2]
-            if cls is tuple:
-                return f"({body})"
-            if hasattr(cls, "_make"):
-                return f"{self.const(cls)}({body})"
-            return f"{self.const(cls)}(({body}))"  # structseq: built from one sequence
-        if kind == "format":  # f"{v!r:spec}", as FORMAT_VALUE computes it
-            conv = {0: "", 1: "STR", 2: "REPR", 3: "ASCII"}[spec[2]]
-            return f"FORMAT({conv}({self.expr(spec[1])}), {spec[3]!r})" if conv else \
-                f"FORMAT({self.expr(spec[1])}, {spec[3]!r})"
-        if kind == "concat":
-            return "''.join((" + "".join(f"{self.expr(s)}, " for s in spec[1]) + "))"
-        if kind == "call":
-            args = [self.expr(s) for s in spec[2]] + [f"{k}={self.expr(s)}" for k, s in spec[3]]
-            return f"{self.const(spec[1])}({', '.join(args)})"
-        if kind == "num":  # computed once, before any write (symbolic/deferred.py)
-            key = ("num", spec[3])
-            if key not in self._made:
-                args = ", ".join(self.expr(s) for s in spec[2])
-                var = f"n{len(self._made)}"
-                self.numbers.append(f"{var} = {self.const(spec[1])}({args})")
-                self._made[key] = var
-            return self._made[key]
-        if kind == "clock":
-            self.clocks[spec[2]] = (spec[1], spec[3])
-            return f"c{spec[2]}"
-        if kind == "inference":  # once per tensor: two uses stay one tensor object
-            key = ("inference", spec[2])
-            if key not in self._made:
-                var = f"t{len(self._made)}"
-                self.prelude.append(f"{var} = AS_INFERENCE({self.expr(spec[1])})")
-                self._made[key] = var
-            return self._made[key]
-        if kind in ("list", "dict", "new"):
-            uid = spec[-1]
-            if uid not in self._made:
-                if kind == "list":
-                    text = "[" + ", ".join(self.expr(s) for s in spec[1]) + "]"
-                elif kind == "dict":
-                    text = "{" + ", ".join(f"{self._key(k)}: {self.expr(s)}" for k, s in spec[1]) + "}"
-                else:
-                    attrs = "{" + ", ".join(f"{k!r}: {self.expr(s)}" for k, s in spec[2]) + "}"
-                    text = f"NEW({self.const(spec[1])}, {attrs})"
-                var = f"t{len(self._made)}"
-                self.prelude.append(f"{var} = {text}")
-                self._made[uid] = var
-            return self._made[uid]
-        raise ValueError(f"unknown value spec {kind!r}")
-
-    def _key(self, k: Any) -> str:
-        return repr(k) if _literal(k) else self.const(k)
-
-    def write(self, w: tuple) -> str:
-        kind = w[0]
-        if kind == "setattr":
-            return f"setattr({self.expr(w[1])}, {w[2]!r}, {self.expr(w[3])})"
-        if kind == "delattr":
-            return f"delattr({self.expr(w[1])}, {w[2]!r})"
-        if kind == "global":
-            target = "G" if w[1][0] == "globals" else self.const(w[1][1])
-            return f"{target}[{w[2]!r}] = {self.expr(w[3])}"
-        if kind == "cell":
-            source = w[1]
-            parent = source.parent
-            lvalue = source.render(self.namer.name(parent) if parent is not None else "")
-            return f"{lvalue} = {self.expr(w[2])}"
-        if kind == "list_contents":
-            return f"{self.expr(w[1])}[:] = [{', '.join(self.expr(s) for s in w[2])}]"
-        if kind == "dict_contents":
-            items = ", ".join(f"{self._key(k)}: {self.expr(s)}" for k, s in w[2])
-            return f"REPLACE_DICT({self.expr(w[1])}, {{{items}}})"
-        if kind == "item":
-            return f"{self.expr(w[1])}[{self.expr(w[2])}] = {self.expr(w[3])}"
-        if kind == "append":
-            return f"{self.expr(w[1])}.append({self.expr(w[2])})"
-        if kind == "print":  # the stream (sys.stdout / sys.stderr) was read before the graph ran
-            args = [self.expr(s) for s in w[1]]
-            args += [f"{k}={self.expr(s)}" for k, s in (("sep", w[2]), ("end", w[3]), ("file", w[4]))
-                     if s is not None]
-            return f"PRINT({', '.join(args + ['flush=True'] * w[5])})"
-        raise ValueError(f"unknown write {kind!r}")
-
-
-def _new_object(cls: type, attrs: dict) -> Any:
-    """An object created during the call, rebuilt with the attributes it ended up with."""
-    obj = cls.__new__(cls)
-    for name, value in attrs.items():
-        if isinstance(getattr(cls, name, None), types.MemberDescriptorType):
-            object.__setattr__(obj, name, value)  # a __slots__ field
-        else:
-            obj.__dict__[name] = value
-    return obj
-
-
-def as_inference(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (computed by the graph under no_grad where eager ran ``inference_mode()``) as
-    the inference tensor eager returns: the same storage, sizes and strides, no copy."""
-    if t.is_inference():
-        return t
-    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_conj() or t.is_neg():
-        raise TypeError("as_inference: not a plain strided tensor")  # the call runs eagerly
-    with torch.inference_mode():
-        out = torch.empty(0, dtype=t.dtype, device=t.device)
-        return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-
-def _replace_dict(target: dict, items: dict) -> None:
-    target.clear()
-    target.update(items)
-
-
-def _copy_all(targets: tuple, values: tuple) -> None:
-    with torch.no_grad():
-        for target, value in zip(targets, values):
-            target.copy_(value)
-
-
-def _foreach_copy_all(targets: tuple, values: tuple) -> None:
-    """``_copy_all`` as one call: ``_foreach_copy_`` runs ``copy_`` per pair in order on CPU
-    (each target's version counter bumped, dtypes converted, values broadcast) without a
-    Python loop; used when every tensor of the graph is a plain Tensor or Parameter (a
-    subclass would see one foreach call instead of its own ``copy_``)."""
-    with torch.no_grad():
-        torch._foreach_copy_(targets, values)
-
-
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _only_plain_tensors(guards: GuardSet) -> bool:
     return all(g.tensor_type in _PLAIN_TENSORS for g in guards if isinstance(g, TensorGuard))
-
-
-def _tensor_commit(render: Renderer, writes: list, plain: bool) -> list[str]:
-    """The statements that copy the graph's final values into the tensors written in place.
-
-    Each ``("tensor", target, value, bumps)`` write leaves ``target``'s autograd version
-    counter where eager leaves it: ``bumps`` higher (the in-place ops eager ran on it, counted
-    at capture). ``copy_`` bumps it once; a tensor eager wrote without a bump (batch_norm's
-    running stats) is copied through ``.data`` (same memory, its own counter), so a graph that
-    autograd saved it for (the first call of a siamese model) still runs backward."""
-    targets = values = ""
-    extra: list[str] = []
-    for w in writes:
-        target, bumps = render.expr(w[1]), w[3]
-        targets += f"{target}.data, " if bumps == 0 else f"{target}, "
-        values += f"{render.expr(w[2])}, "
-        extra += [target] * max(bumps - 1, 0)
-    copy = "FOREACH_COPY_ALL" if plain else "COPY_ALL"
-    lines = [f"{copy}(({targets}), ({values}))"]
-    if extra:
-        lines.append(f"BUMP_VERSIONS(({', '.join(extra)}, ))")
-    return lines
 
 
 def _clock_reads(render: Renderer, phase: str) -> list[str]:
@@ -272,19 +85,17 @@ def _guarded_grad_mode(guards: GuardSet) -> bool:
     return next(g.grad_enabled for g in guards if isinstance(g, GlobalStateGuard))
 
 
-def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph_fn: Callable,
+def build_entry(guards: GuardSet, input_sources: list, output_spec: Rebuild, graph_fn: Callable,
                 fast_tensors: bool = True, writes: list = (), assertions: list = (),
                 random_graph: bool = False) -> tuple[Callable, str]:
-    """The entry function and its source text (kept for explain())."""
+    """The entry function and its source text (kept for explain()). ``writes``: the lowered
+    shadow-heap records (``shadow_heap/writes.py``), committed in program order."""
     consts: dict[str, Any] = {}
     namer = SourceNamer()
     body = guard_lines(guards, namer, consts, fast_tensors)
     inputs = [namer.name(s) for s in input_sources]
     render = Renderer(namer, consts)
-    commit = [render.write(w) for w in writes if w[0] != "tensor"]
-    tensor_writes = [w for w in writes if w[0] == "tensor"]
-    if tensor_writes:  # one no_grad block for every in-place tensor update
-        commit[:0] = _tensor_commit(render, tensor_writes, _only_plain_tensors(guards))
+    commit = commit_lines(render, list(writes), _only_plain_tensors(guards))
     result = render.expr(output_spec)
     body += namer.lines
     failed = [AssumptionFailed(where, site, expected) for _, expected, where, site in assertions]
@@ -310,12 +121,8 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: tuple, graph
     src += [f"    {line}" for line in render.prelude + commit]
     src.append(f"    return {result}")
     text = "\n".join(src) + "\n"
-    ns: dict[str, Any] = dict(consts, MISS=MISS, GRAPH=graph_fn, O=PINNED, NEW=_new_object,
-                              FAILED=failed, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
-                              FOREACH_COPY_ALL=_foreach_copy_all,
-                              BUMP_VERSIONS=torch.autograd.graph.increment_version,
-                              AS_INFERENCE=as_inference, PRINT=builtins.print,
-                              FORMAT=builtins.format, STR=str, REPR=repr, ASCII=ascii,
+    ns: dict[str, Any] = dict(consts, **COMMIT_NAMESPACE, MISS=MISS, GRAPH=graph_fn, O=PINNED,
+                              FAILED=failed,
                               GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state,
                               SET_GRAD=torch.set_grad_enabled, GRAD=_guarded_grad_mode(guards))
     exec(compile(text, "<specularch entry>", "exec"), ns)

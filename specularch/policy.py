@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _module
 
 from . import dispatcher, frames
+from ._torch_nn import MODULE_CALL_CODE
 from .frames import interceptor as _interceptor
 from .config import config
 from .eager_run import EagerRun
@@ -45,8 +46,6 @@ _WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads") + os.sep
 _WRAPPER_DIRS = tuple(os.path.join(_TORCH_DIR, *p) + os.sep
                       for p in (("nn", "parallel"), ("distributed",)))
 _WRAPPER_MODULES = ("torch.nn.parallel", "torch.distributed")
-#: The frame every ``module(...)`` call starts with (``nn.Module.__call__``).
-_MODULE_CALL = _module.Module._wrapped_call_impl.__code__
 _CONTAINERS_FILE = os.path.join(os.path.dirname(_module.__file__), "container.py")
 _GENERATED = "<specularch"  # trampolines' file names
 _RESUMABLE = 0x20 | 0x80 | 0x100 | 0x200  # generator, coroutine, iterable coro, async gen
@@ -151,7 +150,7 @@ def is_outermost_call(caller) -> bool:
     f = _above_own_call(caller)
     while f is not None:
         code = f.f_code
-        if code is _MODULE_CALL or code.co_name == "forward":
+        if code is MODULE_CALL_CODE or code.co_name == "forward":
             self = _first_local(f)
             if isinstance(self, nn.Module) and not _is_wrapper(self):
                 return False
@@ -171,7 +170,7 @@ def _above_own_call(caller):
         if not (_own(filename) or filename.startswith(_GENERATED)):
             if not filename.startswith(_TORCH_DIR):
                 return f
-            if code is _MODULE_CALL:
+            if code is MODULE_CALL_CODE:
                 return f.f_back
             if code.co_name == "forward" and isinstance(_first_local(f), nn.Module):
                 return f  # a torch module calling ``self.layer.forward(x)`` directly

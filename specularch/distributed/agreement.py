@@ -58,7 +58,7 @@ def _group():
     """Headers travel on gloo (CPU tensors): no device synchronisation to read them."""
     if dist.get_backend() == "gloo":
         return None
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD  # the default process group
     if default not in _GROUP:
         _GROUP[default] = dist.new_group(backend="gloo")
     return _GROUP[default]

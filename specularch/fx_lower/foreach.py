@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ._torch_foreach import foreach_op
 from .passes import rewritten_copy
 
 # Per-tensor op -> its foreach op, by operand form. ``tensors``: how many tensor operands
@@ -238,9 +239,8 @@ def _emit_group(graph: torch.fx.Graph, anchor: torch.fx.Node, nodes: list, numbe
                                        type(s) is type(scalars[0]) and s == scalars[0]) for s in scalars)
         args.append(scalars[0] if same else scalars)
     kwargs = {"alpha": uses[0].alpha} if uses[0].alpha is not None else {}
-    name = f"_foreach_{rule.foreach}{'_' if uses[0].inplace else ''}"
     with graph.inserting_after(anchor):
-        batched = graph.call_function(getattr(torch, name), tuple(args), kwargs)
+        batched = graph.call_function(foreach_op(rule.foreach, uses[0].inplace), tuple(args), kwargs)
     batched.meta["example"] = None
     anchor = batched
     for i, (node, use) in enumerate(zip(nodes, uses)):

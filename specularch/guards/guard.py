@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from .._torch_nn import global_module_hooks
 from .sources import Source
 
 
@@ -406,13 +407,6 @@ class NoTensorHooksGuard(Guard):
 
     def mismatch(self, value):
         return "has gradient hooks registered now (they were absent at capture)"
-
-
-def global_module_hooks() -> bool:
-    """Whether any global ``nn.Module`` hook (``register_module_forward_hook`` ...) is set."""
-    from torch.nn.modules import module as m
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or
-                m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 @dataclass(frozen=True, eq=False)

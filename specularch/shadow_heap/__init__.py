@@ -1,4 +1,10 @@
-"""Deferred writes: nothing that outlives a call changes before the call is known to succeed."""
-from .heap import DELETED, ShadowHeap, Write
+"""Deferred writes: nothing that outlives a call changes before the call is known to succeed.
 
-__all__ = ["DELETED", "ShadowHeap", "Write"]
+``heap.py``: the log kept during capture and the read-your-writes view; ``writes.py``: one
+record per kind of write; ``rebuild.py``: how the values they store (and the return value)
+are rebuilt after the graph; ``render.py``: the commit as generated code."""
+from .heap import DELETED, ShadowHeap
+from .rebuild import MalformedRebuild, Rebuild, lint
+from .writes import Write, lint_writes
+
+__all__ = ["DELETED", "MalformedRebuild", "Rebuild", "ShadowHeap", "Write", "lint", "lint_writes"]

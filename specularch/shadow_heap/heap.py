@@ -9,37 +9,24 @@ replays it in program order (``commit``); if anything failed the log is dropped
 (``discard``) and no real object was touched.
 
 API (capture time): ``read_attr`` / ``write_attr`` / ``delete_attr``, ``read_global`` /
-``write_global``, ``write_cell``, ``write_print``, ``touch_container``, ``touched``, ``update_tensor``, ``pending()``.
-The commit itself is generated code (``entry.py``), built from ``pending()``.
+``write_global``, ``write_cell``, ``write_item``, ``write_append``, ``write_print``,
+``touch_container``, ``touched``, ``update_tensor``, ``pending()``, ``lower()``,
+``discard()``. Each write is one record of ``writes.py``; the commit is generated code
+(``render.commit_lines``, run by the entry) built from the lowered records.
+
+Read-your-writes: attributes and globals through the overlay here (``read_attr``,
+``read_global``); a list or dict through its own symbolic value, which capture mutates
+(the real object is untouched; ``touch_container`` logs its final contents); a tensor
+through its value, which ``update_tensor`` points at the graph's copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from .writes import (Append, DelAttr, Print, ReplaceDict, ReplaceList, SetAttr, SetCell, SetGlobal,
+                     SetItem, UpdateTensor, Write)
+
 DELETED = object()
-
-
-@dataclass
-class Write:
-    """One deferred write. ``kind`` is one of:
-
-    * ``setattr`` / ``delattr``: ``owner.<name> = value`` (owner: a value with a source)
-    * ``global``: ``globals_dict[name] = value``
-    * ``cell``: ``cell.cell_contents = value`` (a ``nonlocal`` of an outer function)
-    * ``item``: ``container[key] = value`` (container and key: values with sources)
-    * ``append``: ``container.append(value)`` (an append-only list)
-    * ``container``: a list/dict that existed before the call gets its final contents
-    * ``tensor``: an existing tensor gets the values computed functionally by the graph
-    * ``print``: ``print(*value[0], sep=, end=, file=, flush=)`` (``value``: the arguments,
-      sep, end, the stream value or None, flush), text formatted at commit
-    """
-
-    kind: str
-    target: Any          # the value written into (Obj, ListV, DictV, CellV, TensorV) or globals
-    name: Any = None     # attribute / global name
-    value: Any = None    # the value written (for setattr / global / cell)
-    where: str = ""
 
 
 class ShadowHeap:
@@ -58,12 +45,12 @@ class ShadowHeap:
     def write_attr(self, owner, owner_obj: Any, name: str, value, where: str = "") -> None:
         self._attrs.setdefault(id(owner_obj), {})[name] = value
         self._keep.append(owner_obj)
-        self._log.append(Write("setattr", owner, name, value, where))
+        self._log.append(SetAttr(owner, name, value, where))
 
     def delete_attr(self, owner, owner_obj: Any, name: str, where: str = "") -> None:
         self._attrs.setdefault(id(owner_obj), {})[name] = DELETED
         self._keep.append(owner_obj)
-        self._log.append(Write("delattr", owner, name, None, where))
+        self._log.append(DelAttr(owner, name, where))
 
     # ---- globals and cells --------------------------------------------------------------
     def read_global(self, globals_: dict, name: str) -> Any:
@@ -72,23 +59,23 @@ class ShadowHeap:
     def write_global(self, globals_: dict, name: str, value, where: str = "") -> None:
         self._globals.setdefault(id(globals_), {})[name] = value
         self._keep.append(globals_)
-        self._log.append(Write("global", globals_, name, value, where))
+        self._log.append(SetGlobal(globals_, name, value, where))
 
     def write_item(self, container, key, value, where: str = "") -> None:
         """``container[key] = value`` where container and key are values with sources
         (e.g. a new optimizer state entry keyed by a parameter)."""
-        self._log.append(Write("item", container, key, value, where))
+        self._log.append(SetItem(container, key, value, where))
 
     def write_append(self, container, value, where: str = "") -> None:
         """``container.append(value)`` on a list whose items this capture does not track."""
-        self._log.append(Write("append", container, None, value, where))
+        self._log.append(Append(container, value, where))
 
     def write_print(self, args: list, sep, end, stream, flush: bool, where: str = "") -> None:
         """``print(...)``: an effect with no target, committed in program order."""
-        self._log.append(Write("print", None, None, (args, sep, end, stream, flush), where))
+        self._log.append(Print(tuple(args), sep, end, stream, bool(flush), where))
 
     def write_cell(self, cell, value, where: str = "") -> None:
-        self._log.append(Write("cell", cell, None, value, where))
+        self._log.append(SetCell(cell, value, where))
 
     # ---- containers and tensors -----------------------------------------------------------
     def touch_container(self, container, where: str = "") -> None:
@@ -96,22 +83,40 @@ class ShadowHeap:
         if id(container) not in self._touched:
             self._touched.add(id(container))
             self._keep.append(container)
-            self._log.append(Write("container", container, where=where))
+            replace = ReplaceDict if isinstance(container.items, dict) else ReplaceList
+            self._log.append(replace(container, where=where))
 
     def touched(self, value) -> bool:
         """Whether ``value`` (a container or tensor value) was mutated in this call."""
         return id(value) in self._touched
 
-    def update_tensor(self, tensor_value, where: str = "") -> None:
-        """An existing tensor was written in place; commit the graph's final value into it."""
+    def update_tensor(self, tensor_value, copy, where: str = "") -> None:
+        """An existing tensor was written in place, functionally on ``copy`` (a tensor value
+        in the graph): later reads in the call see the copy, and the commit copies the
+        graph's final value into the real tensor."""
+        tensor_value.node, tensor_value.example = copy.node, copy.example
+        tensor_value.updated = True
         if id(tensor_value) not in self._touched:
             self._touched.add(id(tensor_value))
             self._keep.append(tensor_value)
-            self._log.append(Write("tensor", tensor_value, where=where))
+            self._log.append(UpdateTensor(tensor_value, where=where))
 
     def pending(self) -> list[Write]:
-        """The writes to commit, in program order."""
+        """The writes to commit, in program order (fields: the values of the capture)."""
         return list(self._log)
+
+    def lower(self, lowering) -> list[Write]:
+        """The writes to commit with the values they store as rebuild records (``writes.py``),
+        read when the call's capture ended."""
+        return [w.lower(lowering) for w in self._log]
+
+    def discard(self) -> None:
+        """Forget every pending write; no real object was touched by any of them."""
+        self._log.clear()
+        self._attrs.clear()
+        self._globals.clear()
+        self._touched.clear()
+        self._keep.clear()
 
     def __len__(self) -> int:
         return len(self._log)

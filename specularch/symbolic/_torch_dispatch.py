@@ -108,3 +108,14 @@ def custom_op_overload(obj):
     if isinstance(obj, CustomOpDef) and type(obj).__call__ is CustomOpDef.__call__:
         return obj._opoverload
     return None
+
+
+# What capture treats as a torch function by type: ``torch.ops.aten.add`` (a packet) and
+# ``torch.ops.aten.add.Tensor`` (one overload) are id-guarded like any function.
+OPERATOR_TYPES = (torch._ops.OpOverloadPacket, torch._ops.OpOverload)
+
+
+def is_tensor_class(cls: type) -> bool:
+    """Whether ``cls`` is torch's C tensor base (or a subclass): the owner of the tensor
+    methods implemented in C (``Tensor.add`` has ``__objclass__`` ``TensorBase``)."""
+    return issubclass(cls, torch._C.TensorBase)

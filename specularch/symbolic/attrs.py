@@ -12,14 +12,13 @@ import types
 import torch
 import torch.nn as nn
 
-from ..guards.lookups import AttrIsGuard, stable
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
 from .deque_model import DequeV
 from .leaf_writes import metadata_of
 from .stdlib_objects import refuse_frozen_write
-from .tracer import _is_trusted_module
+from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
 from .values import Const, DictV, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
 
 _MISSING = object()
@@ -104,7 +103,7 @@ def _object_attr(tracer, frame, v: Obj, name: str) -> Value:
             attr = getattr(obj, name)
         except AttributeError as e:
             raise Unsupported("exception_handling", f"AttributeError: {e}") from None
-        trusted = _is_trusted_module(obj)
+        trusted = is_trusted_module(obj)
         if trusted and callable(attr) and _root(obj) == "torch":  # F.linear, torch.relu
             guard_lookup(tracer, obj, name)
         return tracer.wrap(attr, None if trusted or v.source is None else AttrSource(v.source, name))
@@ -127,15 +126,6 @@ def _object_attr(tracer, frame, v: Obj, name: str) -> Value:
 def _root(owner) -> str:
     name = owner.__name__ if isinstance(owner, types.ModuleType) else getattr(owner, "__module__", "")
     return (name or "").split(".")[0]
-
-
-def guard_lookup(tracer, owner, name: str) -> None:
-    """``owner.name`` (a class or module whose attributes have no guarded source: torch's
-    own) was looked up: guard that it is still that object, so a patch after capture
-    (``nn.Linear.forward = ...``, ``F.linear = ...``) is seen by the next call."""
-    if stable(owner, name):
-        tracer.guards.add(AttrIsGuard(None, owner=owner, name=name,
-                                      expected=getattr(owner, name), where=tracer.where()))
 
 
 def _source(v: Obj, name: str, trusted_owner=None):
@@ -190,7 +180,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
             return MethodV(Obj(cls), tracer.wrap(static.__func__, None), name)
         if isinstance(static, types.FunctionType):
             # with its source, the method's code and defaults are guarded like a helper's
-            return MethodV(v, tracer.wrap(static, tracer.guard_method_lookup(v, name)), name)
+            return MethodV(v, tracer.wrap(static, guard_method_lookup(tracer, v, name)), name)
         if callable(static) and not isinstance(static, type):
             return MethodV(v, None, name)
         return tracer.wrap(static, _source(v, name))

@@ -20,8 +20,11 @@ from ..guards import DictKeysGuard, IdGuard, LenGuard, ValueGuard
 from ..guards.sources import AttrSource, ClosureSource, DerefSource, ItemSource
 from ..records import Unsupported
 from .bytecode import CO_VARARGS, CO_VARKEYWORDS
+from ._torch_dispatch import is_tensor_class
 from .exceptions import PyRaise, leaving_generator
-from .tracer import FORBIDDEN_TENSOR_METHODS, _is_torch_file
+from .library_files import is_torch_file
+from .lookup_guards import guard_lookup, guard_method_lookup, guard_module_call
+from .tracer import FORBIDDEN_TENSOR_METHODS
 from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, Obj, PartialV, TupleV,
                      Value)
 
@@ -75,7 +78,7 @@ def _call_object(tracer, fn: Obj, args, kwargs) -> Value:
         raise Unsupported("unsupported_call", "autograd (.backward()/autograd.grad) inside an "
                           "optimized function is not captured yet")
     if isinstance(obj, types.FunctionType):
-        if _is_torch_file(obj.__code__.co_filename) and not _is_module_code(obj):
+        if is_torch_file(obj.__code__.co_filename) and not _is_module_code(obj):
             return _torch_python_function(tracer, fn, args, kwargs)
         return inline_function(tracer, fn, args, kwargs)
     if isinstance(obj, functools.partial):
@@ -125,7 +128,7 @@ def _is_torch_callable(obj) -> bool:
     if module.split(".")[0] == "torch":
         return True
     owner = getattr(obj, "__objclass__", None)
-    return owner is not None and issubclass(owner, torch._C.TensorBase)
+    return owner is not None and is_tensor_class(owner)
 
 
 def torch_call(tracer, obj, args, kwargs) -> Value:
@@ -232,7 +235,7 @@ def _graph_cannot_hold(value: Value) -> bool:
 
 def call_module(tracer, mod: Obj, args, kwargs) -> Value:
     m = mod.obj
-    tracer.guard_module_call(mod)
+    guard_module_call(tracer, mod)
     _guard_call_path(tracer, type(m))
     forward = m.__dict__.get("forward")
     if forward is not None and not getattr(forward, MODULE_FORWARD_ATTR, False):
@@ -242,7 +245,7 @@ def call_module(tracer, mod: Obj, args, kwargs) -> Value:
         raise Unsupported("unsupported_call", f"{type(m).__name__}.forward is not a Python function")
     fn = Obj(func)
     if forward is None:  # an instance-level forward patched in later must be seen
-        source = tracer.guard_method_lookup(mod, "forward")
+        source = guard_method_lookup(tracer, mod, "forward")
         if source is not None:  # its code and defaults are guarded too
             fn = Obj(func, source)
     return inline_function(tracer, fn, [mod, *args], kwargs)
@@ -255,7 +258,6 @@ def _guard_call_path(tracer, cls: type) -> None:
     """``m(x)`` is captured as ``forward`` (hooks are guarded apart) only while ``__call__``
     and ``_call_impl`` are nn.Module's own; a class overriding them, or a patch (a profiler
     wrapping ``nn.Module.__call__``) runs code of its own: the call runs eagerly."""
-    from .attrs import guard_lookup
     for name in ("__call__", "_call_impl"):
         code = getattr(getattr(cls, name, None), "__code__", None)
         if code is None or code.co_filename != _MODULE_PY:

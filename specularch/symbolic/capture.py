@@ -18,13 +18,17 @@ import torch.fx
 
 from ..entry import is_random_node
 from ..guards import GuardSet
-from ..guards.sources import CellSource, LocalSource, Source
+from ..guards.sources import CellSource, Source
 from ..records import Unsupported
-from . import branch_merge, deferred, grad_mode, saved_versions, view_writes
+from ..shadow_heap import Rebuild, lint, lint_writes
+from ..shadow_heap import rebuild as rb
+from . import alias_guards, branch_merge, deferred, grad_mode, saved_versions, view_writes
 from ._torch_dispatch import version_bumps
 from . import deque_model
+from .assumptions import Assumptions
 from .deque_model import DequeV
 from .frame import Frame
+from .inputs import wrap_arguments
 from .printing import StrV
 from .stdlib_objects import counter_from_pairs
 from .symint import SymV
@@ -43,9 +47,9 @@ class Capture:
     graph_module: torch.fx.GraphModule
     guards: GuardSet
     input_sources: list[Source]
-    output: tuple          # how to rebuild the return value (see ``SpecBuilder``)
+    output: Rebuild        # how to rebuild the return value (see ``SpecBuilder``)
     seconds: float = 0.0
-    writes: list = field(default_factory=list)       # shadow-heap commit, in program order
+    writes: list = field(default_factory=list)       # lowered shadow-heap writes, in program order
     distributed_leaves: list = field(default_factory=list)  # broadcast from rank 0 once
     assertions: list = field(default_factory=list)   # (output index, expected, where, site)
 
@@ -55,26 +59,15 @@ class Capture:
 
 
 def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
-            cells: tuple | None, *, max_instructions: int, inline_depth: int,
-            unstable_sites: frozenset = frozenset(), dynamic_dims: dict | None = None,
-            symbolic_scalars: frozenset = frozenset(),
-            symbolic_sources: frozenset = frozenset(),
-            append_only: frozenset = frozenset(),
-            keyed_dicts: frozenset = frozenset()) -> Capture:
-    """``dynamic_dims`` (slot -> dims) and ``symbolic_scalars`` (slots) say which argument
-    sizes and Python numbers the graph must not specialise on (profiling/relaxation)."""
+            cells: tuple | None, assumptions: Assumptions = Assumptions(), *,
+            max_instructions: int, inline_depth: int) -> Capture:
+    """``assumptions`` say which argument sizes, Python numbers, containers and tensor
+    branches the graph must not specialise on (profiling/relaxation)."""
     start = time.perf_counter()
-    tracer = Tracer(code, globals_, max_instructions, inline_depth)
-    tracer.unstable_sites = set(unstable_sites)
-    tracer.symbolic_sources = set(symbolic_sources)
-    tracer.append_only = set(append_only)
-    tracer.keyed_dicts = set(keyed_dicts)
+    tracer = Tracer(code, globals_, assumptions, max_instructions=max_instructions,
+                    inline_depth=inline_depth)
     try:
-        dynamic_dims = dynamic_dims or {}
-        locals_ = {name: tracer.wrap_argument(value, LocalSource(i, name),
-                                              frozenset(dynamic_dims.get(i, ())),
-                                              i in symbolic_scalars)
-                   for i, (name, value) in enumerate(zip(argnames, slots))}
+        locals_ = wrap_arguments(tracer, argnames, slots)
     except Unsupported as e:
         e.guards = tracer.guards
         raise
@@ -86,18 +79,19 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
                 result = Frame(tracer, code, globals_, locals_, free).run()
             grad_mode.check_at_return(tracer)
             deferred.settle(tracer)  # clock reads: before or after the graph
-            tracer.guard_aliasing()
-            specs = SpecBuilder()
-            writes = [specs.write(w, globals_) for w in tracer.heap.pending()]
+            alias_guards.guard_writes(tracer)
+            specs = SpecBuilder(globals_)
+            writes = tracer.heap.lower(specs)
             spec = specs.build(result)
             seen = tracer.merged_aliases.at_end(tracer, [
                 specs.outputs[i].meta["example"] for i in specs.as_values
                 if isinstance(specs.outputs[i].meta.get("example"), torch.Tensor)])
             if seen is not None:
                 raise branch_merge.refuse(*seen)
-            assertions = [(specs.out(node)[1], expected, where, site)
+            assertions = [(specs.out(node).index, expected, where, site)
                           for node, expected, where, site in tracer.assertions]
             view_writes.check(tracer, specs.outputs)  # views read after a deferred write
+            _lint(spec, writes, len(specs.outputs))
             if tracer.generators and assertions:
                 raise Unsupported("data_dependent_branch", "speculating on a tensor value in a "
                                   "graph that draws from a torch.Generator is not supported (a "
@@ -161,84 +155,82 @@ class _restore_process_state:
 
 
 class SpecBuilder:
-    """Describes how to rebuild Python values after the graph ran, as small tuples:
+    """Describes how to rebuild Python values after the graph ran, as rebuild records
+    (``shadow_heap/rebuild.py``), and lowers the shadow heap's writes to records that hold
+    them (``shadow_heap/writes.py``). Containers created in the call carry a ``uid`` so one
+    object stays one object."""
 
-    ('out', i) graph output i | ('const', x) | ('source', s) the pre-call object at s |
-    ('object', x) a pinned object | ('tuple', [..], cls) | ('list', [..], uid) |
-    ('dict', [(k, ..)], uid) | ('set', x) | ('new', cls, [(name, ..)], uid) |
-    ('inference', ('out', i), key) graph output i seen as an inference tensor, one per key
-    (see grad_mode.py) | ('format', v, conversion, spec) ``format(conv(v), spec)`` |
-    ('concat', [..]) ``''.join`` | ('call', fn, [..], [(k, ..)]) ``fn(..)``: strings formatted
-    by the commit (see printing.py) | ('num', fn, [..], uid) a number the commit computes,
-    ('clock', fn, seq, phase) a clock read before/after the graph (see deferred.py).
-    Containers created in the call carry ``uid`` so one object stays one object.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, top_globals: dict | None = None) -> None:
+        self.top_globals = top_globals
         self.outputs: list[torch.fx.Node] = []
         self._index: dict[torch.fx.Node, int] = {}
         self._building: set[int] = set()
         self._rebuilt: set[int] = set()  # OrderedDict / defaultdict values already rebuilt
         self.as_values: set[int] = set()  # outputs used as values (not only via .item())
 
-    def out(self, node: torch.fx.Node, as_value: bool = True) -> tuple:
+    def out(self, node: torch.fx.Node, as_value: bool = True) -> rb.GraphOutput:
         if node not in self._index:
             self._index[node] = len(self.outputs)
             self.outputs.append(node)
         if as_value:
             self.as_values.add(self._index[node])
-        return ("out", self._index[node])
+        return rb.GraphOutput(self._index[node])
 
-    def build(self, v: Value) -> tuple:
+    version_bumps = staticmethod(version_bumps)  # for UpdateTensor.lower
+
+    def build(self, v: Value) -> rb.Rebuild:
         if isinstance(v, TensorV):
             if v.updated:  # the real tensor, which the commit fills with the new values
-                return ("source", v.source)
+                return rb.FromSource(v.source)
             return grad_mode.output_spec(v, self.out(v.node))
         if isinstance(v, StrV):  # a string formatted by the commit from the graph's values
             return v.spec(self.build)
         if isinstance(v, Const):
-            return ("const", v.value)
+            return rb.Constant(v.value)
         if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)
             return self.out(v.node)
         if isinstance(v, ScalarV) and v.node is None:  # arithmetic / clocks (deferred.py)
             return deferred.spec(v, self.build)
         if isinstance(v, ScalarV):  # `t.item()`: read from the graph's output afterwards
-            return ("item", self.out(item_snapshot(v.node, v.read_after), as_value=False)[1])
+            return rb.GraphItem(self.out(item_snapshot(v.node, v.read_after), as_value=False).index)
         if isinstance(v, (ListV, DictV, UntrackedContainer)) and v.source is not None:
-            return ("source", v.source)
+            return rb.FromSource(v.source)
         if isinstance(v, FreshObj):
             raise Unsupported("unsupported_call", f"a {type(v.obj).__name__} made in the call is "
                               "returned or stored: eager makes a new one on every call")
         if isinstance(v, Obj):
-            return ("source", v.source) if v.source is not None else ("object", v.obj)
+            return rb.FromSource(v.source) if v.source is not None else rb.Pinned(v.obj)
         if isinstance(v, SetV):
-            return ("set", frozenset(v.items))
+            return rb.SetOf(frozenset(v.items))
         if isinstance(v, DictViewV):  # a live view of the very dict rebuilt (or read) here
-            return ("call", getattr(v.mapping.cls, v.kind), [self.build(v.mapping)], [])
+            return rb.CallOf(getattr(v.mapping.cls, v.kind), (self.build(v.mapping),))
         if id(v) in self._building:
             raise Unsupported("unsupported_call", "a value that contains itself cannot be rebuilt")
         self._building.add(id(v))
         try:
-            if isinstance(v, TupleV):
-                return ("tuple", [self.build(i) for i in v.items], v.cls)
-            if isinstance(v, DequeV):
-                return deque_model.build_spec(self, v)
-            if isinstance(v, ListV):
-                return ("list", [self.build(i) for i in v.items], id(v))
-            if isinstance(v, DictV) and v.cls is not dict:
-                return self._dict_subclass(v)
-            if isinstance(v, DictV):
-                return ("dict", [(k, self.build(i)) for k, i in v.items.items()], id(v))
-            if isinstance(v, NewObjV):
-                return ("new", v.cls, [(k, self.build(i)) for k, i in v.attrs.items()], id(v))
+            return self._container(v)
         finally:
             self._building.discard(id(v))
+
+    def _container(self, v: Value) -> rb.Rebuild:
+        if isinstance(v, TupleV):
+            return rb.TupleOf(tuple(self.build(i) for i in v.items), v.cls)
+        if isinstance(v, DequeV):
+            return deque_model.build_spec(self, v)
+        if isinstance(v, ListV):
+            return rb.ListOf(tuple(self.build(i) for i in v.items), id(v))
+        if isinstance(v, DictV) and v.cls is not dict:
+            return self._dict_subclass(v)
+        if isinstance(v, DictV):
+            return rb.DictOf(tuple((k, self.build(i)) for k, i in v.items.items()), id(v))
+        if isinstance(v, NewObjV):
+            return rb.NewObject(v.cls, tuple((k, self.build(i)) for k, i in v.attrs.items()), id(v))
         raise Unsupported("unsupported_call",
                           f"{v!r} is returned or stored, and cannot be rebuilt after the graph runs")
 
-    def _dict_subclass(self, v) -> tuple:
+    def _dict_subclass(self, v) -> rb.TupleOf:
         """An OrderedDict / defaultdict made in the call, rebuilt as ``cls(((k, v), ...))``
-        (a ``tuple`` spec whose class is called with one sequence). That spec makes a new
+        (a ``TupleOf`` whose class is called with one sequence). That record makes a new
         object each time it is used, so a second use (the same dict returned twice, or
         returned and stored) is refused rather than split into two objects."""
         if id(v) in self._rebuilt:
@@ -252,39 +244,16 @@ class SpecBuilder:
                                   "made in the call is returned or stored")
             maker = functools.partial(collections.defaultdict,
                                       None if v.factory is None else v.factory.concrete())
-        pairs = [("tuple", [("const", k), self.build(i)], tuple) for k, i in v.items.items()]
-        return ("tuple", pairs, maker)
+        pairs = tuple(rb.TupleOf((rb.Constant(k), self.build(i))) for k, i in v.items.items())
+        return rb.TupleOf(pairs, maker)
 
-    def write(self, w, top_globals: dict) -> tuple:
-        """A shadow-heap write as a commit instruction."""
-        if w.kind in ("setattr", "delattr"):
-            value = self.build(w.value) if w.kind == "setattr" else None
-            return (w.kind, ("source", w.target.source), w.name, value)
-        if w.kind == "global":
-            where = ("globals",) if w.target is top_globals else ("object", w.target)
-            return ("global", where, w.name, self.build(w.value))
-        if w.kind == "cell":
-            return ("cell", w.target.source, self.build(w.value))
-        if w.kind == "container":
-            c = w.target
-            if isinstance(c, ListV):
-                return ("list_contents", ("source", c.source), [self.build(i) for i in c.items])
-            return ("dict_contents", ("source", c.source),
-                    [(k, self.build(i)) for k, i in c.items.items()])
-        if w.kind == "append":
-            return ("append", ("source", w.target.source), self.build(w.value))
-        if w.kind == "item":
-            return ("item", self.build(w.target), self.build(w.name), self.build(w.value))
-        if w.kind == "tensor":  # the copy the graph wrote was bumped as eager bumps the tensor
-            bumps = version_bumps(w.target.example)  # (a copy made in inference mode: unknown)
-            return ("tensor", ("source", w.target.source), self.out(w.target.node),
-                    1 if bumps is None else bumps)
-        if w.kind == "print":
-            args, sep, end, stream, flush = w.value
-            return ("print", [self.build(a) for a in args],
-                    *[None if v is None else self.build(v) for v in (sep, end)],
-                    None if stream is None else ("source", stream.source), flush)
-        raise ValueError(f"unknown write kind {w.kind!r}")
+
+def _lint(spec: Rebuild, writes: list, outputs: int) -> None:
+    """A malformed rebuild or write record is a bug of capture: ``MalformedRebuild`` names
+    it here (an ``internal_error`` fallback) instead of an entry failing, or rebuilding the
+    wrong value, when it runs."""
+    lint_writes(writes)
+    lint([spec, *(r for w in writes for r in w.rebuilds())], outputs)
 
 
 def _eliminate_dead_code(graph: torch.fx.Graph) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..records import Unsupported
+from ..shadow_heap.rebuild import ClockRead, Number, Rebuild
 from .builtins_model import model
 from .symint import SymV
 from .training import ScalarV
@@ -178,11 +179,6 @@ def math_call(fn, args: list, kwargs: dict) -> Value | None:
 
 
 # ---- clocks -------------------------------------------------------------------------------
-def _reads(tracer) -> list:
-    """The clock reads of this capture, in program order (kept on the tracer)."""
-    return tracer.__dict__.setdefault("_clock_reads", [])
-
-
 def _op_count(tracer) -> int:
     return sum(1 for n in tracer.graph.nodes if n.op not in ("placeholder", "output"))
 
@@ -191,7 +187,7 @@ def _op_count(tracer) -> int:
 def _clock(tracer, fn, args, kwargs):
     if args or kwargs:
         raise Unsupported("exception_handling", f"TypeError: {fn.__name__}() takes no arguments")
-    reads = _reads(tracer)
+    reads = tracer.clock_reads
     read = ClockV(None, fn(), fn, len(reads), _op_count(tracer), at=tracer.user_position())
     reads.append(read)
     return read
@@ -201,7 +197,7 @@ def settle(tracer) -> None:
     """At the end of capture: each clock read is read before the graph (no tensor op came
     before it) or after it (none came after it); a read in between falls back."""
     total = _op_count(tracer)
-    for read in _reads(tracer):
+    for read in tracer.clock_reads:
         if read.ops == 0:
             read.phase = "before"
         elif read.ops == total:
@@ -215,8 +211,8 @@ def settle(tracer) -> None:
             raise e
 
 
-def spec(v: ScalarV, build) -> tuple:
-    """The value spec (``capture.SpecBuilder``) of a recipe or a clock read."""
+def spec(v: ScalarV, build) -> Rebuild:
+    """The rebuild record (``capture.SpecBuilder``) of a recipe or a clock read."""
     if isinstance(v, ClockV):
-        return ("clock", v.fn, v.seq, v.phase)
-    return ("num", v.fn, [build(a) for a in v.args], id(v))
+        return ClockRead(v.fn, v.seq, v.phase)
+    return Number(v.fn, tuple(build(a) for a in v.args), id(v))

@@ -15,6 +15,7 @@ import operator
 from dataclasses import dataclass
 
 from ..records import Unsupported
+from ..shadow_heap.rebuild import CallOf, Constant, ListOf, Rebuild
 from . import operators as ops
 from .values import Const, ListV, Value, is_const
 
@@ -162,13 +163,13 @@ def _rebuild(items: list, maxlen):
     return collections.deque(items, maxlen)
 
 
-def build_spec(builder, v: DequeV) -> tuple:
-    """How the commit rebuilds ``v``: ``deque([...], maxlen)``. That spec makes a new object
+def build_spec(builder, v: DequeV) -> Rebuild:
+    """How the commit rebuilds ``v``: ``deque([...], maxlen)``. That record makes a new object
     each time it is used, so a second use (returned twice, returned and stored) is refused
     rather than split into two deques."""
     if id(v) in builder._rebuilt:
         raise Unsupported("unsupported_call", "a deque made in the call is returned or stored "
                           "in more than one place")
     builder._rebuilt.add(id(v))
-    return ("call", _rebuild, [("list", [builder.build(i) for i in v.items], id(v)),
-                               ("const", v.maxlen)], [])
+    return CallOf(_rebuild, (ListOf(tuple(builder.build(i) for i in v.items), id(v)),
+                             Constant(v.maxlen)))

@@ -46,7 +46,7 @@ def python_error(exc: BaseException, explanation: str | None = None) -> PyRaise:
 
 # ---- the exception being handled (``sys.exc_info()``, bare ``raise``) ---------------------
 def handled(tracer) -> Value | None:
-    return getattr(tracer, "handled_exception", None)
+    return tracer.handled_exception
 
 
 def set_handled(tracer, value: Value | None) -> None:

@@ -14,7 +14,7 @@ points. Their flags are Python bools read (and guarded) at capture.
   The graph computes the block under ``no_grad`` (the same values; the graph stays
   compilable); tensors the block created, and views of them taken after it, that the call
   returns or stores are turned into inference tensors over the same storage after the graph
-  ran (``entry.as_inference``), so the caller gets what eager gives; arguments that are
+  ran (``shadow_heap.render.as_inference``), so the caller gets what eager gives; arguments that are
   inference tensors are guarded to stay so. Refused: views of tensors from outside the
   block used after it (eager gives them inference-mode view metadata the graph cannot),
   tensors made in the block that require grad, enabling grad inside the block, and
@@ -28,6 +28,8 @@ import torch
 
 from ..guards import GlobalStateGuard
 from ..records import Unsupported
+from ..shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
+from ._torch_grad_mode import inference_mode_guard, tracing_mode_active
 from .values import Const, GradModeV, TensorV, Value
 
 _REGION = "inference_region"  # node meta: created inside a `with torch.inference_mode():`
@@ -89,19 +91,13 @@ def decorator_context(owner) -> GradModeV | None:
     return None
 
 
-def _regions(tracer) -> list:
-    if not hasattr(tracer, "inference_regions"):
-        tracer.inference_regions = []
-    return tracer.inference_regions
-
-
 def enter(tracer, ctx: GradModeV) -> None:
     if ctx.inference:
         ctx.prior = torch.is_grad_enabled()
         ctx.nodes_before = set(tracer.graph.nodes)
-        ctx.context = torch._C._InferenceMode(True)
+        ctx.context = inference_mode_guard()
         ctx.context.__enter__()
-        _regions(tracer).append(ctx)
+        tracer.inference_regions.append(ctx)
         set_grad(tracer, False)
         return
     if ctx.inference is False and torch.is_inference_mode_enabled():
@@ -114,7 +110,7 @@ def enter(tracer, ctx: GradModeV) -> None:
 
 def exit(tracer, ctx: GradModeV) -> None:
     if ctx.inference:
-        regions = _regions(tracer)
+        regions = tracer.inference_regions
         if not regions or regions[-1] is not ctx:
             _refuse("torch.inference_mode() blocks left out of order")
         regions.pop()
@@ -139,7 +135,7 @@ def set_grad(tracer, enabled: bool) -> None:
 
 def unwind(tracer) -> None:
     """Leave the inference-mode blocks a failed capture is still inside (innermost first)."""
-    regions = _regions(tracer)
+    regions = tracer.inference_regions
     while regions:
         ctx = regions.pop()
         ctx.context.__exit__(None, None, None)
@@ -168,7 +164,7 @@ def check_at_return(tracer) -> None:
                     "(requires_grad=True or requires_grad_() in the block)")
 
 
-def output_spec(v: TensorV, spec: tuple) -> tuple:
+def output_spec(v: TensorV, spec: GraphOutput) -> Rebuild:
     """How the commit/return rebuilds graph output ``spec`` for tensor ``v``: made an
     inference tensor again when eager's is one, i.e. when the capture's is: a tensor the
     block created, or a view of one taken after the block (``y[0]``, ``y.detach()``).
@@ -184,7 +180,7 @@ def output_spec(v: TensorV, spec: tuple) -> tuple:
     if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_conj() or t.is_neg():
         _refuse("an inference tensor that is not a plain strided tensor is returned or stored")
     # keyed by the tensor: `y.contiguous()` is `y` in eager, and must stay one object
-    return ("inference", spec, id(t))
+    return AsInference(spec, id(t))
 
 
 def requires_grad_(tracer, t: TensorV, args: list, kwargs: dict) -> Value:
@@ -201,17 +197,11 @@ def requires_grad_(tracer, t: TensorV, args: list, kwargs: dict) -> Value:
     return out
 
 
-_TRACING_MODES = [getattr(torch._C._TorchDispatchModeKey, k) for k in ("PROXY", "FAKE", "FUNCTIONAL")
-                  if hasattr(torch._C._TorchDispatchModeKey, k)]
-
-
 def set_requires_grad(t: torch.Tensor, flag: bool) -> torch.Tensor:
     """``t.requires_grad_(flag)`` as a graph node. A tensor made a leaf in the middle of a
     graph cannot be compiled by AOT autograd or flattened (its later gradients would be
     lost); raising while such a backend traces the graph makes the graph run with ``fx``."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    if type(t) is not torch.Tensor or _get_current_dispatch_mode() is not None \
-            or any(torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES):
+    if type(t) is not torch.Tensor or tracing_mode_active():
         raise NotImplementedError("requires_grad_() on a tensor the graph created runs with "
                                   "the 'fx' backend only")
     return t.requires_grad_(flag)

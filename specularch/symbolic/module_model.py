@@ -19,6 +19,7 @@ import operator
 import torch
 import torch.nn as nn
 
+from ..fx_lower._torch_foreach import foreach_norm
 from ..guards.sources import ModuleDictSource
 from ..records import Unsupported
 from .operators import _guard_keys, consume
@@ -156,7 +157,7 @@ def clip_grad_norm(tracer, fn, args, kwargs) -> Value:
     if not grads:
         return tracer.wrap_python(torch.tensor(0.0))
     with _no_grad(tracer):
-        norms = _op(tracer, torch._foreach_norm, ListV(grads), norm_type)
+        norms = _op(tracer, foreach_norm, ListV(grads), norm_type)
         total = _op(tracer, torch.linalg.vector_norm, _op(tracer, torch.stack, norms), norm_type)
         # max_norm / (total + 1e-6) with Python operators: Tensor.__rtruediv__, as in torch
         coef = _op(tracer, torch.clamp, _op(tracer, operator.truediv, Const(max_norm),

@@ -21,9 +21,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .._torch_nn import global_optimizer_hooks
 from ..guards import ExprGuard
 from ..guards.sources import AttrSource, ItemSource, KeyedSource, ScalarOfSource, Source
 from ..records import Unsupported
+from .inputs import wrap_argument
 from .symint import SymV, arithmetic, compare
 from .values import Const, DictV, Obj, TensorV, TupleV, Value
 
@@ -92,9 +94,7 @@ def _set_grad(tracer, enabled: bool) -> None:
 
 def _guard_no_hooks(tracer, opt_v: Obj) -> None:
     opt = opt_v.obj
-    from torch.optim import optimizer as module
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or \
-            module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks:
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or global_optimizer_hooks():
         raise Unsupported("module_hooks", "the optimizer has step hooks registered")
     expr = opt_v.source.expr()
     tracer.guards.add(ExprGuard(None, expr=f"(not {expr}._optimizer_step_pre_hooks and not "
@@ -203,7 +203,7 @@ def number_input(tracer, raw, src: Source) -> Value:
     """A Python number read before the graph runs, as a graph input; one per source (a
     second ``step()`` in the call reads the same input, not a second placeholder)."""
     seen = tracer._by_source.get(src)
-    return seen if seen is not None else tracer.wrap_argument(raw, src, frozenset(), True)
+    return seen if seen is not None else wrap_argument(tracer, raw, src, frozenset(), True)
 
 
 def state_number(tracer, items: dict, src: Source, key: str) -> Value:

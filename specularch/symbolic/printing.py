@@ -19,6 +19,7 @@ import sys
 
 from ..guards.sources import AttrSource
 from ..records import Unsupported
+from ..shadow_heap.rebuild import CallOf, Concat, Formatted, Rebuild
 from .symint import SymV
 from .training import ScalarV
 from .values import Const, DictV, ListV, Obj, TensorV, TupleV, Value, leaves
@@ -67,14 +68,14 @@ class StrV(Const):
     def python_type(self):
         return str
 
-    def spec(self, build) -> tuple:
-        """The value spec (``symbolic.capture.SpecBuilder``); ``build`` turns values into specs."""
+    def spec(self, build) -> Rebuild:
+        """The rebuild record (``symbolic.capture.SpecBuilder``); ``build`` makes one of a value."""
         if self.kind == "format":
-            return ("format", build(self.args[0]), self.args[1].value, self.args[2].value)
+            return Formatted(build(self.args[0]), self.args[1].value, self.args[2].value)
         if self.kind == "concat":
-            return ("concat", [build(a) for a in self.args])
-        return ("call", self.fn, [build(a) for a in self.args],
-                [(k, build(v)) for k, v in self.kwargs.items()])
+            return Concat(tuple(build(a) for a in self.args))
+        return CallOf(self.fn, tuple(build(a) for a in self.args),
+                      tuple((k, build(v)) for k, v in self.kwargs.items()))
 
     def __repr__(self):
         return f"StrV({self.preview!r})"

@@ -109,14 +109,14 @@ def returns_metadata(tracer, func, args: list, kwargs: dict) -> bool:
     seen one by one (sizes stay symbolic, dtypes are guarded). Decided by a trial run on the
     capture's values (capture restores the RNG; a write into an outside tensor stops it)."""
     from ._torch_dispatch import MutationCheck
-    from .tracer import _concrete, _holds_tensor, _is_dynamic
-    if not any(_is_dynamic(a) for a in [*args, *kwargs.values()]):
+    from .op_args import concrete, holds_tensor, is_dynamic
+    if not any(is_dynamic(a) for a in [*args, *kwargs.values()]):
         return False
     try:
-        cargs = [_concrete(a) for a in args]  # (sizes read without specialising them)
-        ckwargs = {k: _concrete(v) for k, v in kwargs.items()}
+        cargs = [concrete(a) for a in args]  # (sizes read without specialising them)
+        ckwargs = {k: concrete(v) for k, v in kwargs.items()}
         with MutationCheck(set(tracer.fresh)):
             result = func(*cargs, **ckwargs)
     except Exception:  # (ExternalMutation, an error): the graph-node path reports it as before
         return False
-    return not _holds_tensor(result)
+    return not holds_tensor(result)

@@ -17,31 +17,25 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from ..guards import (AliasGuard, AttrSource, ContainsGuard, DictKeysGuard, DistinctGuard,
-                      GlobalStateGuard, GuardSet, IdGuard, InferenceGuard, ItemSource, LenGuard,
-                      NoGlobalHooksGuard, NoHooksGuard, ObjectSource, TensorGuard, TypeGuard,
-                      ValueGuard, pin)
-from ..guards.guard import global_module_hooks
+from ..guards import (AliasGuard, AttrSource, DictKeysGuard, GlobalStateGuard, GuardSet, IdGuard,
+                      ItemSource, LenGuard, TypeGuard, ValueGuard)
 from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
-from ._torch_dispatch import ExternalMutation, MutationCheck, storage_key
-from . import budget, item_args, view_writes
+from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
+from . import budget, inputs, item_args, view_writes
+from .assumptions import Assumptions
 from .leaf_writes import connect_reads
+from .library_files import is_library_file
 from .merge_aliases import MergedAliases
+from .op_args import concrete, fx_arg, holds_tensor, is_dynamic, mark_dynamic, specialize_all
 from .symint import SymV
-from .values import (AppendOnlyListV, Const, DictV, GeneratorV, KeyedDictV, ListV, MethodV, Obj, SetV, TensorV,
-                     TupleV, UntrackedContainer, Value, contains_tensor, leaves)
+from .values import (AppendOnlyListV, Const, DictV, KeyedDictV, ListV, MethodV, Obj, SetV, TensorV,
+                     TupleV, Value, contains_tensor, leaves)
 
 CONST_TYPES = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis),
                type(NotImplemented), torch.dtype, torch.device, torch.layout, torch.memory_format,
                torch.Size, range, slice)
-
-# Attributes of these modules are trusted not to be rebound: reading ``torch.relu`` or
-# ``math.pi`` installs no guard (the global ``torch`` itself is id-guarded).
-TRUSTED_MODULE_ROOTS = {"torch", "math", "operator", "builtins", "functools", "itertools",
-                        "collections", "typing", "numbers", "abc", "enum", "types", "warnings",
-                        "numpy", "dataclasses", "copy", "inspect"}
 
 # operator.iadd -> operator.add, ...: what an in-place operator does to a Python number.
 _PLAIN_OF_INPLACE = {getattr(__import__("operator"), "i" + name.rstrip("_")):
@@ -68,15 +62,11 @@ FORBIDDEN_TENSOR_METHODS = {"backward", "register_hook", "retain_grad", "require
                             "__bool__", "__int__", "__float__", "__index__", "data_ptr"}
 
 
-def _is_trusted_module(mod: types.ModuleType) -> bool:
-    return mod.__name__.split(".")[0] in TRUSTED_MODULE_ROOTS
-
-
 class Tracer:
     """State shared by every frame of one capture."""
 
-    def __init__(self, code: types.CodeType, globals_: dict, max_instructions: int,
-                 inline_depth: int):
+    def __init__(self, code: types.CodeType, globals_: dict, assumptions: Assumptions, *,
+                 max_instructions: int, inline_depth: int):
         self.code = code
         self.globals = globals_
         self.builtins = globals_.get("__builtins__", builtins)
@@ -97,7 +87,10 @@ class Tracer:
         self.heap = ShadowHeap()
         # (predicate node, expected truth, where, site) checked after the graph runs
         self.assertions: list[tuple] = []
-        self.unstable_sites: set = set()
+        self.assumptions = assumptions  # what not to specialise on (see assumptions.py)
+        # the one assumption a capture revises: a branch one side of which only raises is
+        # speculated again (raising_branch.py)
+        self.unstable_sites: set = set(assumptions.unstable_sites)
         self.merging = 0  # > 0 while branch_merge runs both sides of a branch
         self.merged_aliases = MergedAliases()  # what merged branches must not let be seen
         self._external: dict[int, TensorV] = {}  # storage key -> tensor that outlives the call
@@ -105,13 +98,13 @@ class Tracer:
         self.view_writes: list = []              # deferred writes, see view_writes.py
         self._sizes: dict = {}                   # (node, dim) -> SymV of a dynamic size
         self.opt_state: dict = {}                # (id(optimizer), id(param)) -> new state entry
-        self.symbolic_sources: set = set()       # int/float sources read as graph inputs
         self.distributed_leaves: list = []       # parameters a distributed step averages
-        self.append_only: set = set()            # list sources only appended to
-        self.keyed_dicts: set = set()            # dict sources used through single keys
         self.generators: dict = {}               # id -> (torch.Generator, state before capture)
         self._mutable: dict = {}                 # source -> (id, type) of lists, dicts, objects
-        self._last_placeholder: torch.fx.Node | None = None
+        self._last_placeholder: torch.fx.Node | None = None  # inputs.placeholder
+        self.inference_regions: list = []        # inference_mode blocks capture is in (grad_mode.py)
+        self.handled_exception: Value | None = None  # sys.exc_info() in a handler (exceptions.py)
+        self.clock_reads: list = []              # clock reads in program order (deferred.py)
         # recursion templates (specularch/templates): the path being captured, if any;
         # recursive functions left unrolled (code -> why); families called; object inputs
         self.template = None
@@ -128,7 +121,7 @@ class Tracer:
     def user_position(self) -> tuple[str, int, str]:
         """The innermost frame that is user code (not torch's own Python)."""
         for frame in reversed(self.frames):
-            if not _is_library_file(frame.code.co_filename):
+            if not is_library_file(frame.code.co_filename):
                 return frame.code.co_filename, frame.lineno, frame.code.co_qualname
         if self.frames:
             f = self.frames[0]
@@ -157,10 +150,10 @@ class Tracer:
     def _wrap_new(self, obj: Any, source: Source | None) -> Value:
         t = type(obj)
         if isinstance(obj, torch.Tensor):
-            return self._wrap_tensor(obj, source)
+            return inputs.wrap_tensor(self, obj, source)
         if t in CONST_TYPES:
-            if source is not None and t in (int, float) and source in self.symbolic_sources:
-                return self.wrap_argument(obj, source, frozenset(), True)
+            if source is not None and t in (int, float) and source in self.assumptions.symbolic_sources:
+                return inputs.wrap_argument(self, obj, source, frozenset(), True)
             if source is not None:
                 self.add_guard(ValueGuard, source, obj)
             return Const(obj, source)
@@ -182,12 +175,12 @@ class Tracer:
                 if source is not None and seen.source is not None:
                     self.add_guard(AliasGuard, source, other=seen.source)
                 return seen
-        if t is list and source is not None and source in self.append_only:
+        if t is list and source is not None and source in self.assumptions.append_only:
             self.add_guard(TypeGuard, source, list)
             value = AppendOnlyListV(source)
             self._by_container_id[id(obj)] = value
             return value
-        if is_dict and source is not None and source in self.keyed_dicts:
+        if is_dict and source is not None and source in self.assumptions.keyed_dicts:
             self.add_guard(TypeGuard, source, t)
             value = KeyedDictV(source, real=obj)
             self._by_container_id[id(obj)] = value
@@ -220,44 +213,16 @@ class Tracer:
         if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType,
                             functools.partial, types.MethodWrapperType, types.WrapperDescriptorType,
                             types.MethodDescriptorType, types.ClassMethodDescriptorType,
-                            torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+                            *OPERATOR_TYPES)):
             if source is not None:
                 self.add_guard(IdGuard, source, obj)
             return Obj(obj, source)
         if isinstance(obj, torch.Generator):
-            return self._wrap_generator(obj, source)
+            return inputs.wrap_generator(self, obj, source)
         if source is not None:
             guard, expected = _object_guard(obj)
             self.add_guard(guard, source, expected)
         return Obj(obj, source)
-
-    def _wrap_generator(self, g: torch.Generator, source: Source | None) -> "GeneratorV":
-        """A ``torch.Generator`` is a graph input (the graph draws from the caller's generator
-        on every call); capture draws from it too, so its state is put back afterwards."""
-        if source is None:
-            raise Unsupported("unsupported_call", "a torch.Generator that is not reached through "
-                              "an argument, a global or an attribute cannot be passed to the graph")
-        self.generators.setdefault(id(g), (g, g.get_state()))
-        self.add_guard(TypeGuard, source, type(g))
-        node = self._placeholder(_node_name(source))
-        node.meta["example"] = g
-        self.input_sources.append(source)
-        return GeneratorV(g, source, node=node)
-
-    def wrap_argument(self, obj: Any, source: Source, dynamic_dims: frozenset,
-                      symbolic: bool) -> Value:
-        """An argument slot, generalised as profiling/relaxation decided."""
-        if dynamic_dims and isinstance(obj, torch.Tensor) and id(obj) not in self._by_tensor_id:
-            return self._wrap_tensor(obj, source, frozenset(d for d in dynamic_dims if d < obj.dim()))
-        if symbolic and type(obj) in (int, float):
-            self.add_guard(TypeGuard, source, type(obj))
-            node = self._placeholder(_node_name(source))
-            node.meta["example"] = obj
-            self.input_sources.append(source)
-            value = SymV(obj, node, source.expr(), self, str(source))
-            self._by_source[source] = value
-            return value
-        return self.wrap(obj, source)
 
     def graph_inputs(self) -> list[TensorV]:
         """Tensors read from outside the frame (placeholders), in the order first read."""
@@ -291,124 +256,6 @@ class Tracer:
             return Const(t.example.shape)
         return TupleV(dims, torch.Size)
 
-    def _wrap_tensor(self, t: torch.Tensor, source: Source | None,
-                     dyn_dims: frozenset = frozenset()) -> TensorV:
-        seen = self._by_tensor_id.get(id(t))
-        if seen is not None:
-            if source is not None and seen.source is not None:
-                self.add_guard(AliasGuard, source, other=seen.source)
-            return seen
-        if source is None:
-            name = f"_const{len(self.constants)}"
-            self.constants[name] = t
-            node = self.graph.get_attr(name)
-        else:
-            self.add_guard(TensorGuard, source, t.__class__, t.dtype, t.device, tuple(t.shape),
-                           tuple(t.stride()), t.requires_grad, dynamic=dyn_dims,
-                           contiguous=t.is_contiguous(), leaf=_leaf_state(t))
-            if t.is_inference():  # its views are inference tensors (see grad_mode.output_spec)
-                self.add_guard(InferenceGuard, source)
-            node = self._placeholder(_node_name(source))
-            self.input_sources.append(source)
-        node.meta["example"] = t
-        value = TensorV(node, t, source, dynamic=bool(dyn_dims), dyn_dims=dyn_dims, real=t)
-        node.meta["value"] = value
-        self._by_tensor_id[id(t)] = value
-        if t.numel():
-            key = storage_key(t)
-            sharer = self._external.setdefault(key, value)
-            if sharer is not value:  # another input shares this memory (a view made earlier)
-                if sharer.updated:
-                    raise Unsupported("input_mutation", f"{source} shares memory with "
-                                      f"{sharer.source}, which this call wrote in place before")
-                self.viewed.add(key)  # in-place writes into this memory are refused
-        return value
-
-    def _placeholder(self, name: str) -> torch.fx.Node:
-        anchor = self._last_placeholder
-        if anchor is None:
-            first = next(iter(self.graph.nodes), None)
-            ctx = self.graph.inserting_before(first) if first is not None else _nullctx()
-        else:
-            ctx = self.graph.inserting_after(anchor)
-        with ctx:
-            node = self.graph.placeholder(name)
-        self._last_placeholder = node
-        return node
-
-    def guard_aliasing(self) -> None:
-        """The deferred writes assume that what they write is reached only through the
-        sources that reached it at capture: guard that written tensors share no memory with
-        other tensor inputs, and that written lists, dicts and objects are still the same
-        object as their capture-time aliases and not the same as other sources of their type."""
-        pending = self.heap.pending()
-        written = list(dict.fromkeys(w.target.source for w in pending if w.kind == "tensor"
-                                     and w.target.source is not None))
-        if written:
-            others = tuple(v.source for v in self.graph_inputs() if v.source not in written)
-            self.add_guard(DistinctGuard, None, written=tuple(written), others=others)
-            if not torch.is_inference_mode_enabled():  # the commit's writes would be refused
-                for w in pending:
-                    if w.kind == "tensor" and w.target.source is not None \
-                            and w.target.real is not None and w.target.real.is_inference():
-                        raise Unsupported("input_mutation", f"{w.target.source} is an inference "
-                                          "tensor written inside torch.inference_mode(): the "
-                                          "graph's commit runs outside it, where torch refuses")
-                for source in written:
-                    self.add_guard(InferenceGuard, source, expected=False)
-        targets = dict.fromkeys(w.target.source for w in pending if w.kind in _OBJECT_WRITES
-                                and getattr(w.target, "source", None) in self._mutable)
-        for source in targets:
-            oid, typ = self._mutable[source]
-            others = []
-            for other, (other_id, other_type) in self._mutable.items():
-                if other == source:
-                    continue
-                if other_id == oid:
-                    self.add_guard(AliasGuard, other, other=source)
-                elif other_type is typ:
-                    others.append(other)
-            if others:
-                self.add_guard(DistinctGuard, None, written=(source,), others=tuple(others),
-                               memory=False)
-
-    def guard_module_call(self, module_value: Obj) -> None:
-        m = module_value.obj
-        if any(getattr(m, d) for d in NoHooksGuard.HOOK_DICTS) or global_module_hooks():
-            raise Unsupported("module_hooks", f"{type(m).__name__} has hooks registered")
-        self.add_guard(NoGlobalHooksGuard, None)
-        if module_value.source is not None:
-            self.add_guard(NoHooksGuard, module_value.source)
-
-    def guard_method_lookup(self, v: Obj, name: str) -> Source | None:
-        """``v.name`` found a function on ``v``'s class (or nothing on the instance): guard
-        that the instance still does not shadow it and, for classes outside torch, that the
-        class attribute is still that function (a method swapped after capture is seen).
-        Returns the source of that class attribute (None for torch's classes, whose
-        attribute is guarded as a library lookup instead: ``attrs.guard_lookup``)."""
-        cls = type(v.obj)
-        if cls.__module__.split(".")[0] in TRUSTED_MODULE_ROOTS:
-            from .attrs import guard_lookup
-            guard_lookup(self, cls, name)
-        if v.source is None:
-            return None
-        obj = v.obj
-        inst = getattr(obj, "__dict__", None)
-        if isinstance(inst, dict):
-            self.add_guard(ContainsGuard, AttrSource(v.source, "__dict__"), key_value=name,
-                           expected=name in inst)
-        cls = type(obj)
-        if cls.__module__.split(".")[0] in TRUSTED_MODULE_ROOTS:
-            return None
-        for klass in cls.__mro__:
-            table = AttrSource(ObjectSource(pin(klass), f"{klass.__module__}.{klass.__qualname__}"),
-                               "__dict__")
-            if name in klass.__dict__:
-                self.add_guard(IdGuard, ItemSource(table, name), klass.__dict__[name])
-                return ItemSource(table, name)
-            self.add_guard(ContainsGuard, table, key_value=name, expected=False)
-        return None
-
     # ---- turning real calls into graph nodes --------------------------------------------
     def call_op(self, kind: str, target: Any, args: list, kwargs: dict, *,
                 fn: Callable | None = None, name: str = "", keep_node: bool = False) -> Value:
@@ -420,8 +267,8 @@ class Tracer:
         args, kwargs = item_args.substitute(self, target, label, args, kwargs)  # `t - v.item()`
         if torch.is_grad_enabled():
             args, kwargs = connect_reads(self, args, kwargs)
-        cargs = [_concrete(a) for a in args]
-        ckwargs = {k: _concrete(v) for k, v in kwargs.items()}
+        cargs = [concrete(a) for a in args]
+        ckwargs = {k: concrete(v) for k, v in kwargs.items()}
         plain = _PLAIN_OF_INPLACE.get(target) if type(target) is types.BuiltinFunctionType else None
         if plain is not None and cargs and isinstance(cargs[0], (int, float, complex)):
             # `loss = 0.; loss += t`: a number has no in-place form, Python computes `loss + t`
@@ -444,15 +291,15 @@ class Tracer:
                                 f"`{label}` raised {type(e).__name__} during capture: {e}")
             error.value_dependent = has_tensor_input  # the tensors' values may be why
             raise error from None
-        dynamic = any(_is_dynamic(a) for a in [*args, *kwargs.values()])
+        dynamic = any(is_dynamic(a) for a in [*args, *kwargs.values()])
         if dynamic and target in _VALUE_FACTORIES and not any(
                 isinstance(leaf, TensorV) and leaf.dynamic for a in args for leaf in leaves(a)):
             dynamic = False  # `torch.tensor([n])`: symbolic numbers are values, not sizes
-        if not _holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
+        if not holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
             return self._symbolic_metadata(label, args)
-        if not _holds_tensor(result) and dynamic and not check.wrote:
+        if not holds_tensor(result) and dynamic and not check.wrote:
             for a in [*args, *kwargs.values()]:
-                _specialize_all(a)
+                specialize_all(a)
             if has_tensor_input and label not in METADATA_NAMES and result is not None:
                 raise Unsupported("data_dependent_value",
                                   f"`{label}` turns tensor data into a Python "
@@ -464,16 +311,16 @@ class Tracer:
                 for leaf in leaves(a):
                     if isinstance(leaf, TensorV) and leaf.dynamic:
                         self.specialize_shape(leaf)
-        node = self.graph.create_node(kind, target, tuple(_arg(a) for a in args),
-                                      {k: _arg(v) for k, v in kwargs.items()})
+        node = self.graph.create_node(kind, target, tuple(fx_arg(a) for a in args),
+                                      {k: fx_arg(v) for k, v in kwargs.items()})
         node.meta["where"] = self.where()
         node.meta["mutates"] = check.wrote
         node.meta["writes"] = frozenset(check.written)  # storages; none recorded: any argument
-        if not _holds_tensor(result):
+        if not holds_tensor(result):
             return self.wrap_python(result)
         out = self.wrap_output(node, result)
         if dynamic:
-            _mark_dynamic(out)
+            mark_dynamic(out)
         return out
 
     def _symbolic_metadata(self, label: str, args: list) -> Value:
@@ -494,7 +341,9 @@ class Tracer:
     def _functionalize(self, kind, target, args, kwargs, fn, label, error: ExternalMutation,
                        keep_node: bool) -> Value:
         """An op writes into a tensor that outlives the call: run it on a fresh copy in the
-        graph instead, and log the copy's final value for commit (shadow heap)."""
+        graph instead; the shadow heap makes the copy what later reads see and commits its
+        final value (``ShadowHeap.update_tensor``). The refusals are the writes that cannot
+        be deferred that way."""
         def refuse(why: str, unguarded: bool = False):
             error_ = Unsupported("input_mutation",
                                  f"`{label}` writes in place into a tensor that existed before "
@@ -527,11 +376,9 @@ class Tracer:
         view_writes.note_write(self, error.key, copy.node, external, label)
         if external.example.requires_grad and external.stale_leaf is None:
             external.stale_leaf = (external.node, external.example)  # see leaf_writes.py
-        external.node, external.example = copy.node, copy.example
-        external.updated = True
+        self.heap.update_tensor(external, copy, self.where())  # later reads see the copy
         if alias is not None:
             view_writes.rebind_data(alias, into, external)
-        self.heap.update_tensor(external, self.where())
         if isinstance(result, TensorV) and result.example is into.example:
             return written  # `y = x.add_(1)`: y is x
         return result
@@ -594,7 +441,7 @@ class Tracer:
         if t is set:
             return SetV(set(value))
         if isinstance(value, torch.Tensor):
-            return self._wrap_tensor(value, None)
+            return inputs.wrap_tensor(self, value, None)
         return Obj(value)
 
     def tick(self) -> None:
@@ -606,24 +453,9 @@ class Tracer:
             self.budget.check()
 
 
+
+
 _getitem = __import__("operator").getitem
-_OBJECT_WRITES = ("setattr", "delattr", "container", "item", "append")
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-def _leaf_state(t: torch.Tensor) -> bool | None:
-    """Whether ``t`` has no autograd history, for a tensor that requires grad and is not a
-    Parameter (always a leaf); None: not guarded."""
-    if not t.requires_grad or isinstance(t, nn.Parameter):
-        return None
-    return t.grad_fn is None
 
 
 def _object_guard(obj) -> tuple:
@@ -639,97 +471,14 @@ def _object_guard(obj) -> tuple:
     return ValueGuard, obj
 
 
-def _is_library_file(filename: str) -> bool:
-    """torch's or the standard library's own Python (not where a user's line is)."""
-    return _is_torch_file(filename) or (filename.startswith(_STDLIB_DIR)
-                                        and "site-packages" not in filename)
-
-
-def _is_torch_file(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR)
-
-
-import os as _os  # noqa: E402
-_TORCH_DIR = _os.path.dirname(torch.__file__) + _os.sep
-_STDLIB_DIR = _os.path.dirname(_os.__file__) + _os.sep
-
-
 _VALUE_FACTORIES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
 
 
-def _is_dynamic(v: Value) -> bool:
-    return any(isinstance(leaf, SymV) or (isinstance(leaf, TensorV) and leaf.dynamic)
-               for leaf in leaves(v))
-
-
-def _specialize_all(v: Value) -> None:
-    for leaf in leaves(v):
-        if isinstance(leaf, SymV):
-            leaf.concrete()
-
-
-def _mark_dynamic(v: Value) -> None:
-    for leaf in leaves(v):
-        if isinstance(leaf, TensorV):
-            leaf.dynamic = True
-
-
-def _holds_tensor(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return True
-    if isinstance(x, (tuple, list)):
-        return any(isinstance(i, torch.Tensor) for i in x)
-    return False
-
-
 def _item(source: Source | None, key) -> Source | None:
-    from ..guards.sources import ItemSource
     return None if source is None else ItemSource(source, key)
 
 
 def _attr(source: Source | None, name: str) -> Source | None:
-    from ..guards.sources import AttrSource
     return None if source is None else AttrSource(source, name)
 
 
-def _node_name(source: Source) -> str:
-    text = "".join(c if c.isalnum() else "_" for c in str(source))
-    while "__" in text:
-        text = text.replace("__", "_")
-    return text.strip("_") or "input"
-
-
-def _concrete(v: Value) -> Any:
-    from .values import SetV
-    if isinstance(v, (Const, TensorV)):
-        return v.concrete()
-    if isinstance(v, (SymV, item_args.ItemNumV)):
-        return v.value  # the op stays symbolic: no specialisation
-    if isinstance(v, TupleV):
-        return v.build([_concrete(i) for i in v.items])
-    if isinstance(v, ListV):
-        return [_concrete(i) for i in v.items]
-    if isinstance(v, DictV):
-        return {k: _concrete(i) for k, i in v.items.items()}
-    if isinstance(v, SetV):
-        return set(v.items)
-    if isinstance(v, Obj) and isinstance(v.obj, (torch.Generator,)):
-        return v.obj
-    if type(v).__name__ in ("ScalarV", "NumV", "ClockV") or isinstance(v, UntrackedContainer):
-        return v.concrete()  # raises data_dependent_value / RelaxationRefused
-    raise Unsupported("unsupported_call", f"passing {v!r} to a torch operation is not supported")
-
-
-def _arg(v: Value) -> Any:
-    """The FX argument for a value: a node for tensors, the constant otherwise."""
-    if isinstance(v, (TensorV, SymV, GeneratorV, item_args.ItemNumV)):
-        return v.node
-    if isinstance(v, Const):
-        return v.value
-    if isinstance(v, TupleV):
-        return tuple(_arg(i) for i in v.items)
-    if isinstance(v, ListV):
-        return [_arg(i) for i in v.items]
-    if isinstance(v, DictV):
-        return {k: _arg(i) for k, i in v.items.items()}
-    return _concrete(v)

@@ -326,7 +326,7 @@ class GradModeV(Value):
     prior: bool | None = None
     switched: bool = False           # set_grad_enabled: switched (and ``prior`` read) when made
     inference: bool | None = None    # inference_mode(b): b; None for the others
-    context: Any = None              # the real torch._C._InferenceMode while capture is inside
+    context: Any = None              # the real inference-mode guard while capture is inside
     nodes_before: Any = None         # graph nodes that existed when the block was entered
 
     def concrete(self):

@@ -17,6 +17,7 @@ from torch import nn
 from .. import config
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
+from ..symbolic.inputs import placeholder
 from ..symbolic.values import Const, DictV, ListV, Obj, TensorV, TupleV, Value
 from .family import TemplateMiss, family_for
 from .paths import check_signature
@@ -121,7 +122,7 @@ def _object_input(tracer, value: Value):
     seen = tracer.object_inputs.get(value.source)
     if seen is not None:
         return seen
-    node = tracer._placeholder("obj_" + "".join(c if c.isalnum() else "_" for c in str(value.source)))
+    node = placeholder(tracer, "obj_" + "".join(c if c.isalnum() else "_" for c in str(value.source)))
     node.meta["example"] = _real(value)
     tracer.input_sources.append(value.source)
     tracer.object_inputs[value.source] = node

@@ -22,7 +22,9 @@ from ..entry import is_random_node
 from ..guards import GuardSet, ValueGuard
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
+from ..symbolic.assumptions import Assumptions
 from ..symbolic.capture import _restore_process_state
+from ..symbolic.inputs import placeholder
 from ..symbolic.frame import Frame
 from ..symbolic.tracer import Tracer
 from ..symbolic.values import Const, TensorV, TupleV, Value
@@ -127,7 +129,7 @@ class TemplateCapture:
         results = example if isinstance(example, tuple) else (example,)
         names, values = [], []
         for j, tensor in enumerate(results):
-            node = tracer._placeholder(f"hole{k}_{j}")
+            node = placeholder(tracer, f"hole{k}_{j}")
             node.meta["example"] = tensor
             node.meta["template_hole"] = (k, j)
             names.append(node.name)
@@ -151,10 +153,10 @@ def capture_path(family, real_locals: list) -> Path:
 
 def _run(family, real_locals: list, symbolic: set):
     code = family.code
-    tracer = Tracer(code, family.globals, config.max_instructions, config.inline_depth)
+    tracer = Tracer(code, family.globals, Assumptions(symbolic_sources=frozenset(symbolic)),
+                    max_instructions=config.max_instructions, inline_depth=config.inline_depth)
     tpl = TemplateCapture(family, real_locals)
     tracer.template = tpl
-    tracer.symbolic_sources = set(symbolic)
     tpl.locals = {name: tracer.wrap(value, LocalSource(i, name))
                   for i, (name, value) in enumerate(zip(family.params, real_locals))}
     with _restore_process_state(tracer):

@@ -1,0 +1,56 @@
+"""Guards the deferred writes need: a write is committed to what the capture reached it
+through, so nothing else may reach the same memory or object by another path.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..guards import AliasGuard, DistinctGuard, InferenceGuard
+from ..records import Unsupported
+
+_OBJECT_WRITES = ("setattr", "delattr", "container", "item", "append")
+
+
+def guard_writes(tracer) -> None:
+    """The deferred writes assume that what they write is reached only through the
+    sources that reached it at capture: guard that written tensors share no memory with
+    other tensor inputs, and that written lists, dicts and objects are still the same
+    object as their capture-time aliases and not the same as other sources of their type."""
+    pending = tracer.heap.pending()
+    _guard_tensor_writes(tracer, pending)
+    _guard_object_writes(tracer, pending)
+
+
+def _guard_tensor_writes(tracer, pending: list) -> None:
+    written = list(dict.fromkeys(w.target.source for w in pending if w.kind == "tensor"
+                                 and w.target.source is not None))
+    if written:
+        others = tuple(v.source for v in tracer.graph_inputs() if v.source not in written)
+        tracer.add_guard(DistinctGuard, None, written=tuple(written), others=others)
+        if not torch.is_inference_mode_enabled():  # the commit's writes would be refused
+            for w in pending:
+                if w.kind == "tensor" and w.target.source is not None \
+                        and w.target.real is not None and w.target.real.is_inference():
+                    raise Unsupported("input_mutation", f"{w.target.source} is an inference "
+                                      "tensor written inside torch.inference_mode(): the "
+                                      "graph's commit runs outside it, where torch refuses")
+            for source in written:
+                tracer.add_guard(InferenceGuard, source, expected=False)
+
+
+def _guard_object_writes(tracer, pending: list) -> None:
+    targets = dict.fromkeys(w.target.source for w in pending if w.kind in _OBJECT_WRITES
+                            and getattr(w.target, "source", None) in tracer._mutable)
+    for source in targets:
+        oid, typ = tracer._mutable[source]
+        others = []
+        for other, (other_id, other_type) in tracer._mutable.items():
+            if other == source:
+                continue
+            if other_id == oid:
+                tracer.add_guard(AliasGuard, other, other=source)
+            elif other_type is typ:
+                others.append(other)
+        if others:
+            tracer.add_guard(DistinctGuard, None, written=(source,), others=tuple(others),
+                             memory=False)

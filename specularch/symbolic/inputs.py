@@ -1,0 +1,124 @@
+"""Graph inputs: how a tensor, a ``torch.Generator`` or a Python number read from outside
+the call becomes a placeholder of the graph, with the guards that reading it implies and the
+source the entry reads it from on every call. ``Tracer.wrap`` decides what a real object
+becomes; what becomes a graph input is made here.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from ..guards import AliasGuard, InferenceGuard, TensorGuard, TypeGuard
+from ..guards.sources import LocalSource, Source
+from ..records import Unsupported
+from ._torch_dispatch import storage_key
+from .symint import SymV
+from .values import GeneratorV, TensorV, Value
+
+
+def wrap_arguments(tracer, argnames: tuple, slots: tuple) -> dict[str, Value]:
+    """The values of the frame's arguments, generalised as ``tracer.assumptions`` say."""
+    dims, scalars = tracer.assumptions.dynamic_dims, tracer.assumptions.symbolic_scalars
+    return {name: wrap_argument(tracer, value, LocalSource(i, name), dims.get(i, frozenset()),
+                                i in scalars)
+            for i, (name, value) in enumerate(zip(argnames, slots))}
+
+
+def wrap_argument(tracer, obj: Any, source: Source, dynamic_dims: frozenset,
+                  symbolic: bool) -> Value:
+    """An argument slot, generalised as profiling/relaxation decided."""
+    if dynamic_dims and isinstance(obj, torch.Tensor) and id(obj) not in tracer._by_tensor_id:
+        return wrap_tensor(tracer, obj, source, frozenset(d for d in dynamic_dims if d < obj.dim()))
+    if symbolic and type(obj) in (int, float):
+        tracer.add_guard(TypeGuard, source, type(obj))
+        node = placeholder(tracer, node_name(source))
+        node.meta["example"] = obj
+        tracer.input_sources.append(source)
+        value = SymV(obj, node, source.expr(), tracer, str(source))
+        tracer._by_source[source] = value
+        return value
+    return tracer.wrap(obj, source)
+
+
+def wrap_tensor(tracer, t: torch.Tensor, source: Source | None,
+                dyn_dims: frozenset = frozenset()) -> TensorV:
+    """``t`` read from ``source``: a guarded placeholder (``dyn_dims``: sizes left free), or
+    a constant of the graph when it has no source; one value per tensor however reached."""
+    seen = tracer._by_tensor_id.get(id(t))
+    if seen is not None:
+        if source is not None and seen.source is not None:
+            tracer.add_guard(AliasGuard, source, other=seen.source)
+        return seen
+    if source is None:
+        name = f"_const{len(tracer.constants)}"
+        tracer.constants[name] = t
+        node = tracer.graph.get_attr(name)
+    else:
+        tracer.add_guard(TensorGuard, source, t.__class__, t.dtype, t.device, tuple(t.shape),
+                         tuple(t.stride()), t.requires_grad, dynamic=dyn_dims,
+                         contiguous=t.is_contiguous(), leaf=leaf_state(t))
+        if t.is_inference():  # its views are inference tensors (see grad_mode.output_spec)
+            tracer.add_guard(InferenceGuard, source)
+        node = placeholder(tracer, node_name(source))
+        tracer.input_sources.append(source)
+    node.meta["example"] = t
+    value = TensorV(node, t, source, dynamic=bool(dyn_dims), dyn_dims=dyn_dims, real=t)
+    node.meta["value"] = value
+    tracer._by_tensor_id[id(t)] = value
+    if t.numel():
+        key = storage_key(t)
+        sharer = tracer._external.setdefault(key, value)
+        if sharer is not value:  # another input shares this memory (a view made earlier)
+            if sharer.updated:
+                raise Unsupported("input_mutation", f"{source} shares memory with "
+                                  f"{sharer.source}, which this call wrote in place before")
+            tracer.viewed.add(key)  # in-place writes into this memory are refused
+    return value
+
+
+def wrap_generator(tracer, g: torch.Generator, source: Source | None) -> GeneratorV:
+    """A ``torch.Generator`` is a graph input (the graph draws from the caller's generator
+    on every call); capture draws from it too, so its state is put back afterwards."""
+    if source is None:
+        raise Unsupported("unsupported_call", "a torch.Generator that is not reached through "
+                          "an argument, a global or an attribute cannot be passed to the graph")
+    tracer.generators.setdefault(id(g), (g, g.get_state()))
+    tracer.add_guard(TypeGuard, source, type(g))
+    node = placeholder(tracer, node_name(source))
+    node.meta["example"] = g
+    tracer.input_sources.append(source)
+    return GeneratorV(g, source, node=node)
+
+
+def placeholder(tracer, name: str) -> torch.fx.Node:
+    """A new input of the graph. Inputs are read while ops are already recorded, but FX
+    wants every placeholder before the first op: each goes after the last one."""
+    anchor = tracer._last_placeholder
+    if anchor is None:
+        first = next(iter(tracer.graph.nodes), None)
+        ctx = tracer.graph.inserting_before(first) if first is not None else contextlib.nullcontext()
+    else:
+        ctx = tracer.graph.inserting_after(anchor)
+    with ctx:
+        node = tracer.graph.placeholder(name)
+    tracer._last_placeholder = node
+    return node
+
+
+def leaf_state(t: torch.Tensor) -> bool | None:
+    """Whether ``t`` has no autograd history, for a tensor that requires grad and is not a
+    Parameter (always a leaf); None: not guarded."""
+    if not t.requires_grad or isinstance(t, nn.Parameter):
+        return None
+    return t.grad_fn is None
+
+
+def node_name(source: Source) -> str:
+    text = "".join(c if c.isalnum() else "_" for c in str(source))
+    while "__" in text:
+        text = text.replace("__", "_")
+    return text.strip("_") or "input"
