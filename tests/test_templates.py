@@ -245,3 +245,12 @@ def test_off_unrolls_one_graph_per_structure():
         report = check(lambda m, x: m(x), lambda i: A(_seeded(TupleCombiner), shapes[i]),
                        calls=2)
     assert report.stats.captures == 2
+
+
+def test_trees_of_a_batch_share_one_walk():
+    eager, fast, report = _train(tree_rnn.TreeRNN(50, 8), 3, 6, "batched")
+    for p, q in zip(eager.parameters(), fast.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    family = _family("TreeRNN.encode")
+    assert family.last_call["roots"] == 3
+    assert "run_many" in report.graphs[0].code if report.verbose else True

@@ -102,6 +102,9 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             e.value_dependent = True  # reached under a speculated tensor branch
         raise
     tracer.graph.output(tuple(specs.outputs))
+    if tracer.template_calls:
+        from ..templates.merge import merge_family_calls
+        merge_family_calls(tracer.graph)  # the trees of a batch: one wavefront
     _eliminate_dead_code(tracer.graph)
     inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
     tracer.graph.lint()

@@ -165,23 +165,28 @@ class Family:
         """The graph node: the value of the call on a new structure (``structs``: the
         structure arguments; ``ctx_objects``: the others; ``ctx``: the context tensors the
         graph read, in ``ctx_sources`` order)."""
-        L = self.locals_for(structs, ctx_objects)
-        enabled = self.enabled_paths(L)
+        return self.run_many((structs,), ctx_objects, ctx)[0]
+
+    def run_many(self, structs_per_call: tuple, ctx_objects: tuple, ctx: tuple) -> tuple:
+        """Several independent calls of the family with one context (the trees of a batch:
+        ``templates/merge.py``) as one walk: their instances share the wavefront's levels."""
+        roots = [self.locals_for(structs, ctx_objects) for structs in structs_per_call]
+        enabled = self.enabled_paths(roots[0])
         try:  # a new path is captured here (pure: symbolic execution, template graphs)
-            plan = self.plan([L], enabled, capture=self.closed is None)
+            plan = self.plan(roots, enabled, capture=self.closed is None)
         except Unsupported as e:
             self.closed = e.explanation
             raise TemplateMiss(f"a node of {self.name} takes a path that cannot be a template: "
                                f"{e.explanation}") from None
-        self.stats["calls"] += 1
+        self.stats["calls"] += len(roots)
         self.stats["instances"] += len(plan.paths)
         exact = any(p.random for p in plan.paths) or config.templates == "exact"
         self.last_call = {"instances": len(plan.paths), "exact": exact, "batches": [],
-                          "levels": 1 + max(plan.heights)}
+                          "levels": 1 + max(plan.heights), "roots": len(roots)}
         if exact:
-            return self.run_exact(plan, ctx)[0]
+            return tuple(self.run_exact(plan, ctx))
         from .wavefront import run_batched
-        return run_batched(self, plan, ctx)[0]
+        return tuple(run_batched(self, plan, ctx))
 
     def locals_for(self, structs: tuple, ctx_objects: tuple) -> list:
         L: list = [None] * len(self.params)
