@@ -254,3 +254,53 @@ def test_trees_of_a_batch_share_one_walk():
     family = _family("TreeRNN.encode")
     assert family.last_call["roots"] == 3
     assert "run_many" in report.graphs[0].code if report.verbose else True
+
+
+class Special(Node):
+    """A node kind that appears only in later structures; its path reads a parameter no
+    earlier path read."""
+
+
+class TwoKinds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.leaf = nn.Linear(1, 4)
+        self.inner = nn.Linear(4, 4)
+        self.special = nn.Linear(4, 4)
+
+    def encode(self, node):
+        if not node.children:
+            return torch.tanh(self.leaf(torch.tensor([[node.value]])))
+        h = self.encode(node.children[0]) + self.encode(node.children[1])
+        if isinstance(node, Special):
+            return torch.relu(self.special(h))
+        return torch.sigmoid(self.inner(h))
+
+    def forward(self, node):
+        return self.encode(node)
+
+
+def _two_kinds(i):
+    def leaf(v):
+        return Node(value=float(v))
+    if i < 2:
+        return Node(children=[leaf(i), Node(children=[leaf(1), leaf(2)])])
+    return Node(children=[Special(children=[leaf(i), leaf(3)]), leaf(-1)])
+
+
+def test_a_node_kind_seen_later_falls_back_once_then_runs_as_a_graph():
+    torch.manual_seed(0)
+    eager_model = TwoKinds()
+    fast_model = copy.deepcopy(eager_model)
+    fast = specularch.optimize(fast_model)
+    for i in range(5):
+        a, b = eager_model(_two_kinds(i)), fast(_two_kinds(i))
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        a.sum().backward()
+        b.sum().backward()
+    for p, q in zip(eager_model.parameters(), fast_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    report = specularch.explain(fast)
+    assert report.stats.assumption_failures == 1, str(report)
+    assert report.stats.captures == 2 and report.stats.graph_hits == 2, str(report)
+    assert "template:" in str(report.fallbacks[0])

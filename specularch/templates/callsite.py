@@ -14,7 +14,7 @@ import types
 
 from torch import nn
 
-from .. import config
+from ..config import config
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ..symbolic.inputs import placeholder

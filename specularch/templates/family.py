@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import config
+from ..config import config
+from ..guards.guard import refers_to_dead
 from ..guards.sources import Source
 from ..records import Unsupported
 from .paths import Path, capture_path, source_getter
@@ -91,6 +92,7 @@ class Family:
                     return path
         if not capture:
             raise TemplateMiss(f"a node of {self.name} takes a path not captured yet")
+        self.paths[:] = [p for p in self.paths if not refers_to_dead(p.ctx_guards)]
         if len(self.paths) >= MAX_PATHS:
             raise Unsupported("cache_limit", f"{self.name}: more than {MAX_PATHS} template paths")
         path = capture_path(self, L)

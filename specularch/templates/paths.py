@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .. import config
+from ..config import config
 from ..entry import is_random_node
 from ..guards import GuardSet, ValueGuard
 from ..guards.sources import LocalSource, Source

@@ -43,7 +43,7 @@ class Batched:
     placeholder that receives the numbers of all instances as one tensor."""
 
     gm: torch.fx.GraphModule
-    number_dtypes: dict   # input position -> (dtype, device) of the tensor built from numbers
+    number_dtypes: dict   # input position -> (dtype, device, rank) of the tensor of numbers
 
 
 def batched_form(path) -> Batched | str:
@@ -61,10 +61,12 @@ def batched_form(path) -> Batched | str:
                 return f"per-node input {node.name} has no leading dimension of size 1"
             row.add(node)
             continue
-        factory = _number_factory(node)
-        if factory is None:
+        found = _number_factory(node)
+        if found is None:
             return f"the node's number {node.name} is used other than in torch.tensor([x])"
-        numbers[position] = (factory.meta["example"].dtype, factory.meta["example"].device)
+        factory, depth = found
+        example = factory.meta["example"]
+        numbers[position] = (example.dtype, example.device, depth)
         row.add(factory)
     for node in graph.nodes:
         if node.op in ("placeholder", "output") or node in row:
@@ -83,15 +85,19 @@ def batched_form(path) -> Batched | str:
 
 
 def _number_factory(placeholder: torch.fx.Node):
+    """The ``torch.tensor([x])`` (or ``[[x]]``, ...) that is the number's only use, and how
+    deeply ``x`` is nested (the per-instance tensor's rank)."""
     users = list(placeholder.users)
     if len(users) != 1:
         return None
     user = users[0]
-    if user.op == "call_function" and user.target in _FACTORIES and user.args \
-            and isinstance(user.args[0], (list, tuple)) and len(user.args[0]) == 1 \
-            and user.args[0][0] is placeholder and set(user.kwargs) <= {"device", "dtype"}:
-        return user
-    return None
+    if user.op != "call_function" or user.target not in _FACTORIES or not user.args \
+            or not set(user.kwargs) <= {"device", "dtype"}:
+        return None
+    data, depth = user.args[0], 0
+    while isinstance(data, (list, tuple)) and len(data) == 1:
+        data, depth = data[0], depth + 1
+    return (user, depth) if data is placeholder and depth else None
 
 
 def _row_wise(node: torch.fx.Node, row: set) -> str | None:

@@ -117,8 +117,9 @@ def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Stor
         elif inp.kind == "node":
             values = [plan.nodes[i][inp.index] for i in instances]
             if position in form.number_dtypes:
-                dtype, device = form.number_dtypes[position]
-                args.append(torch.tensor(values, dtype=dtype, device=device))
+                dtype, device, rank = form.number_dtypes[position]
+                numbers = torch.tensor(values, dtype=dtype, device=device)
+                args.append(numbers if rank == 1 else numbers.view(-1, *[1] * (rank - 1)))
             else:
                 args.append(torch.cat(values))
         else:
