@@ -176,6 +176,8 @@ class Renderer:
             args += [f"{k}={self.expr(s)}" for k, s in (("sep", w[2]), ("end", w[3]), ("file", w[4]))
                      if s is not None]
             return f"PRINT({', '.join(args + ['flush=True'] * w[5])})"
+        if kind == "effect":
+            return f"{self.const(w[1])}({', '.join(self.expr(s) for s in w[2])})"
         raise ValueError(f"unknown write {kind!r}")
 
 

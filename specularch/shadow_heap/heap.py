@@ -9,7 +9,7 @@ replays it in program order (``commit``); if anything failed the log is dropped
 (``discard``) and no real object was touched.
 
 API (capture time): ``read_attr`` / ``write_attr`` / ``delete_attr``, ``read_global`` /
-``write_global``, ``write_cell``, ``write_print``, ``touch_container``, ``touched``, ``update_tensor``, ``pending()``.
+``write_global``, ``write_cell``, ``write_print``, ``write_effect``, ``touch_container``, ``touched``, ``update_tensor``, ``pending()``.
 The commit itself is generated code (``entry.py``), built from ``pending()``.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Write:
     * ``tensor``: an existing tensor gets the values computed functionally by the graph
     * ``print``: ``print(*value[0], sep=, end=, file=, flush=)`` (``value``: the arguments,
       sep, end, the stream value or None, flush), text formatted at commit
+    * ``effect``: ``name(*value)``, a function called at commit (``warnings.warn``'s replay)
     """
 
     kind: str
@@ -86,6 +87,10 @@ class ShadowHeap:
     def write_print(self, args: list, sep, end, stream, flush: bool, where: str = "") -> None:
         """``print(...)``: an effect with no target, committed in program order."""
         self._log.append(Write("print", None, None, (args, sep, end, stream, flush), where))
+
+    def write_effect(self, fn, args: list, where: str = "") -> None:
+        """``fn(*args)`` at commit, in program order: an effect with no target."""
+        self._log.append(Write("effect", None, fn, args, where))
 
     def write_cell(self, cell, value, where: str = "") -> None:
         self._log.append(Write("cell", cell, None, value, where))

@@ -283,6 +283,8 @@ class SpecBuilder:
             return ("print", [self.build(a) for a in args],
                     *[None if v is None else self.build(v) for v in (sep, end)],
                     None if stream is None else ("source", stream.source), flush)
+        if w.kind == "effect":
+            return ("effect", w.name, [self.build(a) for a in w.value])
         raise ValueError(f"unknown write kind {w.kind!r}")
 
 
