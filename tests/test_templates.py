@@ -304,3 +304,17 @@ def test_a_node_kind_seen_later_falls_back_once_then_runs_as_a_graph():
     assert report.stats.assumption_failures == 1, str(report)
     assert report.stats.captures == 2 and report.stats.graph_hits == 2, str(report)
     assert "template:" in str(report.fallbacks[0])
+
+
+def test_explain_lists_templates_paths_batches_and_unrolled_recursion():
+    _, _, report = _train(tree_rnn.TreeRNN(50, 8), 1, 5, "batched")
+    text = "\n".join(report.templates)
+    assert "template TreeRNN.encode: 2 path(s)" in text
+    assert "L['tree'].word == None" in text and "type(L['tree'].word) is int" in text
+    assert "last call:" in text and "batch sizes" in text and "batched;" in text
+    assert "templates:" in str(report)
+    counting = specularch.optimize(_seeded(Counting))
+    with config.patch(profile_calls=0):
+        counting((T(1, 3, seed=1), T(1, 3, seed=2)))
+    text = "\n".join(specularch.explain(counting).templates)
+    assert "recursion unrolled (one graph per structure): Counting.walk:" in text

@@ -35,13 +35,6 @@ class Plan:
     heights: list = field(default_factory=list)    # per instance: 0 for a leaf of the walk
     roots: list = field(default_factory=list)      # instance id per root
 
-    def add(self, path: Path, nodes: tuple, kids: list) -> int:
-        self.paths.append(path)
-        self.nodes.append(nodes)
-        self.kids.append(kids)
-        self.heights.append(1 + max(self.heights[k] for k in kids) if kids else 0)
-        return len(self.paths) - 1
-
 
 class Family:
     def __init__(self, code, globals_: dict, params: tuple[str, ...], ctx_params: frozenset,
@@ -52,6 +45,7 @@ class Family:
         self.params = params
         self.ctx_params = ctx_params
         self.struct_params = struct_params
+        self._struct_order = tuple(sorted(struct_params))
         self.paths: list[Path] = []
         self.ctx_sources: list[Source] = []   # context tensors, over the template's locals
         self._ctx_getter = None
@@ -116,33 +110,52 @@ class Family:
         return plan
 
     def _plan_one(self, plan: Plan, L: list, enabled: list[Path], capture: bool) -> int:
-        # an explicit stack: [locals, path, child locals, next child, child ids]
-        stack = [[L, None, None, 0, []]]
+        """Instances of the structure under ``L`` in post-order (eager's call order); an
+        explicit stack of [locals, path, children, next child, child ids] (no recursion
+        limit). The hot loop of a call: kept free of per-node allocations it can avoid."""
+        G, paths, nodes, kids_of, heights = self.globals, plan.paths, plan.nodes, plan.kids, plan.heights
+        stack: list = []
+        current = L
         while True:
-            top = stack[-1]
-            if top[1] is None:
-                top[1] = path = self.select(top[0], enabled, capture)
-                top[2] = self._children(path, top[0])
-            if top[3] < len(top[2]):
-                top[3] += 1
-                stack.append([top[2][top[3] - 1], None, None, 0, []])
-                if len(plan.paths) + len(stack) > MAX_INSTANCES:
+            path = self.select(current, enabled, capture)
+            children = self._children(path, current)
+            if children:
+                stack.append([current, path, children, 1, []])
+                current = children[0]
+                if len(stack) + len(paths) > MAX_INSTANCES:
                     raise TemplateMiss(f"{self.name}: the structure has more than "
                                        f"{MAX_INSTANCES} nodes (a cycle?)")
                 continue
-            stack.pop()
-            path, L_ = top[1], top[0]
-            index = plan.add(path, path.node_getter(L_, self.globals), top[4])
-            if not stack:
+            index = len(paths)
+            paths.append(path)
+            nodes.append(path.node_getter(current, G))
+            kids_of.append(())
+            heights.append(0)
+            while stack:  # climb while the parents are complete
+                top = stack[-1]
+                top[4].append(index)
+                if top[3] < len(top[2]):
+                    current = top[2][top[3]]
+                    top[3] += 1
+                    break
+                stack.pop()
+                kids = top[4]
+                index = len(paths)
+                paths.append(top[1])
+                nodes.append(top[1].node_getter(top[0], G))
+                kids_of.append(kids)
+                heights.append(1 + max(heights[k] for k in kids))
+            else:
                 return index
-            stack[-1][4].append(index)
 
-    def _children(self, path: Path, L: list) -> list[list]:
+    def _children(self, path: Path, L: list) -> list:
         values = path.hole_getter(L, self.globals)
-        children, i = [], 0
-        for hole in path.holes:
-            child = list(L)
-            for p in sorted(self.struct_params):
+        if not values:
+            return ()
+        children, order, i = [], self._struct_order, 0
+        for _ in path.holes:
+            child = L.copy()
+            for p in order:
                 child[p] = values[i]
                 i += 1
             children.append(child)
@@ -152,7 +165,7 @@ class Family:
     def run_exact(self, plan: Plan, ctx: tuple) -> list:
         outs: list = [None] * len(plan.paths)
         for i, path in enumerate(plan.paths):
-            outs[i] = path.gm(*_arguments(path, ctx, plan.nodes[i], plan.kids[i], outs))
+            outs[i] = path.gm.forward(*_arguments(path, ctx, plan.nodes[i], plan.kids[i], outs))
             path.runs += 1
         return [outs[r] for r in plan.roots]
 
