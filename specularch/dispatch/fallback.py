@@ -19,6 +19,7 @@ from ..entry import AssumptionFailed
 from ..records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError, Unsupported
 from ..symbolic import branch_merge, exceptions
 from . import hooks
+from ..templates.family import TemplateMiss
 from .state import LOCK, CodeState, EagerEntry, GraphEntry
 
 VALUE_DEPENDENT_RETRIES = 8  # captures failing on tensor values before the path stays eager
@@ -142,10 +143,24 @@ def assumption_failed(state: CodeState, entry: GraphEntry, failure: AssumptionFa
     return fallback(state, slots, cells, error)
 
 
+def template_missed(state: CodeState, entry: GraphEntry, miss: Exception, slots, cells) -> Any:
+    """A recursion template met a node its graph cannot run (a new path reading what the
+    graph does not pass): nothing was committed; drop the graph (the next capture passes what
+    the family's paths need now) and run the original."""
+    torch.set_grad_enabled(entry.grad_enabled)
+    with LOCK:
+        if entry in state.entries:
+            state.entries.remove(entry)
+        state.stats.assumption_failures += 1
+    return fallback(state, slots, cells, Unsupported("assumption_failed", f"template: {miss}"))
+
+
 def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, cells) -> Any:
     """An ``fx`` graph raised (nothing was committed). Run the original first to tell the
     user's own error (eager raises too: the graph only met it first, e.g. an index out of
     range) from a graph that raised where eager does not."""
+    if isinstance(error, TemplateMiss):
+        return template_missed(state, entry, error, slots, cells)
     if entry.capture.distributed_leaves and hooks.distributed.active():
         return hooks.distributed.step_graph_raised(
             state, error, lambda failure: fallback(state, slots, cells, failure, at_def=True))

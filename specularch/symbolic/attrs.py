@@ -16,6 +16,7 @@ from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
 from .deque_model import DequeV
+from .exit_stack import ExitStackV
 from .leaf_writes import metadata_of
 from .stdlib_objects import refuse_frozen_write
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
@@ -45,7 +46,7 @@ def load_attr(tracer, frame, v: Value, name: str) -> Value:
         return _super_attr(tracer, v, name)
     if isinstance(v, NewObjV):
         return _new_object_attr(tracer, v, name)
-    if isinstance(v, (UntrackedContainer, DictViewV)):
+    if isinstance(v, (UntrackedContainer, DictViewV, ExitStackV)):
         return MethodV(v, None, name)
     if name == "maxlen" and isinstance(v, DequeV):
         return Const(v.maxlen)

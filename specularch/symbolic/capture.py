@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from ..entry import is_random_node
+from ..fx_lower import _torch_fx_sources as fx_sources
 from ..guards import GuardSet
 from ..guards.sources import CellSource, Source
 from ..records import Unsupported
@@ -103,6 +104,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
                   cells: tuple | None, assumptions: Assumptions, attempt: list, *,
                   max_instructions: int, inline_depth: int) -> Capture:
     start = time.perf_counter()
+    since = fx_sources.mark()
     tracer = Tracer(code, globals_, assumptions, max_instructions=max_instructions,
                     inline_depth=inline_depth)
     attempt.append(tracer)
@@ -142,6 +144,9 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
             e.value_dependent = True  # reached under a speculated tensor branch
         raise
     tracer.graph.output(tuple(specs.outputs))
+    if tracer.template_calls:
+        from ..templates.merge import merge_family_calls
+        merge_family_calls(tracer.graph)  # the trees of a batch: one wavefront
     _eliminate_dead_code(tracer.graph)
     inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
     tracer.graph.lint()
@@ -150,6 +155,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
         setattr(root, name, tensor)
     gm = torch.fx.GraphModule(root, tracer.graph, class_name=f"Captured_{_ident(code.co_name)}")
     gm.meta["constructed_by"] = "specularch.symbolic.capture"
+    gm.meta["unrolled_recursion"] = dict(tracer.unrolled)  # see templates/callsite.py
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm.meta["scalar_inputs"] = any(isinstance(n.meta.get("example"), (int, float)) for n in placeholders)
     gm.meta["dynamic_dims"] = bool(tracer._sizes) or any(
@@ -166,6 +172,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     if tracer.distributed_leaves and assertions:
         raise Unsupported("data_dependent_branch", "a distributed training step cannot speculate "
                           "on tensor values yet (all ranks must take the same path)")
+    fx_sources.release_with(gm, since)  # torch.fx keeps generated code's text for good
     return Capture(gm, tracer.guards, inputs, spec, time.perf_counter() - start,
                    writes=writes, assertions=assertions,
                    distributed_leaves=tracer.distributed_leaves, loops=list(tracer.loops))

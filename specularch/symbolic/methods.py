@@ -8,6 +8,7 @@ from ..records import Unsupported
 from .exceptions import python_error
 from . import deque_model, grad_mode, printing, stdlib_objects, training, untracked
 from .deque_model import DequeV
+from .exit_stack import ExitStackV
 from .operators import consume, contains, ensure_local, identical
 from .tracer import FORBIDDEN_TENSOR_METHODS
 from .values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
@@ -39,6 +40,8 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
         return tracer.call_op("call_method", name, [self_v, *args], kwargs, name=name)
     if isinstance(self_v, DequeV):
         return deque_model.call_method(tracer, self_v, name, args, kwargs)
+    if isinstance(self_v, ExitStackV):
+        return self_v.method(tracer, name, args, kwargs)
     if isinstance(self_v, ListV):
         return _list_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, UntrackedContainer):

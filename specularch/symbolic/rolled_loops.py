@@ -127,6 +127,8 @@ def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
         return "inside the body of a rolled loop"
     if tracer.merging:
         return "inside a tensor branch whose two sides are merged"
+    if tracer.template is not None:
+        return "inside a recursion template (templates/)"
     if not isinstance(n.value, int) or n.value < 2:
         return f"its trip count at capture ({n.value!r}) gives no second iteration to compare"
     return None
@@ -210,7 +212,9 @@ class _Loop:
 _EFFECTS = {"shadow-heap writes": lambda t: t.heap, "clock reads": lambda t: t.clock_reads, "view writes": lambda t: t.view_writes,
             "distributed leaves": lambda t: t.distributed_leaves,
             "inference regions": lambda t: t.inference_regions,
-            "optimizer state": lambda t: t.opt_state, "generators": lambda t: t.generators}
+            "optimizer state": lambda t: t.opt_state, "generators": lambda t: t.generators,
+            "recursion template calls": lambda t: t.template_calls,
+            "object inputs": lambda t: t.object_inputs}
 
 
 def _depends_on(node: torch.fx.Node, on: torch.fx.Node) -> bool:
