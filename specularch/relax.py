@@ -32,6 +32,7 @@ class Generalisation:
     def __init__(self) -> None:
         self.dynamic_dims: dict[int, set[int]] = {}
         self.dynamic_sources: dict = {}     # tensors inside arguments (`batch[0]`) -> dims
+        self.nested_shapes: dict = {}       # such a tensor's source -> shapes its guards failed on
         self.symbolic_scalars: set[int] = set()
         self.symbolic_sources: set = set()  # other sources (e.g. `self.count`) read as inputs
         self.append_only: set = set()       # lists that only grow (`self.history.append(x)`)
@@ -121,7 +122,9 @@ class Generalisation:
         return False
 
     def _nested_dims(self, guard, value) -> bool:
-        """A tensor inside a tuple/list argument whose sizes changed (``batch[0]``)."""
+        """A tensor inside a tuple/list argument whose sizes keep changing (``batch[0]``): a
+        size that changed once may be an epoch's short last batch (two static graphs, which
+        every backend and pass optimises); a third size makes the dims dynamic."""
         if not isinstance(value, torch.Tensor) or (type(value), value.dtype, value.device,
                                                     value.dim()) != (
                 guard.tensor_type, guard.dtype, guard.device, len(guard.shape)):
@@ -130,9 +133,13 @@ class Generalisation:
                    if a != b and d not in guard.dynamic}
         if not changed or value.is_contiguous() != guard.contiguous or self.static_sizes:
             return False
+        seen = self.nested_shapes.setdefault(guard.source, {tuple(guard.shape)})
+        seen.add(tuple(value.shape))
+        if len(seen) < 3:
+            return False
         self.dynamic_sources.setdefault(guard.source, set()).update(changed)
         self.note(f"{guard.source}: dimension(s) {sorted(changed)} made dynamic (changed between "
-                  f"calls: {guard.shape}, {tuple(value.shape)})")
+                  f"calls: {', '.join(str(s) for s in sorted(seen))})")
         return True
 
     def note(self, text: str) -> None:

@@ -26,7 +26,7 @@ def _lm_step(model, opt):
     return step
 
 
-def _train_both(lengths, layers=2, dropout=0.2):
+def _train_both(lengths, layers=2, dropout=0.2, last_raises=None):
     torch.manual_seed(0)
     eager_model = lstm_lm.LSTMLM(30, 8, layers, dropout=dropout)
     opt_model = copy.deepcopy(eager_model)
@@ -37,6 +37,13 @@ def _train_both(lengths, layers=2, dropout=0.2):
         tokens = torch.randint(0, 30, (n, 4), generator=data)
         targets = torch.randint(0, 30, (n, 4), generator=data)
         torch.manual_seed(100 + i)  # dropout draws: the same stream on both sides
+        if last_raises is not None and i == len(lengths) - 1:
+            with pytest.raises(RuntimeError, match=last_raises) as eager_error:
+                eager_step(tokens, targets)
+            with pytest.raises(RuntimeError, match=last_raises) as opt_error:
+                opt_step(tokens, targets)
+            assert str(eager_error.value) == str(opt_error.value)
+            break
         expected = eager_step(tokens, targets)
         torch.manual_seed(100 + i)
         got = opt_step(tokens, targets)
@@ -66,8 +73,8 @@ def test_lstm_lm_training_step_captures_the_loop_once_for_every_length():
 def test_a_rolled_loop_runs_one_iteration_and_zero_raises_like_eager():
     report = _train_both([3, 4, 5, 6, 1, 7], layers=1)
     assert report.stats.captures == 1 and not report.fallbacks, report
-    with pytest.raises(RuntimeError, match="non-empty"):  # torch.stack([]) in eager
-        _train_both([3, 4, 5, 6, 0], layers=1, dropout=0.0)
+    # length 0: torch.stack([]) raises in eager; the rolled graph is guarded on n >= 1
+    _train_both([3, 4, 5, 6, 7, 0], layers=1, last_raises="non-empty")
 
 
 def test_a_step_taking_a_batch_tuple_relaxes_the_sizes_inside_it_and_rolls():
@@ -91,7 +98,9 @@ def test_a_step_taking_a_batch_tuple_relaxes_the_sizes_inside_it_and_rolls():
     for p, q in zip(eager_model.parameters(), opt_model.parameters()):
         assert_same(p, q, "parameters")
     report = specularch.explain(opt_step)
-    assert report.stats.captures <= 2 and not report.fallbacks, report
+    # lengths 3 and 4 are captured as they are (a size that changed once may be the short
+    # last batch of an epoch); from the third length on the sizes are dynamic
+    assert report.stats.captures <= 3 and not report.fallbacks, report
     assert any("L['batch'][0]: dimension(s) [0] made dynamic" in r for r in report.relaxations), report
 
 
