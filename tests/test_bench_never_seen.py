@@ -97,5 +97,8 @@ def test_never_seen_regime_with_torch_compile(tmp_path, capsys):
     _, runs = _run(tmp_path, "lstm_lm", 3, "--torch-compile")
     tc = runs["lstm_lm"]["modes"]["torch.compile"]
     assert tc["steps"] == 3 and tc["graphs"] >= 1 and tc["first_compiled_step"] == 1, tc
-    assert tc["recompile_limit_hits"] == 0 and tc["params_close"], tc
+    assert tc["recompile_limit_hits"] == 0, tc
+    # the tiny LM has dropout, and Inductor draws its own random numbers (the never_seen
+    # preset has none): the report shows the parameters drifting from eager's
+    assert tc["max_param_diff"] > 0 and tc["params_close"] is False, tc
     assert "| lstm_lm | torch.compile |" in capsys.readouterr().out
