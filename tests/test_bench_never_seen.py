@@ -39,19 +39,20 @@ def test_never_seen_regime_reports_every_mode_side_by_side(tmp_path, capsys):
             assert m["steps"] == 6 and 0 < m["median_ms"] and 0 < m["first_step_ms"]
         assert spec["first_compiled_step"] == profiled + 1, spec  # after the profiled calls
         assert 1 <= spec["graphs"] <= 6 - profiled and spec["cache_limit_fallbacks"] == 0
-        # fx runs the step bit for bit: after the run every parameter equals eager's
-        assert spec["max_param_diff"] == 0.0 and spec["params_close"] is True, (name, spec)
+        # after the run every parameter equals eager's within float rounding (bit for bit
+        # where every step ran unrolled graphs or eagerly; batched templates round differently)
+        assert spec["max_param_diff"] < 1e-5 and spec["params_close"] is True, (name, spec)
         assert f"| {name} | specularch fx |" in printed.out
         assert f"[bench] {name}: step 6/6" in printed.err
     assert "threads=1" in printed.out and results["threads"] == 1
 
 
 def test_never_seen_regime_counts_cache_limit_fallbacks(tmp_path):
-    """Past ``cache_limit`` graphs every new tree runs eagerly; the report counts those
-    calls (from explain's records), and the parameters still end where eager's do."""
+    """Past ``cache_limit`` graphs every new BPTT length runs eagerly; the report counts
+    those calls (from explain's records), and the parameters still end where eager's do."""
     with specularch.config.patch(cache_limit=1):
-        _, runs = _run(tmp_path, "tree_rnn", 8, "--no-torch-compile", "--regime", "never-seen")
-    spec = runs["tree_rnn"]["modes"]["specularch fx"]
+        _, runs = _run(tmp_path, "lstm_lm", 8, "--no-torch-compile", "--regime", "never-seen")
+    spec = runs["lstm_lm"]["modes"]["specularch fx"]
     profiled = specularch.config.profile_calls
     assert spec["cache_limit_fallbacks"] >= 1 and "cache_limit" in spec["fallback_kinds"], spec
     assert spec["graphs"] + spec["cache_limit_fallbacks"] + profiled <= 8
@@ -80,7 +81,7 @@ def test_never_seen_presets_have_the_issues_sizes():
 @pytest.mark.parametrize("name", TREE_MODELS)
 def test_tree_model_with_a_wider_embedding_trains_like_eager(name):
     """The never_seen preset's leaf path (embedding 300 -> hidden 150) under optimize: three
-    training steps on new trees, parameters bit-identical to eager's."""
+    training steps on new trees, parameters equal to eager's within float rounding."""
     w = WORKLOADS[name]
     modes = never_seen.build_modes(w, never_seen.PRESET, "cpu", ["fx"], with_compile=False)
     batches = never_seen.make_batches(w, never_seen.PRESET, 5, "cpu")
@@ -89,7 +90,8 @@ def test_tree_model_with_a_wider_embedding_trains_like_eager(name):
             for mode in modes:
                 mode.run(batch, seed=i, device="cpu")
     assert specularch.explain(modes[1].step).stats.captures >= 1
-    assert never_seen.param_difference(modes[1].model, modes[0].model) == (0.0, True)
+    worst, close = never_seen.param_difference(modes[1].model, modes[0].model)
+    assert close and worst < 1e-5, worst
 
 
 @pytest.mark.slow
