@@ -4,7 +4,6 @@ running the instances one by one (exact) or by wavefront (``wavefront.py``)."""
 from __future__ import annotations
 
 import builtins
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +47,7 @@ class Family:
         self._struct_order = tuple(sorted(struct_params))
         self.paths: list[Path] = []
         self.ctx_sources: list[Source] = []   # context tensors, over the template's locals
-        self._ctx_getter = None
+        self._ctx_getters: list = []          # one per ctx source
         self.last_call: dict = {}       # instances, levels, batch sizes of the latest run
         self.closed: str | None = None  # why paths are no longer captured at run time
         self.builtins = globals_.get("__builtins__", builtins)
@@ -61,14 +60,16 @@ class Family:
     def ctx_index(self, source: Source, example: torch.Tensor) -> int:
         if source not in self.ctx_sources:
             self.ctx_sources.append(source)
-            self._ctx_getter = None
         return self.ctx_sources.index(source)
 
-    def ctx_values(self, L: list) -> tuple:
-        """The context tensors read from the real context objects (during capture)."""
-        if self._ctx_getter is None:
-            self._ctx_getter = source_getter(self.ctx_sources)
-        return self._ctx_getter(L, self.globals)
+    def ctx_values(self, L: list, enabled: list[Path]) -> tuple:
+        """The context tensors read from the real context objects (during capture): those
+        the ``enabled`` paths read, None for the others (another model's, say)."""
+        needed = {inp.index for p in enabled for inp in p.inputs if inp.kind == "ctx"}
+        while len(self._ctx_getters) < len(self.ctx_sources):
+            self._ctx_getters.append(source_getter([self.ctx_sources[len(self._ctx_getters)]]))
+        return tuple(get(L, self.globals)[0] if i in needed else None
+                     for i, get in enumerate(self._ctx_getters))
 
     def enabled_paths(self, L: list) -> list[Path]:
         """The paths whose context guards hold for this call's context objects."""
@@ -174,7 +175,7 @@ class Family:
         paths the structure needs)."""
         enabled = self.enabled_paths(L)
         plan = self.plan([L], enabled, capture=True)
-        return self.run_exact(plan, self.ctx_values(L))[0]
+        return self.run_exact(plan, self.ctx_values(L, enabled))[0]
 
     def run(self, structs: tuple, ctx_objects: tuple, ctx: tuple):
         """The graph node: the value of the call on a new structure (``structs``: the
@@ -216,9 +217,10 @@ def _arguments(path: Path, ctx: tuple, nodes: tuple, kids: list, outs: list) -> 
     args = []
     for inp in path.inputs:
         if inp.kind == "ctx":
-            if inp.index >= len(ctx):
+            value = ctx[inp.index] if inp.index < len(ctx) else None
+            if value is None:
                 raise TemplateMiss("a template path reads a context tensor the graph did not pass")
-            args.append(ctx[inp.index])
+            args.append(value)
         elif inp.kind == "node":
             args.append(nodes[inp.index])
         else:
@@ -227,18 +229,27 @@ def _arguments(path: Path, ctx: tuple, nodes: tuple, kids: list, outs: list) -> 
     return args
 
 
-_FAMILIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Families by the identity of their code object and globals: equal code objects compare
+# equal (two imports of one file, e.g. through a symlink) but run in different globals.
+_FAMILIES: dict[tuple[int, int], Family] = {}
 
 
 def family_for(code, globals_: dict, params: tuple, ctx_params: frozenset,
                struct_params: frozenset) -> Family:
-    key = _FAMILIES.get(code)
-    if key is not None and key.ctx_params == ctx_params and key.struct_params == struct_params:
-        return key
+    key = (id(code), id(globals_))
+    found = _FAMILIES.get(key)
+    if found is not None and found.code is code and found.globals is globals_ \
+            and found.ctx_params == ctx_params and found.struct_params == struct_params:
+        return found
     family = Family(code, globals_, params, ctx_params, struct_params)
-    _FAMILIES[code] = family
+    _FAMILIES[key] = family  # (holds the code and globals: ids are not reused while here)
     return family
 
 
 def families() -> list[Family]:
     return list(_FAMILIES.values())
+
+
+def reset() -> None:
+    """Forget every family (``specularch.reset()``)."""
+    _FAMILIES.clear()

@@ -118,9 +118,10 @@ def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Stor
     args = []
     for position, inp in enumerate(path.inputs):
         if inp.kind == "ctx":
-            if inp.index >= len(ctx):
+            value = ctx[inp.index] if inp.index < len(ctx) else None
+            if value is None:
                 raise TemplateMiss("a template path reads a context tensor the graph did not pass")
-            args.append(ctx[inp.index])
+            args.append(value)
         elif inp.kind == "node":
             values = [plan.nodes[i][inp.index] for i in instances]
             if position in form.number_dtypes:
