@@ -3,8 +3,9 @@
 JANUS profiles the first calls and specialises the first graph on what stayed fixed; what
 varied is generalised at once. Later, when a guard fails because an argument's size or a
 Python number changed, the assumption is relaxed (the dimension becomes dynamic, the number
-becomes a graph input) instead of capturing one graph per value. Only argument slots are
-generalised; everything else stays specialised and guarded.
+becomes a graph input) instead of capturing one graph per value. Argument slots are
+generalised, and on a guard failure the sizes of tensors held in tuple/list arguments
+(``batch[0]``); everything else stays specialised and guarded.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from .guards import DictKeysGuard, LenGuard, TensorGuard, ValueGuard
-from .guards.sources import LocalSource
+from .guards.sources import ItemSource, LocalSource
 
 
 def fact(value: Any) -> tuple:
@@ -25,11 +26,16 @@ def fact(value: Any) -> tuple:
     return ("other", type(value))
 
 
+NESTED_SIZES = 4  # distinct shapes of a tensor inside an argument before its sizes are dynamic
+
+
 class Generalisation:
     """Per code object: which argument dims are dynamic and which numbers are inputs."""
 
     def __init__(self) -> None:
         self.dynamic_dims: dict[int, set[int]] = {}
+        self.dynamic_sources: dict = {}     # tensors inside arguments (`batch[0]`) -> dims
+        self.nested_shapes: dict = {}       # such a tensor's source -> shapes its guards failed on
         self.symbolic_scalars: set[int] = set()
         self.symbolic_sources: set = set()  # other sources (e.g. `self.count`) read as inputs
         self.append_only: set = set()       # lists that only grow (`self.history.append(x)`)
@@ -96,6 +102,8 @@ class Generalisation:
             self.note(f"{guard.source}: dict used through single keys; its key set is no longer "
                       f"guarded (keys changed from {_keys(guard.keys)} to {_keys(value)})")
             return True
+        if isinstance(guard, TensorGuard) and _inside_argument(guard.source):
+            return self._nested_dims(guard, value)
         if not isinstance(guard.source, LocalSource):
             return False
         slot, name = guard.source.index, guard.source.name
@@ -116,6 +124,29 @@ class Generalisation:
             return True
         return False
 
+    def _nested_dims(self, guard, value) -> bool:
+        """A tensor inside a tuple/list argument whose sizes keep changing (``batch[0]``).
+        A few sizes (an epoch's full and short last batch, a few bucketed lengths) are each
+        worth a static graph, which every backend and pass optimises; the
+        ``NESTED_SIZES``-th distinct size makes the dims dynamic (a rolled loop then takes
+        every length)."""
+        if not isinstance(value, torch.Tensor) or (type(value), value.dtype, value.device,
+                                                    value.dim()) != (
+                guard.tensor_type, guard.dtype, guard.device, len(guard.shape)):
+            return False
+        changed = {d for d, (a, b) in enumerate(zip(guard.shape, value.shape))
+                   if a != b and d not in guard.dynamic}
+        if not changed or value.is_contiguous() != guard.contiguous or self.static_sizes:
+            return False
+        seen = self.nested_shapes.setdefault(guard.source, {tuple(guard.shape)})
+        seen.add(tuple(value.shape))
+        if len(seen) < NESTED_SIZES:
+            return False
+        self.dynamic_sources.setdefault(guard.source, set()).update(changed)
+        self.note(f"{guard.source}: dimension(s) {sorted(changed)} made dynamic (changed between "
+                  f"calls: {', '.join(str(s) for s in sorted(seen))})")
+        return True
+
     def note(self, text: str) -> None:
         self.relaxations.append(text)
         from . import log
@@ -131,6 +162,15 @@ class Generalisation:
         self.symbolic_scalars.add(slot)
         shown = ", ".join(repr(s) for s in seen[:6])
         self.note(f"L[{name!r}]: Python number made a graph input ({why}: {shown})")
+
+
+def _inside_argument(source) -> bool:
+    """An item (at any depth) of a tuple/list argument."""
+    if not isinstance(source, ItemSource):
+        return False
+    while isinstance(source, ItemSource):
+        source = source.base
+    return isinstance(source, LocalSource)
 
 
 def _keys(keys) -> str:

@@ -77,6 +77,35 @@ def test_a_rolled_loop_runs_one_iteration_and_zero_raises_like_eager():
     _train_both([3, 4, 5, 6, 7, 0], layers=1, last_raises="non-empty")
 
 
+def test_a_step_taking_a_batch_tuple_relaxes_the_sizes_inside_it_and_rolls():
+    # the benchmark's step: `train_step(batch)` with batch = (tokens, targets)
+    from specularch.relax import NESTED_SIZES
+    torch.manual_seed(0)
+    eager_model = lstm_lm.LSTMLM(30, 8, 1)
+    opt_model = copy.deepcopy(eager_model)
+
+    def make(model):
+        step = _lm_step(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        return lambda batch: step(*batch)
+    eager_step = make(eager_model)
+    opt_step = specularch.optimize(make(opt_model))
+    data = torch.Generator().manual_seed(2)
+    lengths = [3, 3, 4, 6, 5, 9, 2, 7, 12, 8, 10, 11, 13, 14, 15, 16]
+    for i, n in enumerate(lengths):
+        batch = tuple(torch.randint(0, 30, (n, 4), generator=data) for _ in range(2))
+        torch.manual_seed(i)
+        expected = eager_step(batch)
+        torch.manual_seed(i)
+        assert_same(expected, opt_step(batch), f"loss at length {n}")
+    for p, q in zip(eager_model.parameters(), opt_model.parameters()):
+        assert_same(p, q, "parameters")
+    report = specularch.explain(opt_step)
+    # a few lengths get static graphs; from the NESTED_SIZES-th on, one rolled graph takes all
+    assert report.stats.captures <= NESTED_SIZES and not report.fallbacks, report
+    assert any("L['batch'][0]: dimension(s) [0] made dynamic" in r for r in report.relaxations), report
+    assert report.graphs[0].loops[0].rolled and len(report.graphs[0].loops[0].trips) >= 8, report
+
+
 def _length_args(i):
     n = [4, 6, 3, 7, 5, 9][i % 6]
     return A(T(n, 3, 5, requires_grad=True), T(5, 5, requires_grad=True), T(3, 5))

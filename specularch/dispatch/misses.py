@@ -160,6 +160,7 @@ def capture_with_relaxations(state: CodeState, slots, cells, G) -> Capture:
         try:
             assumptions = Assumptions(  # a snapshot: a refused relaxation changes `general`
                 unstable_sites=state.unstable_sites, dynamic_dims=general.dynamic_dims,
+                dynamic_sources=general.dynamic_sources,
                 symbolic_scalars=general.symbolic_scalars,
                 symbolic_sources=general.symbolic_sources,
                 append_only=general.append_only, keyed_dicts=general.keyed_dicts)

@@ -19,6 +19,8 @@ class Assumptions:
     unstable_sites: frozenset = frozenset()
     # argument slot -> the dims whose size varies between calls (sizes become SymV)
     dynamic_dims: Mapping[int, frozenset] = field(default_factory=dict)
+    # tensors inside tuple/list arguments (their source) -> the dims whose size varies
+    dynamic_sources: Mapping = field(default_factory=dict)
     # argument slots whose int/float is a graph input instead of a guarded constant
     symbolic_scalars: frozenset = frozenset()
     # other int/float sources read as graph inputs (``self.count``)
@@ -43,3 +45,5 @@ class Assumptions:
                                 f"{slot!r}: {slot_dims!r}")
             dims[slot] = frozenset(slot_dims)
         object.__setattr__(self, "dynamic_dims", MappingProxyType(dims))
+        object.__setattr__(self, "dynamic_sources", MappingProxyType(
+            {source: frozenset(d) for source, d in dict(self.dynamic_sources).items()}))

@@ -152,7 +152,8 @@ class Tracer:
     def _wrap_new(self, obj: Any, source: Source | None) -> Value:
         t = type(obj)
         if isinstance(obj, torch.Tensor):
-            return inputs.wrap_tensor(self, obj, source)
+            dims = self.assumptions.dynamic_sources.get(source, ()) if source is not None else ()
+            return inputs.wrap_tensor(self, obj, source, frozenset(d for d in dims if d < obj.dim()))
         if t in CONST_TYPES:
             if source is not None and t in (int, float) and source in self.assumptions.symbolic_sources:
                 return inputs.wrap_argument(self, obj, source, frozenset(), True)
