@@ -26,10 +26,11 @@ from .entry import MISS, AssumptionFailed, build_entry, graph_uses_randomness
 from .fx_lower import get_backend
 from .guards import GuardSet
 from .guards.guard import refers_to_dead
-from .relax import Generalisation, fact
+from .guards.relax import Generalisation, fact
 from .records import (FALLBACK_KINDS, FallbackRecord, RecompileRecord, SpecularchStrictError,
                       Unsupported)
-from .symbolic import branch_merge, budget, exceptions
+from .symbolic.speculation import branch_merge, budget
+from .symbolic import exceptions
 from .symbolic.assumptions import Assumptions
 from .symbolic.capture import Capture, capture
 from .symbolic.values import RelaxationRefused
@@ -170,7 +171,7 @@ def per_instance(target, resolve: Callable) -> None:
 
 
 # Targets of the global switch optimized only at some of their calls (a module forward: its
-# outermost calls, see policy.py): target key -> ``handler(target, slots, cells)``, which
+# outermost calls, see specularch/frames/policy.py): target key -> ``handler(target, slots, cells)``, which
 # takes the whole call.
 _PER_CALL_SITE: dict[int, Callable] = {}
 

@@ -14,7 +14,7 @@
             raise
         if bool(R[4]) is not True: return FAILED[0]    # in-graph assumptions
         c1 = CLOCK(); n0 = ...                      # clocks after the graph; numbers computed
-                                                    # from .item() values (symbolic/deferred.py)
+                                                    # from .item() values (symbolic/speculation/deferred.py)
         <objects created in the call, built from R and constants>  # shadow_heap/rebuild.py
         <shadow-heap commit: the deferred writes, in program order> # shadow_heap/writes.py
         return <the Python return value>
@@ -71,7 +71,7 @@ def _clock_reads(render: Renderer, phase: str) -> list[str]:
 
 
 def _numbers(lines: list[str], random_graph: bool) -> list[str]:
-    """The numbers the commit computes (symbolic/deferred.py), all before any write: one
+    """The numbers the commit computes (symbolic/speculation/deferred.py), all before any write: one
     that raises (a division by a zero ``.item()``) leaves every object untouched, and the
     dispatcher runs the call eagerly, which raises it; that run must draw what the graph drew."""
     if not lines or not random_graph:

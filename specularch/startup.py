@@ -13,7 +13,8 @@ from __future__ import annotations
 import atexit
 import sys
 
-from . import dispatcher, frames, policy
+from . import dispatcher, frames
+from .frames import policy
 from .config import ConfigError, config
 from .config import check_environment as check_variables
 from .fx_lower import list_backends
@@ -60,7 +61,7 @@ def report() -> str:
     states = [s for s in [*dispatcher.states().values(), *list(dispatcher._OWNED)]
               if s.stats.calls]
     if not states:
-        return "specularch: nothing was optimized (no frame matched the policy; see specularch/policy.py)"
+        return "specularch: nothing was optimized (no frame matched the policy; see specularch/frames/policy.py)"
     return "\n\n".join(str(explain_state(s)) for s in states)
 
 

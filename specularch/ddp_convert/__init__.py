@@ -1,4 +1,4 @@
-"""``python -m specularch.distribute train.py -o train_ddp.py`` / ``--run N``: rewrite a
+"""``python -m specularch.ddp_convert train.py -o train_ddp.py`` / ``--run N``: rewrite a
 single-process training script into a distributed one (rules in ``rules.py``)."""
 from .rewrite import convert
 

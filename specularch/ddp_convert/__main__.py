@@ -1,4 +1,4 @@
-"""CLI: ``python -m specularch.distribute train.py -o train_ddp.py`` or ``--run N [args]``."""
+"""CLI: ``python -m specularch.ddp_convert train.py -o train_ddp.py`` or ``--run N [args]``."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ from .rules import Refused
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specularch.distribute",
+    parser = argparse.ArgumentParser(prog="python -m specularch.ddp_convert",
                                      description="Convert a single-process PyTorch training script "
                                                  "into a torch.distributed one.")
     parser.add_argument("script")

@@ -16,5 +16,5 @@ def convert(source: str, *, scale_lr: bool = True, wrap_ddp: bool = True) -> tup
     for apply in RULES.values():
         apply(tree, ctx)
     ast.fix_missing_locations(tree)
-    header = "# Converted for torch.distributed by `python -m specularch.distribute`.\n"
+    header = "# Converted for torch.distributed by `python -m specularch.ddp_convert`.\n"
     return header + ast.unparse(tree) + "\n", sorted(ctx.reports, key=lambda r: r[0])

@@ -33,11 +33,11 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module
 
-from . import dispatcher, frames
-from ._torch_nn import MODULE_CALL_CODE
-from .frames import interceptor as _interceptor
-from .config import config
-from .eager_run import EagerRun
+from .. import dispatcher, frames
+from .._torch_nn import MODULE_CALL_CODE
+from . import interceptor as _interceptor
+from ..config import config
+from ..eager_run import EagerRun
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep

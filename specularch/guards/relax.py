@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .guards import DictKeysGuard, LenGuard, TensorGuard, ValueGuard
-from .guards.sources import LocalSource
+from . import DictKeysGuard, LenGuard, TensorGuard, ValueGuard
+from .sources import LocalSource
 
 
 def fact(value: Any) -> tuple:
@@ -118,7 +118,7 @@ class Generalisation:
 
     def note(self, text: str) -> None:
         self.relaxations.append(text)
-        from . import log
+        from .. import log
         log.emit("relaxations", text)
 
     def _dims(self, slot: int, name: str, dims: set[int], why: str, seen: list) -> None:

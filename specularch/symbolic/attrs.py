@@ -15,9 +15,9 @@ import torch.nn as nn
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
-from .deque_model import DequeV
-from .leaf_writes import metadata_of
-from .stdlib_objects import refuse_frozen_write
+from .library.deque import DequeV
+from .speculation.leaf_writes import metadata_of
+from .library.stdlib_objects import refuse_frozen_write
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
 from .values import Const, DictV, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
 
@@ -72,7 +72,7 @@ def _tensor_attr(tracer, v: TensorV, name: str) -> Value:
     if name in TENSOR_VIEWS:
         return tracer.call_op("call_function", getattr, [v, Const(name)], {}, name=name)
     if name == "grad":
-        from .training import read_grad
+        from .library.training import read_grad
         return read_grad(tracer, v)
     attr = getattr(v.example, name, _MISSING)
     if attr is _MISSING:
@@ -140,7 +140,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
     obj = v.obj
     cls = type(obj)
     if name in ("step", "zero_grad"):
-        from .optim_model import captured_names, is_modelled
+        from .library.optim import captured_names, is_modelled
         if is_modelled(obj):
             return MethodV(v, None, name)  # captured by optim_model, not inlined
         if isinstance(obj, torch.optim.LBFGS) and name == "step":
@@ -159,7 +159,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
         raise Unsupported("unsupported_call", f"{cls.__name__} defines __getattribute__")
     static = inspect.getattr_static(cls, name, _MISSING)
     if isinstance(obj, nn.Module) and name not in obj.__dict__:
-        from . import module_model
+        from .library import nn_module as module_model
         if module_model.is_modelled(obj, name):
             return MethodV(v, None, name)
     if static is not _MISSING and _is_data_descriptor(static):
@@ -201,7 +201,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     call are plain values; writes to objects that existed before go to the shadow heap."""
     if isinstance(owner, NewObjV):
         refuse_frozen_write(owner, name)
-        from .builtins_model import slot_write_problem
+        from .library.builtins import slot_write_problem
         problem = slot_write_problem(owner.cls, name)
         if problem:
             raise Unsupported("exception_handling", problem)
@@ -211,7 +211,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
             raise Unsupported("exception_handling", f"AttributeError: {name}")
         return
     if isinstance(owner, TensorV) and name == "grad":
-        from .training import write_grad
+        from .library.training import write_grad
         write_grad(tracer, owner, value)
         return
     if isinstance(owner, TensorV):
@@ -227,7 +227,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     cls = type(obj)
     static = inspect.getattr_static(cls, name, _MISSING)
     if isinstance(obj, nn.Module) and name not in obj.__dict__:
-        from . import module_model
+        from .library import nn_module as module_model
         if module_model.is_modelled(obj, name):
             raise Unsupported("side_effect", f"assigning {name!r} on a {cls.__name__} hides "
                               f"nn.Module.{name}, which calls inside the optimized function "

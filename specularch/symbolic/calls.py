@@ -40,7 +40,7 @@ def call(tracer, fn: Value, args: list[Value], kwargs: dict[str, Value]) -> Valu
     if isinstance(fn, MethodV):
         if fn.func is not None:
             return call(tracer, fn.func, [fn.self_value, *args], kwargs)
-        from .methods import call_method
+        from .library.methods import call_method
         return call_method(tracer, fn.self_value, fn.name, args, kwargs)
     if isinstance(fn, FuncV):
         return inline(tracer, fn.code, fn.globals, args, kwargs, defaults=fn.defaults,
@@ -56,7 +56,7 @@ def call(tracer, fn: Value, args: list[Value], kwargs: dict[str, Value]) -> Valu
         from .attrs import load_attr
         return call(tracer, load_attr(tracer, None, fn, "__call__"), args, kwargs)
     if isinstance(fn, CtxExitV):
-        from .methods import exit_context
+        from .library.methods import exit_context
         return exit_context(tracer, fn.ctx)
     if isinstance(fn, Obj):
         return _call_object(tracer, fn, args, kwargs)
@@ -70,7 +70,7 @@ def _call_object(tracer, fn: Obj, args, kwargs) -> Value:
         return call(tracer, tracer.wrap(original, None), args, kwargs)
     if isinstance(obj, nn.Module):
         return call_module(tracer, fn, args, kwargs)
-    from .builtins_model import BUILTINS, call_builtin_like
+    from .library.builtins import BUILTINS, call_builtin_like
     handler = BUILTINS.get(obj) if _hashable(obj) else None
     if handler is not None:
         return handler(tracer, obj, args, kwargs)
@@ -110,7 +110,7 @@ def _is_module_code(func) -> bool:
     """Methods of torch.nn modules (forward, _conv_forward, ModuleDict.items, ...) and the
     code of torch.distributions are inlined like user code; other torch Python functions
     are graph nodes."""
-    from .torch_objects import is_distributions_code
+    from .library.torch_objects import is_distributions_code
     filename = func.__code__.co_filename
     return filename.startswith(_NN_MODULES_DIR) or is_distributions_code(filename)
 
@@ -134,7 +134,7 @@ def _is_torch_callable(obj) -> bool:
 def torch_call(tracer, obj, args, kwargs) -> Value:
     """A torch function (C or Python) applied to values: one graph node."""
     if isinstance(obj, type):
-        from .builtins_model import construct_torch_class
+        from .library.builtins import construct_torch_class
         return construct_torch_class(tracer, obj, args, kwargs)
     name = getattr(obj, "__name__", "")
     if name in FORBIDDEN_TENSOR_METHODS:
@@ -187,7 +187,7 @@ def _grad_mode_decorator(obj):
         return None
     factory = obj.__closure__[obj.__code__.co_freevars.index("ctx_factory")].cell_contents
     owner = getattr(factory, "__self__", None)  # ``no_grad().clone``: not called (no effects)
-    from .grad_mode import decorator_context
+    from .library.grad_mode import decorator_context
     return decorator_context(owner)
 
 
@@ -195,7 +195,7 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
     obj = fn.obj
     ctx = _grad_mode_decorator(obj) if hasattr(obj, "__wrapped__") else None
     if ctx is not None:
-        from . import grad_mode
+        from .library import grad_mode
         grad_mode.enter(tracer, ctx)
         inner = tracer.wrap(obj.__wrapped__, None if fn.source is None
                             else AttrSource(fn.source, "__wrapped__"))
@@ -222,7 +222,7 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
         # options object) the function runs as Python instead, like user code: the object's
         # attribute reads are guarded and what it calls is captured or refused one by one
         return inline_function(tracer, fn, args, kwargs)
-    from .torch_objects import returns_metadata
+    from .library.torch_objects import returns_metadata
     if returns_metadata(tracer, obj, args, kwargs):
         return inline_function(tracer, fn, args, kwargs)
     return torch_call(tracer, obj, args, kwargs)

@@ -22,18 +22,20 @@ from ..guards.sources import CellSource, Source
 from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
-from . import alias_guards, branch_merge, deferred, grad_mode, saved_versions, view_writes
+from . import alias_guards
+from .speculation import branch_merge, deferred, saved_versions, view_writes
+from .library import grad_mode
 from ._torch_dispatch import version_bumps
-from . import deque_model
+from .library import deque as deque_model
 from .assumptions import Assumptions
-from .deque_model import DequeV
+from .library.deque import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
-from .printing import StrV
-from .stdlib_objects import counter_from_pairs
-from .symint import SymV
+from .library.printing import StrV
+from .library.stdlib_objects import counter_from_pairs
+from .values.symint import SymV
 from .tracer import Tracer
-from .training import ScalarV, item_snapshot
+from .library.training import ScalarV, item_snapshot
 from .values import (CellV, Const, DictV, DictViewV, FreshObj, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value)
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ..records import Unsupported
-from . import item_args
-from .symint import SymV
+from .speculation import item_args
+from .values.symint import SymV
 from .values import (Const, DictV, GeneratorV, ListV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value, leaves)
 

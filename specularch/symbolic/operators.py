@@ -16,10 +16,11 @@ from ..guards import DictKeysGuard
 from ..guards.sources import ModuleDictSource
 from ..records import Unsupported
 from .exceptions import python_error
-from . import symint, untracked
-from .symint import SymV
-from .training import ScalarV
-from . import deque_model
+from .values import symint
+from .speculation import untracked
+from .values.symint import SymV
+from .library.training import ScalarV
+from .library import deque as deque_model
 from .values import (Const, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
                      TensorV, TupleV, UntrackedContainer, Value, contains_tensor, is_const)
 
@@ -57,18 +58,18 @@ def _no_item_values(*values: Value) -> None:
 
 
 def binary(tracer, op, a: Value, b: Value) -> Value:
-    from . import printing
+    from .library import printing
     text = printing.binary(op, a, b)  # "%.4f" % loss.item(), "loss " + s: formatted at commit
     if text is not None:
         return text
-    from . import deferred
+    from .speculation import deferred
     number = deferred.binary(op, a, b)  # running = 0.9 * running + r.item(): computed at commit
     if number is not None:
         return number
     if isinstance(a, TensorV) or isinstance(b, TensorV):  # `.item()` values: item_args.py
         return tracer.call_op("call_function", op, [a, b], {})
     _no_item_values(a, b)
-    from .stdlib_objects import binary as stdlib_binary
+    from .library.stdlib_objects import binary as stdlib_binary
     made = stdlib_binary(tracer, op, a, b)  # a deque or Counter operand
     if made is not None:
         return made
@@ -214,7 +215,7 @@ def truth(tracer, v: Value) -> bool:
 
 
 def unary(tracer, op, v: Value) -> Value:
-    from . import deferred
+    from .speculation import deferred
     number = deferred.unary(op, v)  # -v, abs(v) of a `.item()` value: computed at commit
     if number is not None:
         return number
@@ -252,7 +253,7 @@ def getitem(tracer, container: Value, key: Value) -> Value:
     if isinstance(container, DictV):
         k = key.concrete()
         if k not in container.items:
-            from .stdlib_model import missing_item
+            from .library.stdlib import missing_item
             return missing_item(tracer, container, k)  # defaultdict; KeyError otherwise
         return container.items[k]
     if isinstance(container, Const) and is_const(key):

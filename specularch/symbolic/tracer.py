@@ -23,13 +23,14 @@ from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
-from . import budget, inputs, item_args, view_writes
+from .speculation import budget, item_args, view_writes
+from . import inputs
 from .assumptions import Assumptions
-from .leaf_writes import connect_reads
+from .speculation.leaf_writes import connect_reads
 from .library_files import is_library_file
-from .merge_aliases import MergedAliases
+from .speculation.merge_aliases import MergedAliases
 from .op_args import concrete, fx_arg, holds_tensor, is_dynamic, mark_dynamic, specialize_all
-from .symint import SymV
+from .values.symint import SymV
 from .values import (AppendOnlyListV, Const, DictV, KeyedDictV, ListV, MethodV, Obj, SetV, TensorV,
                      TupleV, Value, contains_tensor, leaves)
 
@@ -323,7 +324,7 @@ class Tracer:
             return self.sym_size(t, d)
         if label == "__len__":
             return self.sym_size(t, 0)
-        from .symint import arithmetic
+        from .values.symint import arithmetic
         total: Value = Const(1)
         for d in range(t.example.dim()):
             total = arithmetic(self, __import__("operator").mul, total, self.sym_size(t, d))

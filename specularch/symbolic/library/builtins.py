@@ -15,11 +15,11 @@ import types
 
 import torch
 
-from ..guards import HasAttrGuard
-from ..records import Unsupported
-from .exceptions import python_error
-from . import operators as ops
-from .values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
+from ...guards import HasAttrGuard
+from ...records import Unsupported
+from ..exceptions import python_error
+from .. import operators as ops
+from ..values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
 
 BUILTINS: dict = {}
@@ -87,7 +87,7 @@ def _type(tracer, fn, args, kwargs):
 
 @model(getattr)
 def _getattr(tracer, fn, args, kwargs):
-    from .attrs import load_attr
+    from ..attrs import load_attr
     obj, name = args[0], args[1].concrete()
     if len(args) == 2:
         return load_attr(tracer, tracer.frames[-1], obj, name)
@@ -102,7 +102,7 @@ def _getattr(tracer, fn, args, kwargs):
 
 @model(hasattr)
 def _hasattr(tracer, fn, args, kwargs):
-    from .attrs import load_attr
+    from ..attrs import load_attr
     obj, name = args[0], args[1].concrete()
     _guard_hasattr(tracer, obj, name)
     try:
@@ -122,7 +122,7 @@ def _guard_hasattr(tracer, obj: Value, name: str) -> None:
 @model(setattr, delattr)
 def _setattr(tracer, fn, args, kwargs):
     """``setattr(o, "name", v)`` / ``delattr(o, "name")``: ``o.name = v`` / ``del o.name``."""
-    from .attrs import store_attr
+    from ..attrs import store_attr
     if kwargs or len(args) != (3 if fn is setattr else 2) or not isinstance(args[1], Const) \
             or type(args[1].value) is not str:
         return _impure(tracer, fn, args, kwargs)
@@ -317,7 +317,7 @@ def _sort_keys(tracer, items: list, key: Value | None) -> list:
     """The Python sort keys of ``items`` (under ``key``). They must be constants, except that
     tuples whose first elements are distinct constants (``sorted(d.items())``) compare by
     those alone, as Python does, even when later elements are tensors."""
-    from .calls import call
+    from ..calls import call
     keys = items if key is None else [call(tracer, key, [i], {}) for i in items]
     if all(is_const(k) for k in keys):
         return [k.concrete() for k in keys]
@@ -349,14 +349,14 @@ def _next(tracer, fn, args, kwargs):
 
 @model(map)
 def _map(tracer, fn, args, kwargs):
-    from .calls import call
+    from ..calls import call
     rows = _zip_rows([ops.iterate(tracer, a) for a in args[1:]], False)
     return IterV([], source=(call(tracer, args[0], row.items, {}) for row in rows))
 
 
 @model(filter)
 def _filter(tracer, fn, args, kwargs):
-    from .calls import call
+    from ..calls import call
     items = ops.lazy(tracer, args[1])
     if isinstance(args[0], Const) and args[0].value is None:
         return IterV([], source=(i for i in items if ops.truth(tracer, i)))
@@ -381,7 +381,7 @@ def _super(tracer, fn, args, kwargs):
     cell = frame.cells.get("__class__")
     if cell is None or frame.code.co_argcount == 0:
         raise Unsupported("unsupported_call", "super() outside a method")
-    from .ops_loads import read_cell
+    from ..ops.loads import read_cell
     first = frame.code.co_varnames[0]
     self_v = frame.locals.get(first)
     if self_v is None and first in frame.cells:
@@ -395,7 +395,7 @@ _PURE_MODULES = {"math", "cmath", "operator", "_operator"}
 
 def call_builtin_like(tracer, fn: Obj, args, kwargs) -> Value:
     obj = fn.obj
-    from .stdlib_model import INSTANCE_CALLS
+    from .stdlib import INSTANCE_CALLS
     if type(obj) in INSTANCE_CALLS:
         return INSTANCE_CALLS[type(obj)](tracer, obj, args, kwargs)
     module = getattr(obj, "__module__", None) or ""
@@ -459,7 +459,7 @@ def _construct(tracer, cls: type, args, kwargs, cls_source=None) -> Value:
         if args or kwargs:
             raise Unsupported("exception_handling", f"TypeError: {cls.__name__}() takes no arguments")
     else:
-        from .calls import call
+        from ..calls import call
         call(tracer, tracer.wrap(init, None), [obj, *args], kwargs)
     return obj
 
@@ -531,15 +531,15 @@ def construct_torch_class(tracer, cls: type, args, kwargs) -> Value:
 
 @model(torch.nn.utils.clip_grad_norm_)
 def _clip_grad_norm(tracer, fn, args, kwargs):
-    from .module_model import clip_grad_norm
+    from .nn_module import clip_grad_norm
     return clip_grad_norm(tracer, fn, args, kwargs)
 
 
 @model(torch.nn.utils.clip_grad_value_)
 def _clip_grad_value(tracer, fn, args, kwargs):
-    from .module_model import clip_grad_value
+    from .nn_module import clip_grad_value
     return clip_grad_value(tracer, fn, args, kwargs)
 
 
-from . import stdlib_model  # noqa: E402,F401  (registers functools/itertools/collections models)
-from . import deferred  # noqa: E402  (registers time.time & co.; used above)
+from . import stdlib  # noqa: E402,F401  (registers functools/itertools/collections models)
+from ..speculation import deferred  # noqa: E402  (registers time.time & co.; used above)

@@ -14,10 +14,10 @@ import collections
 import operator
 from dataclasses import dataclass
 
-from ..records import Unsupported
-from ..shadow_heap.rebuild import CallOf, Constant, ListOf, Rebuild
-from . import operators as ops
-from .values import Const, ListV, Value, is_const
+from ...records import Unsupported
+from ...shadow_heap.rebuild import CallOf, Constant, ListOf, Rebuild
+from .. import operators as ops
+from ..values import Const, ListV, Value, is_const
 
 
 @dataclass(eq=False, repr=False)

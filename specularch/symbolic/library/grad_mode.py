@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from ..guards import GlobalStateGuard
-from ..records import Unsupported
-from ..shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
+from ...guards import GlobalStateGuard
+from ...records import Unsupported
+from ...shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
 from ._torch_grad_mode import inference_mode_guard, tracing_mode_active
-from .values import Const, GradModeV, TensorV, Value
+from ..values import Const, GradModeV, TensorV, Value
 
 _REGION = "inference_region"  # node meta: created inside a `with torch.inference_mode():`
 
@@ -42,7 +42,7 @@ def _refuse(why: str):
 def _bool_arg(what: str, args: list, kwargs: dict, name: str, default: bool | None) -> bool:
     """The one bool argument of ``what`` (positional or ``name=``), guarded where it came
     from; refused when it is anything but a Python bool (eager may raise or decorate)."""
-    from .symint import SymV
+    from ..values.symint import SymV
     if len(args) + len(kwargs) > 1 or set(kwargs) - {name}:
         _refuse(f"{what}() with unexpected arguments")
     v = args[0] if args else kwargs.get(name)

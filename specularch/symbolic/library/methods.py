@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..records import Unsupported
-from .exceptions import python_error
-from . import deque_model, grad_mode, printing, stdlib_objects, training, untracked
-from .deque_model import DequeV
-from .operators import consume, contains, ensure_local, identical
-from .tracer import FORBIDDEN_TENSOR_METHODS
-from .values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
+from ...records import Unsupported
+from ..exceptions import python_error
+from . import deque as deque_model, grad_mode, printing, stdlib_objects, training
+from ..speculation import untracked
+from .deque import DequeV
+from ..operators import consume, contains, ensure_local, identical
+from ..tracer import FORBIDDEN_TENSOR_METHODS
+from ..values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value, is_const)
 
 
@@ -58,7 +59,7 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
     if isinstance(self_v, Const):
         return _const_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, Obj):
-        from . import module_model, optim_model
+        from . import nn_module as module_model, optim as optim_model
         if optim_model.is_modelled(self_v.obj):
             return optim_model.call(tracer, self_v, name, args, kwargs)
         if isinstance(self_v.obj, torch.nn.Module) and module_model.is_modelled(self_v.obj, name):
@@ -132,7 +133,7 @@ def _list_method(tracer, lst: ListV, name, args, kwargs) -> Value:
         else:
             raise python_error(ValueError("list.remove(x): x not in list"))
     elif name == "sort":
-        from .builtins_model import sort_values
+        from .builtins import sort_values
         items[:] = sort_values(tracer, items, kwargs)
     else:
         raise Unsupported("unsupported_call", f"list.{name}")
@@ -152,7 +153,7 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
         return d.like(dict(items))
     if name == "__contains__":
         return Const(contains(tracer, args[0], d))
-    from .stdlib_model import ordered_dict_method
+    from .stdlib import ordered_dict_method
     done = ordered_dict_method(tracer, d, name, args, kwargs) or stdlib_objects.counter_method(
         tracer, d, name, args, kwargs)
     if done is not None:

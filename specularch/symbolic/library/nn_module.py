@@ -19,11 +19,11 @@ import operator
 import torch
 import torch.nn as nn
 
-from ..fx_lower._torch_foreach import foreach_norm
-from ..guards.sources import ModuleDictSource
-from ..records import Unsupported
-from .operators import _guard_keys, consume
-from .values import Const, IterV, ListV, Obj, TensorV, TupleV, Value
+from ...fx_lower._torch_foreach import foreach_norm
+from ...guards.sources import ModuleDictSource
+from ...records import Unsupported
+from ..operators import _guard_keys, consume
+from ..values import Const, IterV, ListV, Obj, TensorV, TupleV, Value
 
 _TABLES = {"parameters": "_parameters", "buffers": "_buffers"}
 ITERATORS = {"parameters", "named_parameters", "buffers", "named_buffers", "children",
@@ -187,11 +187,11 @@ class _no_grad:
         self.tracer = tracer
 
     def __enter__(self):
-        from .optim_model import _set_grad
+        from .optim import _set_grad
         self.prior = torch.is_grad_enabled()
         _set_grad(self.tracer, False)
 
     def __exit__(self, *exc):
-        from .optim_model import _set_grad
+        from .optim import _set_grad
         _set_grad(self.tracer, self.prior)
         return False

@@ -21,13 +21,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .._torch_nn import global_optimizer_hooks
-from ..guards import ExprGuard
-from ..guards.sources import AttrSource, ItemSource, KeyedSource, ScalarOfSource, Source
-from ..records import Unsupported
-from .inputs import wrap_argument
-from .symint import SymV, arithmetic, compare
-from .values import Const, DictV, Obj, TensorV, TupleV, Value
+from ..._torch_nn import global_optimizer_hooks
+from ...guards import ExprGuard
+from ...guards.sources import AttrSource, ItemSource, KeyedSource, ScalarOfSource, Source
+from ...records import Unsupported
+from ..inputs import wrap_argument
+from ..values.symint import SymV, arithmetic, compare
+from ..values import Const, DictV, Obj, TensorV, TupleV, Value
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam)  # AdamW is an Adam subclass in torch 2.13
 
@@ -66,14 +66,14 @@ def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
     groups = _groups(tracer, opt_v, read_hyper=name == "step")
     if name == "zero_grad":
         set_to_none = (args[0] if args else kwargs.get("set_to_none", Const(True))).concrete()
-        from .module_model import zero_grads
+        from .nn_module import zero_grads
         zero_grads(tracer, [p for _, params in groups for p in params], bool(set_to_none))
         return Const(None)
     if name == "step":
         if args or any(not (isinstance(v, Const) and v.value is None) for v in kwargs.values()):
             raise Unsupported("unsupported_call", "optimizer.step(closure) is not captured")
         if wrapped_by_scheduler:  # what an LRScheduler's wrapper around step() records
-            from .attrs import store_attr
+            from ..attrs import store_attr
             store_attr(tracer, opt_v, "_opt_called", Const(True))
         prior = torch.is_grad_enabled()
         _set_grad(tracer, False)
@@ -145,7 +145,7 @@ def _groups(tracer, opt_v: Obj, read_hyper: bool = True) -> list[tuple[dict, lis
             _written_here(tracer, g) or _written_here(tracer, g.get("params")) for g in raw_groups):
         raise Unsupported("unsupported_call", "an optimizer param group is written in the captured "
                           "function before the optimizer call (set the learning rate between calls)")
-    from ..guards import DictKeysGuard, LenGuard
+    from ...guards import DictKeysGuard, LenGuard
     tracer.add_guard(LenGuard, groups_src, list, len(raw_groups))
     reads = _reads(opt)
     # a key the optimizer defines that the model does not know (a newer torch's option)
@@ -182,7 +182,7 @@ def _groups(tracer, opt_v: Obj, read_hyper: bool = True) -> list[tuple[dict, lis
 def _hyper_value(tracer, key: str, raw, src: Source) -> Value:
     """A float that schedulers vary is a graph input; ``betas`` a tuple of two such inputs
     (OneCycleLR and CyclicLR replace ``betas[0]`` every step); anything else a guarded constant."""
-    from ..guards import LenGuard
+    from ...guards import LenGuard
     if key in _SYMBOLIC and type(raw) is float:
         return number_input(tracer, raw, src)
     if key == "betas" and type(raw) is tuple and len(raw) == 2:

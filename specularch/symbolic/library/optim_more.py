@@ -29,11 +29,11 @@ import operator
 
 import torch
 
-from ..guards.sources import AttrSource, ItemSource, Source
-from ..records import Unsupported
-from .optim_model import Model, _compare, _grad, _m, _new_state, _num, _pair, _state, state_number
-from .symint import SymV
-from .values import Const, Value
+from ...guards.sources import AttrSource, ItemSource, Source
+from ...records import Unsupported
+from .optim import Model, _compare, _grad, _m, _new_state, _num, _pair, _state, state_number
+from ..values.symint import SymV
+from ..values import Const, Value
 
 _COMMON = frozenset({"params", "lr", "eps", "weight_decay", "maximize", "foreach", "differentiable"})
 

@@ -15,11 +15,11 @@ import functools
 import itertools
 import operator
 
-from ..records import Unsupported
-from .exceptions import python_error
-from . import operators as ops
-from .builtins_model import _dict, model
-from .values import Const, DictV, IterV, Obj, TupleV, Value
+from ...records import Unsupported
+from ..exceptions import python_error
+from .. import operators as ops
+from .builtins import _dict, model
+from ..values import Const, DictV, IterV, Obj, TupleV, Value
 
 _OPERATORS = frozenset(ops.BINARY_OPS)
 
@@ -29,7 +29,7 @@ def _apply2(tracer, fn: Value, a: Value, b: Value) -> Value:
     sequences concatenate), anything else as an ordinary call."""
     if isinstance(fn, Obj) and ops_hashable(fn.obj) and fn.obj in _OPERATORS:
         return ops.binary(tracer, fn.obj, a, b)
-    from .calls import call
+    from ..calls import call
     return call(tracer, fn, [a, b], {})
 
 
@@ -150,7 +150,7 @@ def missing_item(tracer, d: DictV, key) -> Value:
         return Const(0)
     if d.factory is None:
         raise python_error(KeyError(key), f"KeyError: {key!r} during capture")
-    from .calls import call
+    from ..calls import call
     value = call(tracer, d.factory, [], {})
     ops.setitem(tracer, d, Const(key), value)
     return value
@@ -197,7 +197,7 @@ def _call_itemgetter(tracer, obj, args, kwargs) -> Value:
 
 
 def _call_attrgetter(tracer, obj, args, kwargs) -> Value:
-    from .attrs import load_attr
+    from ..attrs import load_attr
     _no_kwargs("attrgetter", kwargs)
     got = []
     for dotted in obj.__reduce__()[1]:
@@ -214,4 +214,4 @@ INSTANCE_CALLS = {operator.itemgetter: _call_itemgetter, operator.attrgetter: _c
 
 
 # deque / Counter / enum / dataclasses / lru_cache / methodcaller and more itertools
-from . import stdlib_iter_model, stdlib_objects  # noqa: E402,F401
+from . import stdlib_iter, stdlib_objects  # noqa: E402,F401

@@ -12,11 +12,11 @@ from __future__ import annotations
 import itertools
 import numbers
 
-from ..records import Unsupported
-from . import operators as ops
-from .builtins_model import model
-from .stdlib_model import _no_kwargs
-from .values import Const, IterV, TupleV, Value, is_const
+from ...records import Unsupported
+from .. import operators as ops
+from .builtins import model
+from .stdlib import _no_kwargs
+from ..values import Const, IterV, TupleV, Value, is_const
 
 
 def _const(v: Value | None, what: str, kinds=(int,), none_ok=True):
@@ -157,7 +157,7 @@ class _GroupBy:
         if self.key is None:
             key = value
         else:
-            from .calls import call
+            from ..calls import call
             key = call(self.tracer, self.key, [value], {})
         self.current_value, self.current_key = value, key
         return True

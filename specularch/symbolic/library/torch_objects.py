@@ -20,8 +20,8 @@ import types
 import torch
 import torch.nn as nn
 
-from ..records import Unsupported
-from .values import Const, FreshObj, Value, is_const
+from ...records import Unsupported
+from ..values import Const, FreshObj, Value, is_const
 
 _DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
 
@@ -37,7 +37,7 @@ def construct(tracer, cls: type, args: list, kwargs: dict) -> Value | None:
             raise Unsupported("exception_handling", f"torch.{cls.__name__}() raised "
                               f"{type(e).__name__}: {e}") from None
     if is_distributions_class(cls) or _is_plain_dataclass(cls):
-        from .builtins_model import _construct
+        from .builtins import _construct
         return _construct(tracer, cls, args, kwargs)
     if isinstance(cls, type) and issubclass(cls, nn.Module):
         return _fresh_module(tracer, cls, args, kwargs)
@@ -108,8 +108,8 @@ def returns_metadata(tracer, func, args: list, kwargs: dict) -> bool:
     refused as ``data_dependent_value``); inlined, the helper's reads of dtypes and sizes are
     seen one by one (sizes stay symbolic, dtypes are guarded). Decided by a trial run on the
     capture's values (capture restores the RNG; a write into an outside tensor stops it)."""
-    from ._torch_dispatch import MutationCheck
-    from .op_args import concrete, holds_tensor, is_dynamic
+    from .._torch_dispatch import MutationCheck
+    from ..op_args import concrete, holds_tensor, is_dynamic
     if not any(is_dynamic(a) for a in [*args, *kwargs.values()]):
         return False
     try:

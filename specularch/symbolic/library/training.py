@@ -13,11 +13,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..guards import NoTensorHooksGuard
-from ..guards.sources import AttrSource
-from ..records import Unsupported
-from ._torch_dispatch import storage_key
-from .values import Const, TensorV, Value
+from ...guards import NoTensorHooksGuard
+from ...guards.sources import AttrSource
+from ...records import Unsupported
+from .._torch_dispatch import storage_key
+from ..values import Const, TensorV, Value
 
 
 @dataclass(eq=False, repr=False)
@@ -47,7 +47,7 @@ class ScalarV(Value):
 def item(tracer, t: TensorV) -> Value:
     if t.example.numel() != 1:
         raise Unsupported("exception_handling", "item() of a tensor with more than one element")
-    from .view_writes import refuse_stale_read  # (the value is read after the graph ran)
+    from ..speculation.view_writes import refuse_stale_read  # (the value is read after the graph ran)
     refuse_stale_read(tracer, t, "item()")
     return ScalarV(t.node, t.example.item(), read_after=tracer.graph._root.prev)
 
@@ -123,12 +123,12 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
                               "/ register_post_accumulate_grad_hook); a captured backward "
                               "would not run them as eager does")
         tracer.add_guard(NoTensorHooksGuard, leaf.source)
-    from .. import distributed
+    from ... import distributed
     if distributed.active():
         # In the graph: once the ranks agreed to run this step, gradients averaged across
         # ranks, all-reduce overlapped with backward. While capturing: plain local gradients
         # (no collectives during capture). The leaves' sources identify the buckets.
-        from ..distributed import agreement, eager
+        from ...distributed import agreement, eager
         tracer.distributed_leaves = [leaf.real for leaf in leaves]
         eager.note_backward_captured()
         ids = {"step": Const(tracer.code.co_qualname),
@@ -181,5 +181,5 @@ def _leaf_tensor(v: TensorV) -> TensorV:
 
 
 def _list(values):
-    from .values import ListV
+    from ..values import ListV
     return ListV(list(values))

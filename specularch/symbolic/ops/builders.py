@@ -2,10 +2,10 @@
 and unpacking them (``a, b = ...``, ``a, *rest = ...``)."""
 from __future__ import annotations
 
-from ..records import Unsupported
-from .operators import consume
+from ...records import Unsupported
+from ..operators import consume
 from .registry import handles
-from .values import Const, DictV, ListV, SetV, TupleV, UntrackedContainer, is_const
+from ..values import Const, DictV, ListV, SetV, TupleV, UntrackedContainer, is_const
 
 
 def _tuple(items):

@@ -2,11 +2,11 @@
 ``[NULL or callable, callable or self, args...]`` then PRECALL/CALL, KW_NAMES before)."""
 from __future__ import annotations
 
-from ..records import Unsupported
-from .calls import call
-from .operators import consume
+from ...records import Unsupported
+from ..calls import call
+from ..operators import consume
 from .registry import handles
-from .values import Const, DictV, FuncV, NullV
+from ..values import Const, DictV, FuncV, NullV
 
 
 @handles("KW_NAMES")
@@ -62,7 +62,7 @@ def _make_function(frame, ins):
 
 @handles("BEFORE_WITH")
 def _before_with(frame, ins):
-    from .context_managers import before_with
+    from ..library.context_managers import before_with
     exit_, entered = before_with(frame.tracer, frame.pop())
     frame.push(exit_)
     frame.push(entered)

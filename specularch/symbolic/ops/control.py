@@ -3,11 +3,11 @@ on a tensor's value is ``data_dependent_branch``); loops are unrolled by iterati
 known at capture time. Exceptions (raise, try/except, with) are in ``ops_exceptions``."""
 from __future__ import annotations
 
-from ..records import Unsupported
-from .operators import iterate, truth
-from . import branch_merge, raising_branch
+from ...records import Unsupported
+from ..operators import iterate, truth
+from ..speculation import branch_merge, raising_branch
 from .registry import handles
-from .values import Const, TensorV
+from ..values import Const, TensorV
 
 
 @handles("JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT")
@@ -103,7 +103,7 @@ def _async_or_delegating(frame, ins):
     raise Unsupported("generator", f"{ins.opname}: generators/coroutines run eagerly")
 
 
-# ---- exceptions (the rest: ops_exceptions.py) --------------------------------------------
+# ---- exceptions (the rest: ops/exceptions.py) --------------------------------------------
 @handles("CHECK_EG_MATCH", "PREP_RERAISE_STAR", falls_back=True)
 def _exception_groups(frame, ins):
     raise Unsupported("exception_handling", f"{ins.opname}: `except*` is not captured")

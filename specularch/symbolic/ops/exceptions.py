@@ -11,11 +11,11 @@ code then runs with the exception on the stack:
 """
 from __future__ import annotations
 
-from ..records import Unsupported
-from . import context_managers  # noqa: F401  (registers contextlib models)
-from .exceptions import PyRaise, exception_types, handled, raise_value, set_handled
+from ...records import Unsupported
+from ..library import context_managers  # noqa: F401  (registers contextlib models)
+from ..exceptions import PyRaise, exception_types, handled, raise_value, set_handled
 from .registry import handles
-from .values import Const, Obj
+from ..values import Const, Obj
 
 
 @handles("RAISE_VARARGS")
@@ -65,7 +65,7 @@ def _check_exc_match(frame, ins):
 
 @handles("WITH_EXCEPT_START")
 def _with_except_start(frame, ins):
-    from .calls import call
+    from ..calls import call
     exc = frame.stack[-1]
     exit_ = frame.stack[-4]
     kind = frame.tracer.wrap(type(exc.obj), None)

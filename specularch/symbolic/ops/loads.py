@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from ..records import Unsupported
-from .attrs import load_attr, store_attr
+from ...records import Unsupported
+from ..attrs import load_attr, store_attr
 from .registry import handles
-from .values import NULL, CellV, Const, Value
+from ..values import NULL, CellV, Const, Value
 
 
 @handles("NOP", "RESUME", "PRECALL", "MAKE_CELL", "COPY_FREE_VARS", "EXTENDED_ARG")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import operator
 
-from ..records import Unsupported
-from . import branch_merge, operators as ops, printing
+from ...records import Unsupported
+from ..speculation import branch_merge
+from .. import operators as ops
+from ..library import printing
 from .registry import handles
-from .values import Const, TensorV, is_const
+from ..values import Const, TensorV, is_const
 
 
 @handles("BINARY_OP")

@@ -52,4 +52,4 @@ def unhandled_opcodes() -> list[str]:
 
 
 def _load_families() -> None:
-    from . import ops_builders, ops_calls, ops_control, ops_exceptions, ops_loads, ops_operators  # noqa: F401
+    from . import builders, calls, control, exceptions, loads, operators  # noqa: F401

@@ -25,12 +25,12 @@ import dis
 
 import torch
 
-from ..records import Unsupported
-from ._torch_dispatch import storage_key
-from .deque_model import DequeV
-from .exceptions import raising_nodes
-from .symint import SymV
-from .values import (CellV, Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
+from ...records import Unsupported
+from .._torch_dispatch import storage_key
+from ..library.deque import DequeV
+from ..exceptions import raising_nodes
+from ..values.symint import SymV
+from ..values import (CellV, Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
                      TensorV, TupleV, Value)
 
 SIDE_META = "merged_branch"  # node.meta: (file, line, function) of the merged branch
@@ -218,7 +218,7 @@ class _Mark:
             node.meta.setdefault(SIDE_META, at)
 
     def check(self, tracer) -> None:
-        from ..entry import is_random_node
+        from ...entry import is_random_node
         if len(tracer.heap) != self.heap:
             raise _NoMerge("a side writes state that outlives the call")
         if len(tracer.assertions) != self.assertions:

@@ -34,12 +34,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..records import Unsupported
-from ..shadow_heap.rebuild import ClockRead, Number, Rebuild
-from .builtins_model import model
-from .symint import SymV
-from .training import ScalarV
-from .values import Const, Value
+from ...records import Unsupported
+from ...shadow_heap.rebuild import ClockRead, Number, Rebuild
+from ..library.builtins import model
+from ..values.symint import SymV
+from ..library.training import ScalarV
+from ..values import Const, Value
 
 _PLAIN = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
           operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from .values import DictV, ListV, TensorV, TupleV, leaves
+from ..values import DictV, ListV, TensorV, TupleV, leaves
 
 
 class _WrittenLeaf(torch.autograd.Function):

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ._torch_dispatch import storage_key
-from .values import TensorV
+from .._torch_dispatch import storage_key
+from ..values import TensorV
 
 
 class MergedAliases:

@@ -23,8 +23,8 @@ import weakref
 
 import torch
 
-from ..records import Unsupported
-from ._torch_dispatch import storage_key, version_bumps
+from ...records import Unsupported
+from .._torch_dispatch import storage_key, version_bumps
 
 
 def tracking(tracer) -> torch.autograd.graph.saved_tensors_hooks:

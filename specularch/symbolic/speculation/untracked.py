@@ -17,10 +17,10 @@ Anything else (``len``, iteration, ``pop``, ``del``, old items of the list, ...)
 """
 from __future__ import annotations
 
-from ..guards import ContainsGuard, ItemSource
-from .exceptions import python_error
-from .symint import SymV
-from .values import AppendOnlyListV, Const, KeyedDictV, RelaxationRefused, Value
+from ...guards import ContainsGuard, ItemSource
+from ..exceptions import python_error
+from ..values.symint import SymV
+from ..values import AppendOnlyListV, Const, KeyedDictV, RelaxationRefused, Value
 
 
 def getitem(tracer, c, key: Value) -> Value:
@@ -60,7 +60,7 @@ def call_method(tracer, c, name: str, args: list, kwargs: dict) -> Value:
             _append(tracer, c, args[0])
             return Const(None)
         if name == "extend" and len(args) == 1:
-            from .operators import consume
+            from ..operators import consume
             for item in consume(tracer, args[0]):
                 _append(tracer, c, item)
             return Const(None)

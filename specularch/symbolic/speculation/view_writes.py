@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..guards.sources import AttrSource
-from ..records import Unsupported
-from ._torch_dispatch import storage_key
+from ...guards.sources import AttrSource
+from ...records import Unsupported
+from .._torch_dispatch import storage_key
 from .leaf_writes import written_leaf
-from .values import Const, TensorV
+from ..values import Const, TensorV
 
 
 def data_alias(external: TensorV, args: list, kwargs: dict) -> TensorV | None:
@@ -102,7 +102,7 @@ def _reads_no_values(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 
 
 def _backward_ops() -> tuple:
-    from ..distributed import grad_and_allreduce  # (imports torch.distributed: not at import)
+    from ...distributed import grad_and_allreduce  # (imports torch.distributed: not at import)
     return torch.autograd.grad, grad_and_allreduce
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..guards.sources import Source
+from ...guards.sources import Source
 
 
 class Value:
