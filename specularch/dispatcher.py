@@ -22,8 +22,9 @@ import torch
 from . import distributed, frames, log
 from .config import config
 from .eager_run import EagerRun, locked_entry
-from .entry import MISS, AssumptionFailed, build_entry, graph_uses_randomness
+from .entry import MISS, AssumptionFailed, build_entry
 from .fx_lower import get_backend
+from .fx_lower.randomness import graph_uses_randomness
 from .guards import GuardSet
 from .guards.guard import refers_to_dead
 from .guards.relax import Generalisation, fact

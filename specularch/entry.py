@@ -36,11 +36,6 @@ from .shadow_heap.render import COMMIT_NAMESPACE, Renderer, commit_lines
 
 MISS = object()
 
-_RANDOM_OPS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform",
-               "exponential", "poisson", "geometric", "cauchy", "log_normal", "rrelu",
-               "gumbel", "fractional_max_pool")
-
-
 @dataclass(frozen=True)
 class AssumptionFailed:
     """Returned by an entry whose in-graph assumption did not hold (nothing committed)."""
@@ -127,14 +122,3 @@ def build_entry(guards: GuardSet, input_sources: list, output_spec: Rebuild, gra
                               SET_GRAD=torch.set_grad_enabled, GRAD=_guarded_grad_mode(guards))
     exec(compile(text, "<specularch entry>", "exec"), ns)
     return ns["entry"], text
-
-
-def is_random_node(node: torch.fx.Node) -> bool:
-    """Whether the node draws random numbers (by op name; conservative: ``normalize`` counts).
-    Such a node must run even when its result is unused, to advance the RNG like eager."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return any(r in str(name) for r in _RANDOM_OPS)
-
-
-def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
-    return any(is_random_node(node) for node in gm.graph.nodes)

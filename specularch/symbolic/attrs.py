@@ -19,6 +19,7 @@ from .library.deque import DequeV
 from .speculation.leaf_writes import metadata_of
 from .library.stdlib_objects import refuse_frozen_write
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
+from .models import MODELS
 from .values import Const, DictV, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
 
 _MISSING = object()
@@ -72,8 +73,7 @@ def _tensor_attr(tracer, v: TensorV, name: str) -> Value:
     if name in TENSOR_VIEWS:
         return tracer.call_op("call_function", getattr, [v, Const(name)], {}, name=name)
     if name == "grad":
-        from .library.training import read_grad
-        return read_grad(tracer, v)
+        return MODELS.read_grad(tracer, v)
     attr = getattr(v.example, name, _MISSING)
     if attr is _MISSING:
         raise Unsupported("exception_handling", f"Tensor has no attribute {name!r}")
@@ -140,8 +140,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
     obj = v.obj
     cls = type(obj)
     if name in ("step", "zero_grad"):
-        from .library.optim import captured_names, is_modelled
-        if is_modelled(obj):
+        if MODELS.optim_is_modelled(obj):
             return MethodV(v, None, name)  # captured by optim_model, not inlined
         if isinstance(obj, torch.optim.LBFGS) and name == "step":
             raise Unsupported("unsupported_call", "LBFGS.step(closure) is not captured: it calls "
@@ -149,7 +148,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
                               "on the loss values (line search, convergence tests)")
         if isinstance(obj, torch.optim.Optimizer):
             raise Unsupported("unsupported_call", f"{cls.__name__}.{name}() is not captured "
-                              f"(captured optimizers: {captured_names()})")
+                              f"(captured optimizers: {MODELS.captured_optimizer_names()})")
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and name == "step":
             raise Unsupported("unsupported_call", "an LR scheduler's step() inside the optimized "
                               "function is not captured; call it between calls (the learning "
@@ -159,8 +158,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
         raise Unsupported("unsupported_call", f"{cls.__name__} defines __getattribute__")
     static = inspect.getattr_static(cls, name, _MISSING)
     if isinstance(obj, nn.Module) and name not in obj.__dict__:
-        from .library import nn_module as module_model
-        if module_model.is_modelled(obj, name):
+        if MODELS.module_method_is_modelled(obj, name):
             return MethodV(v, None, name)
     if static is not _MISSING and _is_data_descriptor(static):
         if isinstance(static, property) and static.fget is not None:
@@ -201,8 +199,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     call are plain values; writes to objects that existed before go to the shadow heap."""
     if isinstance(owner, NewObjV):
         refuse_frozen_write(owner, name)
-        from .library.builtins import slot_write_problem
-        problem = slot_write_problem(owner.cls, name)
+        problem = MODELS.slot_write_problem(owner.cls, name)
         if problem:
             raise Unsupported("exception_handling", problem)
         if value is not None:
@@ -211,8 +208,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
             raise Unsupported("exception_handling", f"AttributeError: {name}")
         return
     if isinstance(owner, TensorV) and name == "grad":
-        from .library.training import write_grad
-        write_grad(tracer, owner, value)
+        MODELS.write_grad(tracer, owner, value)
         return
     if isinstance(owner, TensorV):
         raise Unsupported("side_effect", f"assigning tensor attribute `.{name}` (e.g. "
@@ -227,8 +223,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     cls = type(obj)
     static = inspect.getattr_static(cls, name, _MISSING)
     if isinstance(obj, nn.Module) and name not in obj.__dict__:
-        from .library import nn_module as module_model
-        if module_model.is_modelled(obj, name):
+        if MODELS.module_method_is_modelled(obj, name):
             raise Unsupported("side_effect", f"assigning {name!r} on a {cls.__name__} hides "
                               f"nn.Module.{name}, which calls inside the optimized function "
                               "are modelled on", "Assign it outside the optimized function.")

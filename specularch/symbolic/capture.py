@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..entry import is_random_node
+from ..fx_lower.randomness import is_random_node
 from ..guards import GuardSet
 from ..guards.sources import CellSource, Source
 from ..records import Unsupported

@@ -21,6 +21,7 @@ from .speculation import untracked
 from .values.symint import SymV
 from .library.training import ScalarV
 from .library import deque as deque_model
+from .models import MODELS
 from .values import (Const, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
                      TensorV, TupleV, UntrackedContainer, Value, contains_tensor, is_const)
 
@@ -58,19 +59,16 @@ def _no_item_values(*values: Value) -> None:
 
 
 def binary(tracer, op, a: Value, b: Value) -> Value:
-    from .library import printing
-    text = printing.binary(op, a, b)  # "%.4f" % loss.item(), "loss " + s: formatted at commit
+    text = MODELS.format_binary(op, a, b)  # "%.4f" % loss.item(), "loss " + s: formatted at commit
     if text is not None:
         return text
-    from .speculation import deferred
-    number = deferred.binary(op, a, b)  # running = 0.9 * running + r.item(): computed at commit
+    number = MODELS.deferred_binary(op, a, b)  # running = 0.9 * running + r.item(): computed at commit
     if number is not None:
         return number
     if isinstance(a, TensorV) or isinstance(b, TensorV):  # `.item()` values: item_args.py
         return tracer.call_op("call_function", op, [a, b], {})
     _no_item_values(a, b)
-    from .library.stdlib_objects import binary as stdlib_binary
-    made = stdlib_binary(tracer, op, a, b)  # a deque or Counter operand
+    made = MODELS.stdlib_binary(tracer, op, a, b)  # a deque or Counter operand
     if made is not None:
         return made
     if (isinstance(a, SymV) or isinstance(b, SymV)) and op in symint.ARITHMETIC \
@@ -215,8 +213,7 @@ def truth(tracer, v: Value) -> bool:
 
 
 def unary(tracer, op, v: Value) -> Value:
-    from .speculation import deferred
-    number = deferred.unary(op, v)  # -v, abs(v) of a `.item()` value: computed at commit
+    number = MODELS.deferred_unary(op, v)  # -v, abs(v) of a `.item()` value: computed at commit
     if number is not None:
         return number
     _no_item_values(v)
@@ -253,8 +250,7 @@ def getitem(tracer, container: Value, key: Value) -> Value:
     if isinstance(container, DictV):
         k = key.concrete()
         if k not in container.items:
-            from .library.stdlib import missing_item
-            return missing_item(tracer, container, k)  # defaultdict; KeyError otherwise
+            return MODELS.missing_item(tracer, container, k)  # defaultdict; KeyError otherwise
         return container.items[k]
     if isinstance(container, Const) and is_const(key):
         return concrete_op(tracer, operator.getitem, container, key)

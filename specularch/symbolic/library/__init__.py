@@ -1,1 +1,6 @@
-"""Models of library callables and objects over values: builtins, methods of built-in kinds, the standard library, nn.Module, optimizers, torch objects, grad mode, printing, training."""
+"""Models of library callables and objects over values: builtins, methods of built-in kinds, the
+standard library, nn.Module, optimizers, torch objects, grad mode, printing, training.
+
+Importing the package imports every model module, so each registers its entry points in
+``symbolic/models.py`` (the core looks them up there instead of importing these modules)."""
+from . import builtins, methods, nn_module, optim, torch_objects  # noqa: F401  (register their models)

@@ -21,8 +21,10 @@ from ..exceptions import python_error
 from .. import operators as ops
 from ..values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
+from ..models import MODELS, provides
 
 BUILTINS: dict = {}
+MODELS.register("BUILTINS", BUILTINS)  # calls.py looks callees up in it
 
 
 def model(*objs):
@@ -393,6 +395,7 @@ def _super(tracer, fn, args, kwargs):
 _PURE_MODULES = {"math", "cmath", "operator", "_operator"}
 
 
+@provides("call_builtin_like")
 def call_builtin_like(tracer, fn: Obj, args, kwargs) -> Value:
     obj = fn.obj
     from .stdlib import INSTANCE_CALLS
@@ -504,6 +507,7 @@ def _plain_slots(cls: type) -> bool:
     return True
 
 
+@provides("slot_write_problem")
 def slot_write_problem(cls: type, name: str) -> str | None:
     """Why ``obj.name = ...`` raises for an instance of ``cls`` that has no ``__dict__``
     (all its classes define ``__slots__``) when ``name`` is not one of its slots."""
@@ -514,6 +518,7 @@ def slot_write_problem(cls: type, name: str) -> str | None:
     return f"AttributeError: {cls.__name__!r} object has no attribute {name!r}"
 
 
+@provides("construct_torch_class")
 def construct_torch_class(tracer, cls: type, args, kwargs) -> Value:
     from .grad_mode import construct
     ctx = construct(tracer, cls, args, kwargs)

@@ -31,6 +31,7 @@ from ...records import Unsupported
 from ...shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
 from ._torch_grad_mode import inference_mode_guard, tracing_mode_active
 from ..values import Const, GradModeV, TensorV, Value
+from ..models import provides
 
 _REGION = "inference_region"  # node meta: created inside a `with torch.inference_mode():`
 
@@ -73,6 +74,7 @@ def construct(tracer, cls: type, args: list, kwargs: dict) -> GradModeV | None:
     return None
 
 
+@provides("grad_decorator_context")
 def decorator_context(owner) -> GradModeV | None:
     """The context a ``@torch.no_grad()``-style decorator enters around its function, from
     the context-manager object it was made from (None when it is not a grad-mode one)."""
@@ -91,6 +93,7 @@ def decorator_context(owner) -> GradModeV | None:
     return None
 
 
+@provides("grad_mode_enter")
 def enter(tracer, ctx: GradModeV) -> None:
     if ctx.inference:
         ctx.prior = torch.is_grad_enabled()
@@ -108,6 +111,7 @@ def enter(tracer, ctx: GradModeV) -> None:
     set_grad(tracer, ctx.enabled)
 
 
+@provides("grad_mode_exit")
 def exit(tracer, ctx: GradModeV) -> None:
     if ctx.inference:
         regions = tracer.inference_regions

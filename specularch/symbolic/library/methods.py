@@ -13,8 +13,10 @@ from ..operators import consume, contains, ensure_local, identical
 from ..tracer import FORBIDDEN_TENSOR_METHODS
 from ..values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value, is_const)
+from ..models import provides
 
 
+@provides("call_method")
 def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dict[str, Value]) -> Value:
     if isinstance(self_v, TensorV):
         if name == "item" and not args and not kwargs:
@@ -211,6 +213,7 @@ def enter_context(tracer, ctx: Value) -> Value:
     return Const(None)
 
 
+@provides("exit_context")
 def exit_context(tracer, ctx: Value) -> Value:
     grad_mode.exit(tracer, ctx)
     return Const(None)

@@ -24,6 +24,7 @@ from ...guards.sources import ModuleDictSource
 from ...records import Unsupported
 from ..operators import _guard_keys, consume
 from ..values import Const, IterV, ListV, Obj, TensorV, TupleV, Value
+from ..models import provides
 
 _TABLES = {"parameters": "_parameters", "buffers": "_buffers"}
 ITERATORS = {"parameters", "named_parameters", "buffers", "named_buffers", "children",
@@ -31,6 +32,7 @@ ITERATORS = {"parameters", "named_parameters", "buffers", "named_buffers", "chil
 METHODS = ITERATORS | {"zero_grad"}
 
 
+@provides("module_method_is_modelled")
 def is_modelled(module: nn.Module, name: str) -> bool:
     """``module.name`` is nn.Module's own method (not overridden) that this file models."""
     return name in METHODS and getattr(type(module), name, None) is getattr(nn.Module, name)

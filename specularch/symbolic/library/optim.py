@@ -28,6 +28,7 @@ from ...records import Unsupported
 from ..inputs import wrap_argument
 from ..values.symint import SymV, arithmetic, compare
 from ..values import Const, DictV, Obj, TensorV, TupleV, Value
+from ..models import provides
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam)  # AdamW is an Adam subclass in torch 2.13
 
@@ -46,10 +47,12 @@ def _table() -> dict:
             torch.optim.AdamW: adam, **MODELS}
 
 
+@provides("optim_is_modelled")
 def is_modelled(opt) -> bool:
     return type(opt) in _table()
 
 
+@provides("captured_optimizer_names")
 def captured_names() -> str:
     return ", ".join(cls.__name__ for cls in _table())
 

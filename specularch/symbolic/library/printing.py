@@ -23,6 +23,7 @@ from ...shadow_heap.rebuild import CallOf, Concat, Formatted, Rebuild
 from ..values.symint import SymV
 from .training import ScalarV
 from ..values import Const, DictV, ListV, Obj, TensorV, TupleV, Value, leaves
+from ..models import provides
 
 _CONVERSIONS = {0: None, 1: str, 2: repr, 3: ascii}
 # Constants whose text is fixed by their (guarded) value; sets are not (their order is not).
@@ -163,6 +164,7 @@ def build_string(parts: list[Value]) -> Value:
     return Const("".join(p.concrete() for p in parts))
 
 
+@provides("format_binary")
 def binary(op, a: Value, b: Value) -> Value | None:
     """``"%.3f" % v`` and ``s + t`` with a lazy operand, else None (not a string operation)."""
     if not (isinstance(a, Const) and a.python_type() is str):

@@ -20,6 +20,7 @@ from ..exceptions import python_error
 from .. import operators as ops
 from .builtins import _dict, model
 from ..values import Const, DictV, IterV, Obj, TupleV, Value
+from ..models import provides
 
 _OPERATORS = frozenset(ops.BINARY_OPS)
 
@@ -143,6 +144,7 @@ def _defaultdict(tracer, fn, args, kwargs):
     return DictV(d.items, cls=collections.defaultdict, factory=factory)
 
 
+@provides("missing_item")
 def missing_item(tracer, d: DictV, key) -> Value:
     """``d[key]`` for a key ``d`` lacks: a defaultdict calls its factory and stores the result
     (``__missing__``); any other dict raises KeyError (the call runs eagerly)."""

@@ -39,6 +39,7 @@ from . import deque as deque_model
 from .builtins import _all_const, _concrete_call, model
 from .stdlib import INSTANCE_CALLS, _no_kwargs
 from ..values import Const, DictV, IterV, NewObjV, Obj, TupleV, Value, is_const
+from ..models import provides
 
 model(collections.deque)(deque_model.construct)
 
@@ -53,6 +54,7 @@ def wrap_made(tracer, value) -> Value:
     return tracer.wrap_python(value)
 
 
+@provides("stdlib_binary")
 def binary(tracer, op, a: Value, b: Value) -> Value | None:
     """``op`` with a deque or Counter operand (None for other operands)."""
     if isinstance(a, deque_model.DequeV) or isinstance(b, deque_model.DequeV):

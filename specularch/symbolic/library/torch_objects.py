@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ...records import Unsupported
 from ..values import Const, FreshObj, Value, is_const
+from ..models import provides
 
 _DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
 
@@ -44,6 +45,7 @@ def construct(tracer, cls: type, args: list, kwargs: dict) -> Value | None:
     return None
 
 
+@provides("is_distributions_code")
 def is_distributions_code(filename: str) -> bool:
     """Code of ``torch.distributions`` (inlined like user code: its helpers take and return
     distribution and constraint objects, not only tensors)."""
@@ -101,6 +103,7 @@ def _fresh_module(tracer, cls: type, args: list, kwargs: dict) -> Value:
     return FreshObj(module)
 
 
+@provides("returns_metadata")
 def returns_metadata(tracer, func, args: list, kwargs: dict) -> bool:
     """Whether torch Python helper ``func`` (``F._none_or_dtype``, ``F._mha_shape_check``), given
     a tensor whose sizes vary between calls, answers with a Python value rather than tensors.

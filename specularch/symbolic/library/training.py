@@ -18,6 +18,7 @@ from ...guards.sources import AttrSource
 from ...records import Unsupported
 from .._torch_dispatch import storage_key
 from ..values import Const, TensorV, Value
+from ..models import provides
 
 
 @dataclass(eq=False, repr=False)
@@ -85,6 +86,7 @@ def item_snapshot(node: torch.fx.Node, read_after: torch.fx.Node) -> torch.fx.No
     return snapshot
 
 
+@provides("read_grad")
 def read_grad(tracer, t: TensorV) -> Value:
     if t.real is None or t.source is None:
         raise Unsupported("unsupported_call", "reading .grad of a tensor computed in the function")
@@ -94,6 +96,7 @@ def read_grad(tracer, t: TensorV) -> Value:
     return tracer.wrap(t.real.grad, AttrSource(t.source, "grad"))
 
 
+@provides("write_grad")
 def write_grad(tracer, t: TensorV, value: Value | None) -> None:
     if t.real is None or t.source is None:
         raise Unsupported("side_effect", "assigning .grad of a tensor computed in the function")

@@ -26,6 +26,7 @@ import dis
 import torch
 
 from ...records import Unsupported
+from ...fx_lower.randomness import is_random_node
 from .._torch_dispatch import storage_key
 from ..library.deque import DequeV
 from ..exceptions import raising_nodes
@@ -218,7 +219,6 @@ class _Mark:
             node.meta.setdefault(SIDE_META, at)
 
     def check(self, tracer) -> None:
-        from ...entry import is_random_node
         if len(tracer.heap) != self.heap:
             raise _NoMerge("a side writes state that outlives the call")
         if len(tracer.assertions) != self.assertions:

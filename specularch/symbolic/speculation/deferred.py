@@ -40,6 +40,7 @@ from ..library.builtins import model
 from ..values.symint import SymV
 from ..library.training import ScalarV
 from ..values import Const, Value
+from ..models import provides
 
 _PLAIN = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
           operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
@@ -139,6 +140,7 @@ def _deferred(*values: Value) -> bool:
     return all(_operand(v) for v in values) and any(isinstance(v, ScalarV) for v in values)
 
 
+@provides("deferred_binary")
 def binary(op, a: Value, b: Value) -> Value | None:
     """``a <op> b`` as a recipe, or None when it is not arithmetic on deferred numbers."""
     if op not in ARITHMETIC or not _deferred(a, b):
@@ -153,6 +155,7 @@ def _fixed_power(a: Value, b: Value) -> bool:
     return isinstance(b, Const) and (type(b.value) in (int, bool) or b.value.is_integer())
 
 
+@provides("deferred_unary")
 def unary(op, v: Value) -> Value | None:
     if op not in UNARY or not _deferred(v):
         return None
