@@ -15,9 +15,8 @@ import torch.nn as nn
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
-from .library.deque import DequeV
+from .values.deque import DequeV
 from .speculation.leaf_writes import metadata_of
-from .library.stdlib_objects import refuse_frozen_write
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
 from .models import MODELS
 from .values import Const, DictV, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
@@ -198,7 +197,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     """``owner.name = value`` (``value`` None: ``del owner.name``). Objects created in this
     call are plain values; writes to objects that existed before go to the shadow heap."""
     if isinstance(owner, NewObjV):
-        refuse_frozen_write(owner, name)
+        MODELS.refuse_frozen_write(owner, name)
         problem = MODELS.slot_write_problem(owner.cls, name)
         if problem:
             raise Unsupported("exception_handling", problem)

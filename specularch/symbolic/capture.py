@@ -28,14 +28,15 @@ from .library import grad_mode
 from ._torch_dispatch import version_bumps
 from .library import deque as deque_model
 from .assumptions import Assumptions
-from .library.deque import DequeV
+from .values.deque import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
 from .library.printing import StrV
 from .library.stdlib_objects import counter_from_pairs
 from .values.symint import SymV
 from .tracer import Tracer
-from .library.training import ScalarV, item_snapshot
+from .library.training import item_snapshot
+from .values.scalar import ScalarV
 from .values import (CellV, Const, DictV, DictViewV, FreshObj, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
                      UntrackedContainer, Value)
 

@@ -30,6 +30,7 @@ DECLARED = frozenset({
     "module_method_is_modelled",
     # library/printing.py, speculation/deferred.py, library/stdlib*.py
     "format_binary", "deferred_binary", "deferred_unary", "stdlib_binary", "missing_item",
+    "refuse_frozen_write", "deque_check_key",
 })
 
 

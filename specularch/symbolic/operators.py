@@ -19,8 +19,7 @@ from .exceptions import python_error
 from .values import symint
 from .speculation import untracked
 from .values.symint import SymV
-from .library.training import ScalarV
-from .library import deque as deque_model
+from .values.scalar import ScalarV
 from .models import MODELS
 from .values import (Const, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
                      TensorV, TupleV, UntrackedContainer, Value, contains_tensor, is_const)
@@ -236,7 +235,7 @@ def getitem(tracer, container: Value, key: Value) -> Value:
         raise Unsupported("data_dependent_value", "indexing a Python container with a tensor")
     if isinstance(container, (TupleV, ListV)):
         k = key.concrete()
-        deque_model.check_key(container, k)  # a deque takes no slices
+        MODELS.deque_check_key(container, k)  # a deque takes no slices
         try:
             picked = container.items[k]
         except Exception as e:
@@ -306,7 +305,7 @@ def setitem(tracer, container: Value, key: Value, value: Value) -> None:
     if isinstance(container, ListV):
         ensure_local(tracer, container, "item assignment")
         k = key.concrete()
-        deque_model.check_key(container, k)
+        MODELS.deque_check_key(container, k)
         if isinstance(k, slice):  # `l[1:3] = iterable`: assign its items
             value = consume(tracer, value)
         try:
@@ -327,7 +326,7 @@ def delitem(tracer, container: Value, key: Value) -> None:
     _untracked(container)
     if isinstance(container, (ListV, DictV)):
         ensure_local(tracer, container, "del")
-        deque_model.check_key(container, key.concrete())
+        MODELS.deque_check_key(container, key.concrete())
         try:
             del container.items[key.concrete()]
         except Exception as e:

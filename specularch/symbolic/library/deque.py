@@ -12,28 +12,13 @@ from __future__ import annotations
 
 import collections
 import operator
-from dataclasses import dataclass
 
 from ...records import Unsupported
 from ...shadow_heap.rebuild import CallOf, Constant, ListOf, Rebuild
 from .. import operators as ops
-from ..values import Const, ListV, Value, is_const
-
-
-@dataclass(eq=False, repr=False)
-class DequeV(ListV):
-    maxlen: int | None = None
-
-    def concrete(self):
-        return collections.deque([i.concrete() for i in self.items], self.maxlen)
-
-    def python_type(self):
-        return collections.deque
-
-    def trim(self, from_left: bool) -> None:
-        """A bounded deque drops items from the other end when it grows past ``maxlen``."""
-        while self.maxlen is not None and len(self.items) > self.maxlen:
-            self.items.pop(0 if from_left else -1)
+from ..values import Const, Value, is_const
+from ..values.deque import DequeV
+from ..models import provides
 
 
 def make(tracer, items: list, maxlen) -> DequeV:
@@ -74,6 +59,7 @@ def _index(d: DequeV, k) -> int:
     return k
 
 
+@provides("deque_check_key")
 def check_key(container, key) -> None:
     """Subscripts of a deque take integers only (``d[1:]`` raises TypeError)."""
     if isinstance(container, DequeV):

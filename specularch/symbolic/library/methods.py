@@ -8,7 +8,7 @@ from ...records import Unsupported
 from ..exceptions import python_error
 from . import deque as deque_model, grad_mode, printing, stdlib_objects, training
 from ..speculation import untracked
-from .deque import DequeV
+from ..values.deque import DequeV
 from ..operators import consume, contains, ensure_local, identical
 from ..tracer import FORBIDDEN_TENSOR_METHODS
 from ..values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,

@@ -21,7 +21,7 @@ from ...guards.sources import AttrSource
 from ...records import Unsupported
 from ...shadow_heap.rebuild import CallOf, Concat, Formatted, Rebuild
 from ..values.symint import SymV
-from .training import ScalarV
+from ..values.scalar import ScalarV
 from ..values import Const, DictV, ListV, Obj, TensorV, TupleV, Value, leaves
 from ..models import provides
 

@@ -189,6 +189,7 @@ def frozen_dataclass_hook(cls: type, name: str) -> bool:
     return code is not None and code.co_filename == "<string>" and params is not None and params.frozen
 
 
+@provides("refuse_frozen_write")
 def refuse_frozen_write(obj: NewObjV, name: str) -> None:
     if frozen_dataclass_hook(obj.cls, "__setattr__"):
         raise Unsupported("exception_handling", f"FrozenInstanceError: cannot assign to field {name!r}")

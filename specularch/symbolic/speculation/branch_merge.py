@@ -28,7 +28,7 @@ import torch
 from ...records import Unsupported
 from ...fx_lower.randomness import is_random_node
 from .._torch_dispatch import storage_key
-from ..library.deque import DequeV
+from ..values.deque import DequeV
 from ..exceptions import raising_nodes
 from ..values.symint import SymV
 from ..values import (CellV, Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,

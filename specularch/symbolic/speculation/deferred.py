@@ -38,7 +38,7 @@ from ...records import Unsupported
 from ...shadow_heap.rebuild import ClockRead, Number, Rebuild
 from ..library.builtins import model
 from ..values.symint import SymV
-from ..library.training import ScalarV
+from ..values.scalar import ScalarV
 from ..values import Const, Value
 from ..models import provides
 

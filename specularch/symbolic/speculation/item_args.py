@@ -23,6 +23,7 @@ from typing import Any
 import torch.fx
 
 from ..values import Const, Value
+from ..values.scalar import ScalarV
 
 # Operators and torch functions/methods (by name) whose number arguments are plain values.
 _OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
@@ -66,7 +67,6 @@ class ItemNumV(Value):
 def substitute(tracer, target, label: str, args: list, kwargs: dict) -> tuple[list, dict]:
     """``args``/``kwargs`` with each ``.item()`` value (or recipe) the op takes as a value
     replaced by its graph number; anything else is left for ``_concrete`` to refuse."""
-    from ..library.training import ScalarV
     if label in _DATA and args:  # ``torch.tensor([v])``: the numbers in the data
         return [_data(tracer, args[0]), *args[1:]], kwargs
     if not any(isinstance(a, ScalarV) for a in [*args, *kwargs.values()]):
@@ -89,7 +89,6 @@ def _allowed_positions(target, label: str, count: int) -> set:
 
 
 def _data(tracer, v: Value) -> Value:
-    from ..library.training import ScalarV
     from ..values import ListV, TupleV
     if isinstance(v, ScalarV):
         return _number(tracer, v)
@@ -105,7 +104,6 @@ def _number(tracer, v) -> Value:
     later, with its own reason) when it cannot be computed in the graph."""
     from .deferred import ClockV, NumV
     from ..values.symint import SymV
-    from ..library.training import ScalarV
     cached = getattr(v, "_in_graph", None)
     if cached is not None:
         return cached
