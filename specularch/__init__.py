@@ -9,6 +9,8 @@ See docs/architecture.md for the design and README.md for the list of fallback k
 """
 from . import records
 from .api import explain, optimize, reset
+# Imported for its effect: it installs the dispatcher's hooks for distributed training steps.
+from . import distributed  # noqa: F401
 from .config import ConfigError, config
 from .explain import Explanation
 from .fx_lower import list_backends, register_backend

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import dispatcher, frames
+from . import dispatch, frames
 from . import eager_run as eager_run_module
 from .eager_run import EagerRun, sync_limit
 from .config import ConfigError, backend_error, config, load_environment
@@ -100,16 +100,16 @@ def _optimize_function(fn: types.FunctionType, backend: str | None):
     if original is not None:  # already optimized: re-target the backend only
         fn = original
     target = frames.register(fn)
-    state = dispatcher.new_state(target, backend)
+    state = dispatch.new_state(target, backend)
     binder = target.binder_for(fn) if not target.is_generator else None
     closure = fn.__closure__
     code = fn.__code__
-    start = dispatcher.start
+    start = dispatch.start
 
     if target.is_generator:
         @functools.wraps(fn)
         def generator_wrapper(*args, **kwargs):
-            dispatcher.note_generator(state)
+            dispatch.note_generator(state)
             return fn(*args, **kwargs)
         setattr(generator_wrapper, ORIGINAL_ATTR, fn)
         generator_wrapper.__specularch_state__ = state
@@ -154,8 +154,8 @@ def _optimize_module(module: nn.Module, backend: str | None) -> nn.Module:
         raise TypeError(f"{type(module).__qualname__}.forward is not a Python function; "
                         f"specularch can only optimize Python forward methods")
     target = frames.register(forward)
-    _MODULE_STATES[module] = dispatcher.new_state(target, backend)
-    dispatcher.per_instance(target, _instance_state)
+    _MODULE_STATES[module] = dispatch.new_state(target, backend)
+    dispatch.per_instance(target, _instance_state)
     OptimizedForward(module).install()
     return module
 
@@ -176,15 +176,15 @@ def _module_state(module: nn.Module):
     if state is None or state.target.code is not forward.__code__:
         backend = state.backend if state is not None else None
         target = frames.register(forward)
-        state = _MODULE_STATES[module] = dispatcher.new_state(target, backend)
-        dispatcher.per_instance(target, _instance_state)  # (e.g. a module just unpickled)
+        state = _MODULE_STATES[module] = dispatch.new_state(target, backend)
+        dispatch.per_instance(target, _instance_state)  # (e.g. a module just unpickled)
     return state
 
 
 def _module_forward(self, *args, **kwargs):
     state = _module_state(self)
     forward = type(self).forward
-    return dispatcher.run(state, state.target.binder_for(forward)(self, *args, **kwargs),
+    return dispatch.run(state, state.target.binder_for(forward)(self, *args, **kwargs),
                           forward.__closure__)
 
 
@@ -262,7 +262,7 @@ setattr(OptimizedForward, MODULE_FORWARD_ATTR, True)
 
 def _shared_state(code):
     """The shared cache of ``code`` if the frame hook (``SPECULARCH=1``) ever reached it."""
-    return next((s for s in list(dispatcher.states().values()) if s.target.code is code), None)
+    return next((s for s in list(dispatch.states().values()) if s.target.code is code), None)
 
 
 def _state_of(obj: Any):
@@ -310,4 +310,4 @@ def explain(obj: Any, *, verbose: bool = False) -> Explanation:
 
 def reset() -> None:
     """Forget every graph, guard, record and statistic (optimized objects stay optimized)."""
-    dispatcher.reset()
+    dispatch.reset()

@@ -129,6 +129,19 @@ FUNCTION_NAMES = Kind("a comma-separated list of function names",
 LOG = Kind(f"a comma-separated list of {', '.join(LOG_TOPICS)} (or all)",
            f"a set (or list/tuple) of {', '.join(map(repr, LOG_TOPICS))} (or {{'all'}})",
            _comma_list, _log_topics)
+TEMPLATE_MODES = ("batched", "exact", "off")
+
+
+def _template_mode(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError
+    if value not in TEMPLATE_MODES:
+        raise ValueError
+    return value
+
+
+TEMPLATES = Kind("one of batched/exact/off", "'batched', 'exact' or 'off'", str.strip,
+                 _template_mode)
 BACKEND = Kind("a backend name", "a registered backend name (str; specularch.list_backends())",
                str, _backend_name)
 
@@ -164,6 +177,10 @@ OPTIONS: dict[str, Option] = {
                "SPECULARCH_INLINE_DEPTH", POSITIVE_INT),
         Option("max_instructions", 200_000, "Bytecode instructions one capture may execute "
                "symbolically (bounds unrolled loops).", "SPECULARCH_MAX_INSTRUCTIONS", POSITIVE_INT),
+        Option("templates", "batched", "Recursion captured once per path and run on new "
+               "structures: 'batched' (instances of one path run together by wavefront; equal to "
+               "eager within float rounding), 'exact' (one by one; bit-identical), 'off' (unroll "
+               "each structure into its own graph).", "SPECULARCH_TEMPLATES", TEMPLATES),
         Option("strict", False, "Raise SpecularchStrictError instead of falling back to eager "
                "or recompiling (for CI).", "SPECULARCH_STRICT", FLAG),
         Option("enabled", False, "Optimize the program globally (the frames the policy picks; "

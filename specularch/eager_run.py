@@ -1,7 +1,7 @@
 """The eager path in the caller's own frame, and the lock that makes a graph call atomic.
 
 **Eager runs.** A call that runs the original Python (its path is remembered as eager, or
-the object is disabled) is not run by the dispatcher: ``dispatcher.start`` returns an
+the object is disabled) is not run by the dispatcher: ``dispatch.start`` returns an
 ``EagerRun`` and the caller (the ``optimize`` wrapper) runs the original itself:
 
     with token:

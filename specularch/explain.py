@@ -63,6 +63,7 @@ class Explanation:
     recompiles: list[RecompileRecord] = field(default_factory=list)
     stats: object = None
     relaxations: list[str] = field(default_factory=list)
+    templates: list[str] = field(default_factory=list)  # recursion templates (templates/)
     verbose: bool = field(default=False, compare=False)  # str() lists guards and graph code
 
     @property
@@ -91,6 +92,9 @@ class Explanation:
         out += [f"  {r}" for r in self.recompiles]
         out.append(f"relaxations: {len(self.relaxations)}")
         out += [f"  {r}" for r in self.relaxations]
+        if self.templates:
+            out.append("templates:")
+            out += self.templates
         return out
 
 
@@ -99,6 +103,8 @@ def explain_state(state, verbose: bool = False) -> Explanation:
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
                           e.capture.seconds, e.compile_seconds, e.note)
               for e in reversed(state.entries)]
+    from .templates.report import template_lines
+    templates = template_lines([e.capture.graph_module for e in state.entries])
     return Explanation(state.target.name, graphs, [replace(f) for f in state.fallbacks.values()],
                        list(state.recompiles), replace(state.stats),
-                       list(state.general.relaxations), verbose)
+                       list(state.general.relaxations), templates, verbose)

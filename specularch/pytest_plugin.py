@@ -30,14 +30,14 @@ def pytest_configure(config):
     mode = config.getoption("--specularch", default="off")
     if mode == "off":
         return
-    from . import dispatcher, startup, validate
+    from . import dispatch, startup, validate
     from .config import check_environment
     errors, _ = check_environment()  # the backend may be registered later, by a conftest
     if errors:
         raise pytest.UsageError(f"specularch: {errors[0]}")
     startup.activate()
     if mode == "compare":
-        dispatcher.VALIDATOR = validate.validator
+        dispatch.set_run_wrapper(validate.validator)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -46,17 +46,17 @@ def pytest_runtest_call(item):
     if mode == "off":
         yield
         return
-    from . import dispatcher, frames, validate
+    from . import dispatch, frames, validate
     skipped = item.get_closest_marker("specularch_skip") is not None
-    validator = dispatcher.VALIDATOR
+    validator = dispatch.run_wrapper()
     if skipped:
         frames.disable_globally()
-        dispatcher.VALIDATOR = None
+        dispatch.set_run_wrapper(None)
     before = len(validate.MISMATCHES)
     try:
         outcome = yield
     finally:
-        dispatcher.VALIDATOR = validator
+        dispatch.set_run_wrapper(validator)
         if skipped:
             frames.enable_globally()
     # A mismatch raised inside the test may have been caught by the test's own ``except``.
@@ -73,8 +73,8 @@ _SEEN: dict[int, tuple] = {}
 
 
 def _record_states() -> None:
-    from . import dispatcher
-    for state in [*dispatcher.states().values(), *list(dispatcher._OWNED)]:
+    from . import dispatch
+    for state in dispatch.all_states():
         if state.stats.calls:
             target = state.target
             _SEEN[id(state.stats)] = (state.stats, state.fallbacks, len(state.entries),

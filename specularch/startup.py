@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import sys
 
-from . import dispatcher, frames
+from . import dispatch, frames
 from .frames import policy
 from .config import ConfigError, config
 from .config import check_environment as check_variables
@@ -58,8 +58,7 @@ def from_environment() -> None:
 
 def report() -> str:
     """Reports of every code object the global switch (or optimize) ran."""
-    states = [s for s in [*dispatcher.states().values(), *list(dispatcher._OWNED)]
-              if s.stats.calls]
+    states = [s for s in dispatch.all_states() if s.stats.calls]
     if not states:
         return "specularch: nothing was optimized (no frame matched the policy; see specularch/frames/policy.py)"
     return "\n\n".join(str(explain_state(s)) for s in states)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import specularch
-import specularch.dispatcher
+import specularch.dispatch.misses
 import specularch.frames
 from differential import (A, T, assert_uses_opcode, check_module, expect_fallback, expect_graph,
                           marker_line)
@@ -69,7 +69,7 @@ class _Spies:
         self.original_runs = 0
         self.captures = 0
         call_original = specularch.frames.Target.call_original
-        capture = specularch.dispatcher.capture
+        capture = specularch.dispatch.misses.capture
 
         def spy_call_original(target, *args, **kwargs):
             self.original_runs += target.filename == __file__
@@ -80,7 +80,7 @@ class _Spies:
             return capture(*args, **kwargs)
 
         monkeypatch.setattr(specularch.frames.Target, "call_original", spy_call_original)
-        monkeypatch.setattr(specularch.dispatcher, "capture", spy_capture)
+        monkeypatch.setattr(specularch.dispatch.misses, "capture", spy_capture)
 
 
 # --------------------------------------------------------------------------- 1. cache hits

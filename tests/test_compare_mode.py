@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import specularch
-from specularch import dispatcher, validate
+from specularch import dispatch, validate
 
 pytest_plugins = ["pytester"]
 
@@ -246,7 +246,7 @@ def bump(x):
 def _validate(fn, args, run=None):
     state = specularch.optimize(fn).__specularch_state__
     with specularch.config.patch(profile_calls=0):
-        return validate.validator(state, args, None, run or dispatcher._run)
+        return validate.validator(state, args, None, run or dispatch.run_unwrapped)
 
 
 @pytest.fixture(autouse=True)

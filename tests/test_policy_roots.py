@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from specularch import dispatcher, frames
+from specularch import dispatch, frames
 from specularch.frames import policy
 
 # ---------------------------------------------------------------- the decision itself ----
@@ -104,7 +104,7 @@ def test_outermost_module_call(call, expected):
 def _switched(fn, *args):
     """``fn(*args)`` with the global switch's hook and policy on (in this thread only)."""
     frames.reset()  # a fresh region: no skip marks left by earlier tests
-    frames.set_dispatcher(dispatcher.dispatch)  # (test_frames leaves None behind)
+    frames.set_dispatcher(dispatch.dispatch)  # (test_frames leaves None behind)
     frames.set_auto_target(policy.choose)
     try:
         with frames.hook_active():
@@ -122,11 +122,11 @@ def _forget_targets():
 
 def _roots():
     """``{qualname: calls}`` of the code objects the switch ran as roots."""
-    return {s.target.name: s.stats.calls for s in dispatcher.states().values() if s.stats.calls}
+    return {s.target.name: s.stats.calls for s in dispatch.states().values() if s.stats.calls}
 
 
 def _state(name):
-    return next(s for s in dispatcher.states().values()
+    return next(s for s in dispatch.states().values()
                 if s.target.name == name and s.stats.calls)
 
 

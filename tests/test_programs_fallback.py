@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import specularch
+from specularch.dispatch import misses
 from differential import (A, DEFAULT_CALLS, T, assert_same, assert_uses_opcode, check, check_module,
                           expect_fallback, marker_line, module_globals)
 
@@ -478,8 +479,8 @@ def test_a_capture_failing_on_tensor_values_leaves_other_values_to_graphs(monkey
     later call with the same guards eager; after ``VALUE_DEPENDENT_RETRIES`` such calls the
     path is remembered as eager, so captures stay bounded."""
     captures = []
-    capture = specularch.dispatcher.capture
-    monkeypatch.setattr(specularch.dispatcher, "capture",
+    capture = misses.capture
+    monkeypatch.setattr(misses, "capture",
                         lambda *a, **k: captures.append(1) or capture(*a, **k))
 
     def gather(x, idx):
@@ -503,7 +504,7 @@ def test_a_capture_failing_on_tensor_values_leaves_other_values_to_graphs(monkey
 
     always_bad = specularch.optimize(gather)
     captures.clear()
-    retries = specularch.dispatcher.VALUE_DEPENDENT_RETRIES
+    retries = specularch.dispatch.VALUE_DEPENDENT_RETRIES
     for _ in range(retries + 4):
         with pytest.raises(IndexError):
             always_bad(T(4), torch.tensor([9]))

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module
 
-from .. import dispatcher, frames
+from .. import dispatch, frames
 from .._torch_nn import MODULE_CALL_CODE
 from . import interceptor as _interceptor
 from ..config import config
@@ -71,7 +71,7 @@ def choose(frame, code: types.CodeType):
         fn = _function_for(frame, code)
         # Registered here (the hook registers it again, a no-op) so the dispatcher can be
         # told to optimize only its outermost calls.
-        dispatcher.per_call_site(frames.register(fn), _run_if_outermost)
+        dispatch.per_call_site(frames.register(fn), _run_if_outermost)
         return fn
     return None
 
@@ -92,7 +92,7 @@ def _run_if_outermost(target, slots: tuple, cells) -> object:
         return EagerRun(None, target, cells)  # the trampoline runs it (recursion depth)
     _running.depth += 1
     try:
-        return dispatcher.run(dispatcher.state_for(target), slots, cells)
+        return dispatch.run(dispatch.state_for(target), slots, cells)
     finally:
         _running.depth -= 1
 

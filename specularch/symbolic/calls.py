@@ -324,6 +324,11 @@ def inline(tracer, code: types.CodeType, globals_: dict, args: list[Value], kwar
     from .frame import Frame
     from .bytecode import analyse
     bound = bind_arguments(code, args, kwargs, defaults, kwdefaults or {}, name)
+    if not frame_only:
+        from ..templates.callsite import recursive_call
+        templated = recursive_call(tracer, code, globals_, bound)
+        if templated is not None:
+            return templated
     cells = {n: c for n, c in zip(code.co_freevars, closure)}
     info = analyse(code)
     if frame_only:

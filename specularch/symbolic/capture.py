@@ -105,6 +105,9 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             e.value_dependent = True  # reached under a speculated tensor branch
         raise
     tracer.graph.output(tuple(specs.outputs))
+    if tracer.template_calls:
+        from ..templates.merge import merge_family_calls
+        merge_family_calls(tracer.graph)  # the trees of a batch: one wavefront
     _eliminate_dead_code(tracer.graph)
     inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
     tracer.graph.lint()
@@ -113,6 +116,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
         setattr(root, name, tensor)
     gm = torch.fx.GraphModule(root, tracer.graph, class_name=f"Captured_{_ident(code.co_name)}")
     gm.meta["constructed_by"] = "specularch.symbolic.capture"
+    gm.meta["unrolled_recursion"] = dict(tracer.unrolled)  # see templates/callsite.py
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm.meta["scalar_inputs"] = any(isinstance(n.meta.get("example"), (int, float)) for n in placeholders)
     gm.meta["dynamic_dims"] = bool(tracer._sizes) or any(

@@ -106,6 +106,12 @@ class Tracer:
         self.inference_regions: list = []        # inference_mode blocks capture is in (grad_mode.py)
         self.handled_exception: Value | None = None  # sys.exc_info() in a handler (exceptions.py)
         self.clock_reads: list = []              # clock reads in program order (deferred.py)
+        # recursion templates (specularch/templates): the path being captured, if any;
+        # recursive functions left unrolled (code -> why); families called; object inputs
+        self.template = None
+        self.unrolled: dict = {}
+        self.template_calls: list = []
+        self.object_inputs: dict = {}
         self.guards.add(GlobalStateGuard.now())
 
     # ---- where are we -------------------------------------------------------------------
@@ -287,6 +293,9 @@ class Tracer:
             error.value_dependent = has_tensor_input  # the tensors' values may be why
             raise error from None
         dynamic = any(is_dynamic(a) for a in [*args, *kwargs.values()])
+        if dynamic and target in _VALUE_FACTORIES and not any(
+                isinstance(leaf, TensorV) and leaf.dynamic for a in args for leaf in leaves(a)):
+            dynamic = False  # `torch.tensor([n])`: symbolic numbers are values, not sizes
         if not holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
             return self._symbolic_metadata(label, args)
         if not holds_tensor(result) and dynamic and not check.wrote:
@@ -461,6 +470,9 @@ def _object_guard(obj) -> tuple:
     if type(obj).__eq__ is not base.__eq__ or type(obj).__hash__ is not base.__hash__:
         return IdGuard, obj
     return ValueGuard, obj
+
+
+_VALUE_FACTORIES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
 
 
 def _item(source: Source | None, key) -> Source | None:

@@ -1,0 +1,232 @@
+"""No cached graph fits a call: profile it, relax what varied, capture and compile anew.
+
+The first ``config.profile_calls`` calls run eagerly and record what their arguments looked
+like; the first capture after them generalises what varied (``relax.py``). Later misses relax
+what the newest graph's failing guards assumed, then capture again — a *recompile*, recorded
+with its reason — until the object has ``config.cache_limit`` graphs: then it is disabled
+(``state.disabled``, which the hot path checks) and runs eagerly. A compiling backend that
+refuses or fails on a graph, at compile time or at run time, is replaced by ``fx`` for it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from .. import frames, log
+from ..config import config
+from ..eager_run import locked_entry
+from ..entry import MISS, build_entry
+from ..fx_lower.randomness import graph_uses_randomness
+from ..fx_lower import get_backend
+from ..guards.guard import refers_to_dead
+from ..records import RecompileRecord, SpecularchStrictError, Unsupported
+from ..guards.relax import fact
+from ..symbolic.speculation import budget
+from ..symbolic.assumptions import Assumptions
+from ..symbolic.capture import Capture, capture
+from ..symbolic.values import RelaxationRefused
+from . import hooks
+from .fallback import fallback
+from .state import LOCK, CodeState, GraphEntry
+
+
+def profile_call(state: CodeState, slots, cells) -> Any:
+    """One of the first calls: run eagerly, remember what the arguments looked like."""
+    state.stats.profiled_calls += 1
+    state.profile.append(tuple(fact(v) for v in slots))
+    start = time.perf_counter()
+    with frames.hook_active():
+        result = state.target.call_original(slots, cells)
+    state.eager_seconds.append(time.perf_counter() - start)  # what a capture may cost
+    return result
+
+
+def miss(state: CodeState, slots, cells, G, B, try_entry: Callable) -> Any:
+    """The call's result after no graph's guards passed: a new graph's, or the original's.
+    ``try_entry`` is the hot path's (``cache.try_entry``), handed in so that this module
+    does not import the one that imports it."""
+    with LOCK:
+        drop_dead(state)
+        for entry in state.entries:  # another thread may have captured while we waited
+            result = try_entry(state, entry, slots, cells, G, B)
+            if result is not MISS:
+                return result
+        if state.profile:  # first capture after profiling: generalise what varied
+            state.general.from_profile(state.target.argnames,
+                                       state.profile + [tuple(fact(v) for v in slots)])
+            state.profile = []
+        if state.entries:
+            full = _recompile(state, slots, cells, G, B)
+            if full is not None:
+                return fallback(state, slots, cells, full, at_def=True)
+        hooks.distributed.start_capture()
+        try:
+            with budget.eager_cost(state.eager_seconds):  # gives up on long loops early
+                cap = capture_with_relaxations(state, slots, cells, G)
+        except Unsupported as e:
+            return fallback(state, slots, cells, e,
+                            reaches_backward=hooks.distributed.capture_reached_backward())
+        except Exception as e:  # a bug in specularch: stay correct, say so
+            if config.raise_internal_errors:
+                raise
+            return fallback(state, slots, cells, Unsupported(
+                "internal_error", f"capture failed with {type(e).__name__}: {e}"), at_def=True,
+                reaches_backward=hooks.distributed.capture_reached_backward())
+        state.stats.captures += 1
+        state.stats.capture_seconds += cap.seconds
+        named = (hooks.distributed.step_state(cap, slots, cells, G, B)
+                 if cap.distributed_leaves else [])
+        buffers = [t for _, t in named if not isinstance(t, torch.nn.Parameter)
+                   and not any(t is leaf for leaf in cap.distributed_leaves)]
+        try:
+            entry = compile_entry(state, cap, buffers=buffers)
+        except Exception as e:
+            return fallback(state, slots, cells, Unsupported(
+                "backend_error", f"backend {state.backend!r} failed: {type(e).__name__}: {e}"),
+                at_def=True, reaches_backward=bool(cap.distributed_leaves))
+        if named:
+            hooks.distributed.start_from_rank0(state, named)
+        state.entries.insert(0, entry)
+    return _first_run(state, entry, buffers, slots, cells, G, B, try_entry)
+
+
+def _recompile(state: CodeState, slots, cells, G, B) -> Unsupported | None:
+    """Before capturing next to existing graphs: relax, then record the recompile, or return
+    the ``cache_limit`` failure when the object has as many graphs as it may."""
+    target = state.target
+    why = relax(state, slots, cells, G, B)
+    if len(state.entries) >= config.cache_limit:
+        return Unsupported("cache_limit", f"{target.name} already has {len(state.entries)} "
+                           f"graphs (config.cache_limit); last guard failure: {why}")
+    if config.strict:
+        raise SpecularchStrictError(f"specularch strict mode: {target.name} would "
+                                    f"recompile: {why}")
+    state.recompiles.append(RecompileRecord(target.name, [why]))
+    log.emit("recompiles", str(state.recompiles[-1]))
+    state.stats.recompiles += 1
+    return None
+
+
+def _first_run(state: CodeState, entry: GraphEntry, buffers: list, slots, cells, G, B,
+               try_entry: Callable) -> Any:
+    """A fresh graph's first call: the one it was captured from, so its guards must pass."""
+    cap = entry.capture
+    result = try_entry(state, entry, slots, cells, G, B, count_hit=False)
+    if result is MISS:  # the fast C++ tensor check disagrees with torch's own: use Python's
+        state.entries.remove(entry)
+        entry = compile_entry(state, cap, fast_tensors=False, buffers=buffers)
+        state.entries.insert(0, entry)
+        result = try_entry(state, entry, slots, cells, G, B, count_hit=False)
+    if result is MISS:  # the guards we just built reject the call they came from: a bug
+        state.entries.remove(entry)
+        return fallback(state, slots, cells, Unsupported(
+            "internal_error", "a fresh graph's guards rejected the call it was captured from"),
+            at_def=True, reaches_backward=bool(cap.distributed_leaves))
+    return result
+
+
+def drop_dead(state: CodeState) -> None:
+    """Forget graphs and eager paths whose guards hold an object that was freed (guards hold
+    objects weakly): they never pass again, and must not count towards ``cache_limit``."""
+    state.entries[:] = [e for e in state.entries if not refers_to_dead(e.capture.guards)]
+    state.eager[:] = [e for e in state.eager if not refers_to_dead(e.guards)]
+
+
+def relax(state: CodeState, slots, cells, G, B) -> str:
+    """No graph fits this call: relax every assumption of the newest graph that this call
+    breaks and that can be generalised (not only the first: a call that changes a key *and*
+    a counter must not cost one graph per counter value). Graphs that specialised on what was
+    relaxed are dropped; the next capture covers them. Returns the recompile reason."""
+    failing = list(state.entries[0].capture.guards.failing(slots, cells, G, B))
+    if not failing:
+        return "no cached graph's guards passed"
+    general = state.general
+    before = len(general.relaxations)
+    relaxed = {g.key() for g, value, _ in failing if general.from_guard_failure(g, value)}
+    why = failing[0][2]
+    if relaxed:
+        state.entries[:] = [e for i, e in enumerate(state.entries)
+                            if i and not any(g.key() in relaxed for g in e.capture.guards)]
+        why = f"{why}; relaxed: " + "; ".join(general.relaxations[before:])
+    return why
+
+
+def capture_with_relaxations(state: CodeState, slots, cells, G) -> Capture:
+    """Capture with what profiling/relaxation generalised; if the code turns out to read
+    something a relaxation stopped tracking, undo that relaxation and capture again."""
+    general = state.general
+    for _ in range(4 + len(general.append_only) + len(general.keyed_dicts)):
+        try:
+            assumptions = Assumptions(  # a snapshot: a refused relaxation changes `general`
+                unstable_sites=state.unstable_sites, dynamic_dims=general.dynamic_dims,
+                symbolic_scalars=general.symbolic_scalars,
+                symbolic_sources=general.symbolic_sources,
+                append_only=general.append_only, keyed_dicts=general.keyed_dicts)
+            return capture(state.target.code, G, state.target.argnames, slots, cells, assumptions,
+                           max_instructions=config.max_instructions,
+                           inline_depth=config.inline_depth)
+        except RelaxationRefused as refused:
+            general.refuse(refused.source)
+    raise Unsupported("internal_error", "relaxations kept being refused while capturing")
+
+
+def fx_instead(state: CodeState, entry: GraphEntry, error: Exception) -> GraphEntry | None:
+    """A graph of a compiling backend raised ``error`` at run time: the entry that replaces
+    it, with the same capture run by ``fx`` (None: ``fx`` raised, or the graph is gone, or a
+    distributed step got too far to be run again)."""
+    if entry.capture.distributed_leaves and hooks.distributed.active() \
+            and hooks.distributed.graph_raised_late(error):
+        return None
+    if entry.backend == "fx" or entry not in state.entries:
+        return None
+    with LOCK:
+        index = state.entries.index(entry)
+        replacement = compile_entry(state, entry.capture, backend_name="fx",
+                                    note=f"backend {entry.backend!r} raised at run time "
+                                         f"({type(error).__name__}); ran it with 'fx'")
+        state.entries[index] = replacement
+    return replacement
+
+
+def compile_entry(state: CodeState, cap: Capture, fast_tensors: bool = True,
+                  backend_name: str | None = None, note: str = "",
+                  buffers: list = ()) -> GraphEntry:
+    """Compile ``cap`` with the state's backend (``fx`` where that refuses or fails) and
+    wrap it in its generated entry: guards, graph call, assertions, commit, rebuild."""
+    start = time.perf_counter()
+    graph_fn, backend, note = _backend_compile(state, cap.graph_module, backend_name, note)
+    fn, text = build_entry(cap.guards, cap.input_sources, cap.output, graph_fn, fast_tensors,
+                           cap.writes, cap.assertions, graph_uses_randomness(cap.graph_module))
+    if cap.distributed_leaves:
+        fn = hooks.distributed.wrap_entry(fn, list(buffers))
+    if cap.writes:  # guards to commit atomic for threads sharing what it writes
+        fn = locked_entry(fn)
+    seconds = time.perf_counter() - start
+    state.stats.compile_seconds += seconds
+    grad = next((g.grad_enabled for g in cap.guards if hasattr(g, "grad_enabled")), True)
+    if note and note not in state.notes:
+        state.notes.append(note)
+    log.emit("graphs", f"{state.target.name} ({backend}{'; ' + note if note else ''}):\n"
+             f"{cap.code}")
+    log.emit("guards", f"{state.target.name}:\n  " + "\n  ".join(cap.guards.readable()))
+    return GraphEntry(cap, backend, fn, text, grad, seconds, note=note, graph_fn=graph_fn)
+
+
+def _backend_compile(state: CodeState, gm, backend_name: str | None, note: str):
+    """``(compiled graph, backend name, note)``: the chosen backend's, or ``fx``'s with a
+    note saying why the chosen one was not used."""
+    backend = get_backend(backend_name or state.backend)
+    reason = backend.supports(gm)
+    if reason:
+        note = f"backend {backend.name!r} not used: {reason}; ran it with 'fx'"
+        backend = get_backend("fx")
+    example_inputs = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        return backend.compile(gm, example_inputs), backend.name, note
+    except Exception as e:
+        if backend.name == "fx":
+            raise
+        note = f"backend {backend.name!r} failed ({type(e).__name__}: {e}); ran it with 'fx'"
+        return get_backend("fx").compile(gm, example_inputs), "fx", note

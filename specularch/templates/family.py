@@ -1,0 +1,231 @@
+"""The paths of one recursive function (a *template family*), choosing a path per node, and
+evaluating a structure: planning it into instances (post-order, as eager calls them), then
+running the instances one by one (exact) or by wavefront (``wavefront.py``)."""
+from __future__ import annotations
+
+import builtins
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import config
+from ..guards.guard import refers_to_dead
+from ..guards.sources import Source
+from ..records import Unsupported
+from .paths import Path, capture_path, source_getter
+
+MAX_PATHS = 64          # paths per family; past this a new path falls back (cache_limit-like)
+MAX_INSTANCES = 1_000_000
+
+
+class TemplateMiss(Exception):
+    """A node of the structure needs what the running graph did not pass (a path captured
+    after the graph, reading another context tensor), or cannot be captured: the call runs
+    eagerly, leaving nothing changed (the graph commits nothing before it returns)."""
+
+
+@dataclass
+class Plan:
+    """A structure as template instances, children before parents (eager's call order)."""
+
+    paths: list = field(default_factory=list)      # per instance: its Path
+    nodes: list = field(default_factory=list)      # per instance: per-node input values
+    kids: list = field(default_factory=list)       # per instance: child instance ids
+    heights: list = field(default_factory=list)    # per instance: 0 for a leaf of the walk
+    roots: list = field(default_factory=list)      # instance id per root
+
+    def add(self, path: Path, nodes: tuple, kids: list) -> int:
+        self.paths.append(path)
+        self.nodes.append(nodes)
+        self.kids.append(kids)
+        self.heights.append(1 + max(self.heights[k] for k in kids) if kids else 0)
+        return len(self.paths) - 1
+
+
+class Family:
+    def __init__(self, code, globals_: dict, params: tuple[str, ...], ctx_params: frozenset,
+                 struct_params: frozenset):
+        self.code = code
+        self.globals = globals_
+        self.name = code.co_qualname
+        self.params = params
+        self.ctx_params = ctx_params
+        self.struct_params = struct_params
+        self.paths: list[Path] = []
+        self.ctx_sources: list[Source] = []   # context tensors, over the template's locals
+        self._ctx_getter = None
+        self.last_call: dict = {}       # instances, levels, batch sizes of the latest run
+        self.closed: str | None = None  # why paths are no longer captured at run time
+        self.builtins = globals_.get("__builtins__", builtins)
+        if not isinstance(self.builtins, dict):
+            self.builtins = self.builtins.__dict__
+        self.stats = {"calls": 0, "instances": 0, "batches": 0, "batched_instances": 0,
+                      "largest_batch": 0, "captures": 0}
+
+    # ---- context ------------------------------------------------------------------------
+    def ctx_index(self, source: Source, example: torch.Tensor) -> int:
+        if source not in self.ctx_sources:
+            self.ctx_sources.append(source)
+            self._ctx_getter = None
+        return self.ctx_sources.index(source)
+
+    def ctx_values(self, L: list) -> tuple:
+        """The context tensors read from the real context objects (during capture)."""
+        if self._ctx_getter is None:
+            self._ctx_getter = source_getter(self.ctx_sources)
+        return self._ctx_getter(L, self.globals)
+
+    def enabled_paths(self, L: list) -> list[Path]:
+        """The paths whose context guards hold for this call's context objects."""
+        return [p for p in self.paths if p.ctx_check(L, (), self.globals, self.builtins)]
+
+    # ---- planning -----------------------------------------------------------------------
+    def select(self, L: list, enabled: list[Path], capture: bool) -> Path:
+        for path in enabled:
+            if path.check(L, (), self.globals, self.builtins):
+                return path
+        for path in self.paths:  # captured since ``enabled`` was made (a nested walk)
+            if path not in enabled and path.ctx_check(L, (), self.globals, self.builtins):
+                enabled.append(path)
+                if path.check(L, (), self.globals, self.builtins):
+                    return path
+        if not capture:
+            raise TemplateMiss(f"a node of {self.name} takes a path not captured yet")
+        self.paths[:] = [p for p in self.paths if not refers_to_dead(p.ctx_guards)]
+        if len(self.paths) >= MAX_PATHS:
+            raise Unsupported("cache_limit", f"{self.name}: more than {MAX_PATHS} template paths")
+        path = capture_path(self, L)
+        self.stats["captures"] += 1
+        for other in self.paths:  # a nested capture may have found the same path first
+            if other.path_guards.readable() == path.path_guards.readable() and other.check(
+                    L, (), self.globals, self.builtins) and other.ctx_check(
+                    L, (), self.globals, self.builtins):
+                if other not in enabled:
+                    enabled.append(other)
+                return other
+        self.paths.append(path)
+        enabled.append(path)
+        return path
+
+    def plan(self, roots: list[list], enabled: list[Path], capture: bool) -> Plan:
+        """Walk the structures from ``roots`` (one locals list each) into instances."""
+        plan = Plan()
+        for L in roots:
+            plan.roots.append(self._plan_one(plan, L, enabled, capture))
+        return plan
+
+    def _plan_one(self, plan: Plan, L: list, enabled: list[Path], capture: bool) -> int:
+        # an explicit stack: [locals, path, child locals, next child, child ids]
+        stack = [[L, None, None, 0, []]]
+        while True:
+            top = stack[-1]
+            if top[1] is None:
+                top[1] = path = self.select(top[0], enabled, capture)
+                top[2] = self._children(path, top[0])
+            if top[3] < len(top[2]):
+                top[3] += 1
+                stack.append([top[2][top[3] - 1], None, None, 0, []])
+                if len(plan.paths) + len(stack) > MAX_INSTANCES:
+                    raise TemplateMiss(f"{self.name}: the structure has more than "
+                                       f"{MAX_INSTANCES} nodes (a cycle?)")
+                continue
+            stack.pop()
+            path, L_ = top[1], top[0]
+            index = plan.add(path, path.node_getter(L_, self.globals), top[4])
+            if not stack:
+                return index
+            stack[-1][4].append(index)
+
+    def _children(self, path: Path, L: list) -> list[list]:
+        values = path.hole_getter(L, self.globals)
+        children, i = [], 0
+        for hole in path.holes:
+            child = list(L)
+            for p in sorted(self.struct_params):
+                child[p] = values[i]
+                i += 1
+            children.append(child)
+        return children
+
+    # ---- running ------------------------------------------------------------------------
+    def run_exact(self, plan: Plan, ctx: tuple) -> list:
+        outs: list = [None] * len(plan.paths)
+        for i, path in enumerate(plan.paths):
+            outs[i] = path.gm(*_arguments(path, ctx, plan.nodes[i], plan.kids[i], outs))
+            path.runs += 1
+        return [outs[r] for r in plan.roots]
+
+    def evaluate_example(self, L: list):
+        """The value of the call for the real node in ``L``, during a capture (capturing
+        paths the structure needs)."""
+        enabled = self.enabled_paths(L)
+        plan = self.plan([L], enabled, capture=True)
+        return self.run_exact(plan, self.ctx_values(L))[0]
+
+    def run(self, structs: tuple, ctx_objects: tuple, ctx: tuple):
+        """The graph node: the value of the call on a new structure (``structs``: the
+        structure arguments; ``ctx_objects``: the others; ``ctx``: the context tensors the
+        graph read, in ``ctx_sources`` order)."""
+        return self.run_many((structs,), ctx_objects, ctx)[0]
+
+    def run_many(self, structs_per_call: tuple, ctx_objects: tuple, ctx: tuple) -> tuple:
+        """Several independent calls of the family with one context (the trees of a batch:
+        ``templates/merge.py``) as one walk: their instances share the wavefront's levels."""
+        roots = [self.locals_for(structs, ctx_objects) for structs in structs_per_call]
+        enabled = self.enabled_paths(roots[0])
+        try:  # a new path is captured here (pure: symbolic execution, template graphs)
+            plan = self.plan(roots, enabled, capture=self.closed is None)
+        except Unsupported as e:
+            self.closed = e.explanation
+            raise TemplateMiss(f"a node of {self.name} takes a path that cannot be a template: "
+                               f"{e.explanation}") from None
+        self.stats["calls"] += len(roots)
+        self.stats["instances"] += len(plan.paths)
+        exact = any(p.random for p in plan.paths) or config.templates == "exact"
+        self.last_call = {"instances": len(plan.paths), "exact": exact, "batches": [],
+                          "levels": 1 + max(plan.heights), "roots": len(roots)}
+        if exact:
+            return tuple(self.run_exact(plan, ctx))
+        from .wavefront import run_batched
+        return tuple(run_batched(self, plan, ctx))
+
+    def locals_for(self, structs: tuple, ctx_objects: tuple) -> list:
+        L: list = [None] * len(self.params)
+        for i, v in zip(sorted(self.struct_params), structs):
+            L[i] = v
+        for i, v in zip(sorted(self.ctx_params), ctx_objects):
+            L[i] = v
+        return L
+
+
+def _arguments(path: Path, ctx: tuple, nodes: tuple, kids: list, outs: list) -> list:
+    args = []
+    for inp in path.inputs:
+        if inp.kind == "ctx":
+            if inp.index >= len(ctx):
+                raise TemplateMiss("a template path reads a context tensor the graph did not pass")
+            args.append(ctx[inp.index])
+        elif inp.kind == "node":
+            args.append(nodes[inp.index])
+        else:
+            out = outs[kids[inp.index]]
+            args.append(out[inp.slot] if isinstance(out, tuple) else out)
+    return args
+
+
+_FAMILIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def family_for(code, globals_: dict, params: tuple, ctx_params: frozenset,
+               struct_params: frozenset) -> Family:
+    key = _FAMILIES.get(code)
+    if key is not None and key.ctx_params == ctx_params and key.struct_params == struct_params:
+        return key
+    family = Family(code, globals_, params, ctx_params, struct_params)
+    _FAMILIES[code] = family
+    return family
+
+
+def families() -> list[Family]:
+    return list(_FAMILIES.values())

@@ -1,0 +1,306 @@
+"""Recursion templates (specularch/templates): a recursive function is captured once per path
+and run on structures never seen before, without a new graph per structure. Differential:
+parameters after training, values, gradients and Python state against eager."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import specularch
+from specularch import config
+from specularch.templates.family import families
+from models import data, tree_lstm, tree_rnn
+
+from differential import A, T, check
+
+pytestmark = pytest.mark.usefixtures("no_profiling")
+
+
+def _train(model, trees_per_step, steps, mode, seed=1, lr=0.1):
+    """(eager model, optimized model, explain) after ``steps`` SGD steps on new trees."""
+    torch.manual_seed(0)
+    eager_model, fast_model = model, copy.deepcopy(model)
+
+    def make_step(m):
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+
+        def step(trees, labels):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(m(trees), labels)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    eager, fast = make_step(eager_model), specularch.optimize(make_step(fast_model))
+    gen = torch.Generator().manual_seed(seed)
+    with config.patch(templates=mode):
+        for _ in range(steps):
+            trees = [data.random_tree(gen, 50, 2, 9) for _ in range(trees_per_step)]
+            labels = torch.tensor([t.label for t in trees])
+            a, b = eager(trees, labels), fast(trees, labels)
+            if mode == "exact":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return eager_model, fast_model, specularch.explain(fast)
+
+
+def _one_graph_for_all_trees(report, steps):
+    """One capture for the trees; the only recompile is eager's ``.grad`` turning from None
+    into a tensor after the first step (no profiling calls in these tests)."""
+    assert not report.fallbacks, str(report)
+    assert report.stats.captures <= 2 and report.stats.graph_hits == steps - report.stats.captures
+    assert all(".grad expected None" in str(r) for r in report.recompiles), str(report)
+
+
+def _family(function):
+    return next(f for f in families() if f.code is function.__code__)
+
+
+@pytest.mark.parametrize("Model", [tree_rnn.TreeRNN, tree_lstm.TreeLSTM])
+def test_exact_mode_trains_bit_identically_on_new_trees_with_one_graph(Model):
+    eager, fast, report = _train(Model(50, 8), 1, 14, "exact")
+    for p, q in zip(eager.parameters(), fast.parameters()):
+        assert torch.equal(p, q)
+    _one_graph_for_all_trees(report, 14)
+
+
+@pytest.mark.parametrize("Model", [tree_rnn.TreeRNN, tree_lstm.TreeLSTM])
+def test_batched_mode_is_within_rounding_and_batches_each_level(Model):
+    before = {f.code: dict(f.stats) for f in families()}
+    eager, fast, report = _train(Model(50, 8), 2, 14, "batched")
+    for p, q in zip(eager.parameters(), fast.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    _one_graph_for_all_trees(report, 14)
+    stats = _family(Model.encode).stats
+    old = before.get(Model.encode.__code__, {"batches": 0})
+    assert stats["batches"] > old["batches"] and stats["largest_batch"] > 1
+
+
+class Node:
+    def __init__(self, value=None, children=()):
+        self.value, self.children = value, list(children)
+
+
+class NaryEncoder(nn.Module):
+    """Recursion over a user class with a list of children (a path per child count); the
+    children's results are stacked on dim 0 (not row-wise: those paths run one by one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.leaf = nn.Linear(1, 4)
+        self.inner = nn.Linear(4, 4)
+
+    def encode(self, node):
+        if not node.children:
+            return torch.tanh(self.leaf(torch.tensor([[node.value]])))
+        hs = [self.encode(c) for c in node.children]
+        return torch.sigmoid(self.inner(torch.stack(hs).sum(0)))
+
+    def forward(self, node):
+        return self.encode(node)
+
+
+def _nary(gen, depth=3):
+    if depth == 0 or torch.rand(1, generator=gen).item() < 0.3:
+        return Node(value=float(torch.randn(1, generator=gen)))
+    return Node(children=[_nary(gen, depth - 1)
+                          for _ in range(int(torch.randint(1, 4, (1,), generator=gen)))])
+
+
+@pytest.mark.parametrize("mode", ["exact", "batched"])
+def test_user_node_class_with_child_lists_values_and_gradients(mode):
+    gen = torch.Generator().manual_seed(3)
+    trees = [_nary(gen) for _ in range(6)]
+    with config.patch(templates=mode):
+        check(lambda m, node: m(node), lambda i: A(_seeded(NaryEncoder), trees[i]), calls=6,
+              grad=True, expect="graph", rtol=1e-6, atol=1e-7)
+
+
+def _seeded(cls):
+    torch.manual_seed(0)
+    return cls()
+
+
+class TupleCombiner(nn.Module):
+    """Recursion over nested tuples whose leaves are tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def combine(self, x):
+        if isinstance(x, tuple):
+            return torch.tanh(self.lin(torch.cat([self.combine(x[0]), self.combine(x[1])], 1)))
+        return x
+
+    def forward(self, x):
+        return self.combine(x)
+
+
+def _nested(depth, seed):
+    if depth <= 0:
+        return T(1, 3, seed=seed)
+    return (_nested(depth - 1, seed * 2 + 1), _nested(depth - 1 - (seed % 2), seed * 2 + 2))
+
+
+def test_nested_tuples_of_tensors_one_graph_for_every_shape_of_nesting():
+    shapes = [_nested(2, 1), _nested(3, 2), _nested(4, 3), _nested(1, 4)]
+    check(lambda m, x: m(x), lambda i: A(_seeded(TupleCombiner), shapes[i]), calls=4, grad=True,
+          expect="graph", rtol=1e-6, atol=1e-7)
+
+
+class Counting(nn.Module):
+    """Writes Python state in the recursion: templates refuse it, the recursion stays
+    unrolled (per structure) and the writes happen exactly as eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.visits = 0
+
+    def walk(self, x):
+        self.visits += 1
+        if isinstance(x, tuple):
+            return self.walk(x[0]) + self.walk(x[1])
+        return self.lin(x)
+
+    def forward(self, x):
+        return self.walk(x)
+
+
+def test_recursion_with_python_writes_stays_unrolled_and_exact():
+    from specularch.templates.callsite import UNROLLED
+    x = (T(1, 3, seed=1), (T(1, 3, seed=2), T(1, 3, seed=3)))
+    check(lambda m, x: m(x), lambda: A(_seeded(Counting), x), calls=3, expect="graph")
+    assert "writes" in UNROLLED["Counting.walk"]
+
+
+def fact(n):
+    return torch.ones(1) if n == 0 else fact(n - 1) * n
+
+
+def test_recursion_on_computed_numbers_is_unrolled_as_before():
+    check(lambda n: fact(n), lambda: A(4), calls=3, expect="graph")
+
+
+class Dropping(nn.Module):
+    """Random numbers in a template: instances run in eager's order (bit-identical), also in
+    batched mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def combine(self, x):
+        if isinstance(x, tuple):
+            h = torch.cat([self.combine(x[0]), self.combine(x[1])], 1)
+            return torch.nn.functional.dropout(torch.tanh(self.lin(h)), 0.5)
+        return x
+
+    def forward(self, x):
+        return self.combine(x)
+
+
+def test_random_ops_in_templates_draw_like_eager():
+    shapes = [_nested(2, 1), _nested(3, 2), _nested(2, 5)]
+    check(lambda m, x: m(x), lambda i: A(_seeded(Dropping), shapes[i]), calls=3, grad=True,
+          expect="graph")
+
+
+class Even(nn.Module):
+    """Mutual recursion: ``even`` calls ``odd`` calls ``even``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def even(self, x):
+        if isinstance(x, tuple):
+            return torch.tanh(self.a(self.odd(x[0]) + self.odd(x[1])))
+        return x
+
+    def odd(self, x):
+        if isinstance(x, tuple):
+            return torch.sigmoid(self.b(self.even(x[0]) * self.even(x[1])))
+        return x
+
+    def forward(self, x):
+        return self.even(x)
+
+
+def test_mutual_recursion():
+    shapes = [_nested(3, 1), _nested(4, 2), _nested(3, 7)]
+    check(lambda m, x: m(x), lambda i: A(_seeded(Even), shapes[i]), calls=3, grad=True,
+          expect="graph", rtol=1e-6, atol=1e-7)
+
+
+def test_off_unrolls_one_graph_per_structure():
+    shapes = [_nested(2, 1), _nested(3, 2)]
+    with config.patch(templates="off"):
+        report = check(lambda m, x: m(x), lambda i: A(_seeded(TupleCombiner), shapes[i]),
+                       calls=2)
+    assert report.stats.captures == 2
+
+
+def test_trees_of_a_batch_share_one_walk():
+    eager, fast, report = _train(tree_rnn.TreeRNN(50, 8), 3, 6, "batched")
+    for p, q in zip(eager.parameters(), fast.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    family = _family(tree_rnn.TreeRNN.encode)
+    assert family.last_call["roots"] == 3
+    assert "run_many" in report.graphs[0].code if report.verbose else True
+
+
+class Special(Node):
+    """A node kind that appears only in later structures; its path reads a parameter no
+    earlier path read."""
+
+
+class TwoKinds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.leaf = nn.Linear(1, 4)
+        self.inner = nn.Linear(4, 4)
+        self.special = nn.Linear(4, 4)
+
+    def encode(self, node):
+        if not node.children:
+            return torch.tanh(self.leaf(torch.tensor([[node.value]])))
+        h = self.encode(node.children[0]) + self.encode(node.children[1])
+        if isinstance(node, Special):
+            return torch.relu(self.special(h))
+        return torch.sigmoid(self.inner(h))
+
+    def forward(self, node):
+        return self.encode(node)
+
+
+def _two_kinds(i):
+    def leaf(v):
+        return Node(value=float(v))
+    if i < 2:
+        return Node(children=[leaf(i), Node(children=[leaf(1), leaf(2)])])
+    return Node(children=[Special(children=[leaf(i), leaf(3)]), leaf(-1)])
+
+
+def test_a_node_kind_seen_later_falls_back_once_then_runs_as_a_graph():
+    torch.manual_seed(0)
+    eager_model = TwoKinds()
+    fast_model = copy.deepcopy(eager_model)
+    fast = specularch.optimize(fast_model)
+    for i in range(5):
+        a, b = eager_model(_two_kinds(i)), fast(_two_kinds(i))
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        a.sum().backward()
+        b.sum().backward()
+    for p, q in zip(eager_model.parameters(), fast_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    report = specularch.explain(fast)
+    assert report.stats.assumption_failures == 1, str(report)
+    assert report.stats.captures == 2 and report.stats.graph_hits == 2, str(report)
+    assert "template:" in str(report.fallbacks[0])
