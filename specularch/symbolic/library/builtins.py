@@ -22,6 +22,8 @@ from .. import operators as ops
 from ..values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
 from ..models import MODELS, provides
+from ..attrs import load_attr, store_attr
+from ..calls import call
 
 BUILTINS: dict = {}
 MODELS.register("BUILTINS", BUILTINS)  # calls.py looks callees up in it
@@ -89,7 +91,6 @@ def _type(tracer, fn, args, kwargs):
 
 @model(getattr)
 def _getattr(tracer, fn, args, kwargs):
-    from ..attrs import load_attr
     obj, name = args[0], args[1].concrete()
     if len(args) == 2:
         return load_attr(tracer, tracer.frames[-1], obj, name)
@@ -104,7 +105,6 @@ def _getattr(tracer, fn, args, kwargs):
 
 @model(hasattr)
 def _hasattr(tracer, fn, args, kwargs):
-    from ..attrs import load_attr
     obj, name = args[0], args[1].concrete()
     _guard_hasattr(tracer, obj, name)
     try:
@@ -124,7 +124,6 @@ def _guard_hasattr(tracer, obj: Value, name: str) -> None:
 @model(setattr, delattr)
 def _setattr(tracer, fn, args, kwargs):
     """``setattr(o, "name", v)`` / ``delattr(o, "name")``: ``o.name = v`` / ``del o.name``."""
-    from ..attrs import store_attr
     if kwargs or len(args) != (3 if fn is setattr else 2) or not isinstance(args[1], Const) \
             or type(args[1].value) is not str:
         return _impure(tracer, fn, args, kwargs)
@@ -319,7 +318,6 @@ def _sort_keys(tracer, items: list, key: Value | None) -> list:
     """The Python sort keys of ``items`` (under ``key``). They must be constants, except that
     tuples whose first elements are distinct constants (``sorted(d.items())``) compare by
     those alone, as Python does, even when later elements are tensors."""
-    from ..calls import call
     keys = items if key is None else [call(tracer, key, [i], {}) for i in items]
     if all(is_const(k) for k in keys):
         return [k.concrete() for k in keys]
@@ -351,14 +349,12 @@ def _next(tracer, fn, args, kwargs):
 
 @model(map)
 def _map(tracer, fn, args, kwargs):
-    from ..calls import call
     rows = _zip_rows([ops.iterate(tracer, a) for a in args[1:]], False)
     return IterV([], source=(call(tracer, args[0], row.items, {}) for row in rows))
 
 
 @model(filter)
 def _filter(tracer, fn, args, kwargs):
-    from ..calls import call
     items = ops.lazy(tracer, args[1])
     if isinstance(args[0], Const) and args[0].value is None:
         return IterV([], source=(i for i in items if ops.truth(tracer, i)))
@@ -462,7 +458,6 @@ def _construct(tracer, cls: type, args, kwargs, cls_source=None) -> Value:
         if args or kwargs:
             raise Unsupported("exception_handling", f"TypeError: {cls.__name__}() takes no arguments")
     else:
-        from ..calls import call
         call(tracer, tracer.wrap(init, None), [obj, *args], kwargs)
     return obj
 

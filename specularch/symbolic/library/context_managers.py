@@ -21,17 +21,17 @@ from ...records import Unsupported
 from .builtins import model
 from ..exceptions import PyRaise, leaving_generator, python_error, unwind
 from ..values import Const, CtxExitV, FuncV, GradModeV, MethodV, Obj, Value
+from ..attrs import load_attr
+from ..calls import call, inline, inline_function
 
 
 def before_with(tracer, ctx: Value) -> tuple[Value, Value]:
     """``(bound __exit__, what __enter__ returned)`` for ``with ctx:``."""
-    from ..calls import call
     if isinstance(ctx, GradModeV):
         from .methods import enter_context
         return CtxExitV(ctx), enter_context(tracer, ctx)
     if isinstance(ctx, _Modelled):
         return MethodV(ctx, Obj(_modelled_exit), "__exit__"), ctx.enter(tracer)
-    from ..attrs import load_attr
     try:
         enter = load_attr(tracer, None, ctx, "__enter__")
         exit_ = load_attr(tracer, None, ctx, "__exit__")
@@ -141,7 +141,6 @@ def _generator_context(tracer, fn, args, kwargs):
 
 
 def _generator_frame(tracer, func: Value, args, kwargs):
-    from ..calls import inline, inline_function
     if isinstance(func, FuncV):
         code = func.code
         frame = lambda: inline(tracer, code, func.globals, args, kwargs,  # noqa: E731

@@ -32,6 +32,7 @@ from ...shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
 from ._torch_grad_mode import inference_mode_guard, tracing_mode_active
 from ..values import Const, GradModeV, TensorV, Value
 from ..models import provides
+from ..values.symint import SymV
 
 _REGION = "inference_region"  # node meta: created inside a `with torch.inference_mode():`
 
@@ -43,7 +44,6 @@ def _refuse(why: str):
 def _bool_arg(what: str, args: list, kwargs: dict, name: str, default: bool | None) -> bool:
     """The one bool argument of ``what`` (positional or ``name=``), guarded where it came
     from; refused when it is anything but a Python bool (eager may raise or decorate)."""
-    from ..values.symint import SymV
     if len(args) + len(kwargs) > 1 or set(kwargs) - {name}:
         _refuse(f"{what}() with unexpected arguments")
     v = args[0] if args else kwargs.get(name)

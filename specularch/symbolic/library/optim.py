@@ -29,6 +29,7 @@ from ..inputs import wrap_argument
 from ..values.symint import SymV, arithmetic, compare
 from ..values import Const, DictV, Obj, TensorV, TupleV, Value
 from ..models import provides
+from ..attrs import store_attr
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam)  # AdamW is an Adam subclass in torch 2.13
 
@@ -76,7 +77,6 @@ def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
         if args or any(not (isinstance(v, Const) and v.value is None) for v in kwargs.values()):
             raise Unsupported("unsupported_call", "optimizer.step(closure) is not captured")
         if wrapped_by_scheduler:  # what an LRScheduler's wrapper around step() records
-            from ..attrs import store_attr
             store_attr(tracer, opt_v, "_opt_called", Const(True))
         prior = torch.is_grad_enabled()
         _set_grad(tracer, False)

@@ -24,6 +24,8 @@ from ..values.symint import SymV
 from ..values.scalar import ScalarV
 from ..values import Const, DictV, ListV, Obj, TensorV, TupleV, Value, leaves
 from ..models import provides
+from ..operators import truth
+from ..values import is_const
 
 _CONVERSIONS = {0: None, 1: str, 2: repr, 3: ascii}
 # Constants whose text is fixed by their (guarded) value; sets are not (their order is not).
@@ -149,7 +151,6 @@ def format_value_v(value: Value, conversion: int, spec: str) -> Value:
     """``FORMAT_VALUE``: lazy when ``value``'s text is known only after the graph ran."""
     if is_lazy(value):
         return StrV("format", format_value, [value, Const(conversion), Const(spec)])
-    from ..values import is_const
     if not is_const(value):
         raise Unsupported(refusal_kind(value), "an f-string formats "
                           + ("a tensor (its values)" if refusal_kind(value) == "data_dependent_value"
@@ -215,7 +216,6 @@ def deferred_print(tracer, args: list[Value], kwargs: dict) -> Value:
     stream = _stream(tracer, kwargs.get("file"))
     flush = False
     if "flush" in kwargs:
-        from ..operators import truth
         flush = truth(tracer, kwargs["flush"])
     tracer.heap.write_print(values, sep, end, stream, flush, tracer.where())
     return Const(None)

@@ -21,6 +21,8 @@ from .. import operators as ops
 from .builtins import _dict, model
 from ..values import Const, DictV, IterV, Obj, TupleV, Value
 from ..models import provides
+from ..attrs import load_attr
+from ..calls import call
 
 _OPERATORS = frozenset(ops.BINARY_OPS)
 
@@ -30,7 +32,6 @@ def _apply2(tracer, fn: Value, a: Value, b: Value) -> Value:
     sequences concatenate), anything else as an ordinary call."""
     if isinstance(fn, Obj) and ops_hashable(fn.obj) and fn.obj in _OPERATORS:
         return ops.binary(tracer, fn.obj, a, b)
-    from ..calls import call
     return call(tracer, fn, [a, b], {})
 
 
@@ -152,7 +153,6 @@ def missing_item(tracer, d: DictV, key) -> Value:
         return Const(0)
     if d.factory is None:
         raise python_error(KeyError(key), f"KeyError: {key!r} during capture")
-    from ..calls import call
     value = call(tracer, d.factory, [], {})
     ops.setitem(tracer, d, Const(key), value)
     return value
@@ -199,7 +199,6 @@ def _call_itemgetter(tracer, obj, args, kwargs) -> Value:
 
 
 def _call_attrgetter(tracer, obj, args, kwargs) -> Value:
-    from ..attrs import load_attr
     _no_kwargs("attrgetter", kwargs)
     got = []
     for dotted in obj.__reduce__()[1]:

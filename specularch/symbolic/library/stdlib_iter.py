@@ -17,6 +17,7 @@ from .. import operators as ops
 from .builtins import model
 from .stdlib import _no_kwargs
 from ..values import Const, IterV, TupleV, Value, is_const
+from ..calls import call
 
 
 def _const(v: Value | None, what: str, kinds=(int,), none_ok=True):
@@ -157,7 +158,6 @@ class _GroupBy:
         if self.key is None:
             key = value
         else:
-            from ..calls import call
             key = call(self.tracer, self.key, [value], {})
         self.current_value, self.current_key = value, key
         return True

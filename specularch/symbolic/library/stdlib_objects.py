@@ -40,6 +40,10 @@ from .builtins import _all_const, _concrete_call, model
 from .stdlib import INSTANCE_CALLS, _no_kwargs
 from ..values import Const, DictV, IterV, NewObjV, Obj, TupleV, Value, is_const
 from ..models import provides
+from ..attrs import load_attr
+from ..calls import call
+from ..operators import _INPLACE, concrete_op, consume, ensure_local
+from ..values import ListV
 
 model(collections.deque)(deque_model.construct)
 
@@ -64,7 +68,6 @@ def binary(tracer, op, a: Value, b: Value) -> Value | None:
         return None
     if not (is_const(a) and is_const(b)):
         raise Unsupported("unsupported_call", f"Counter {op.__name__} with counts that are not constants")
-    from ..operators import _INPLACE, concrete_op, ensure_local
     result = concrete_op(tracer, op, a, b).concrete()
     if op in _INPLACE and isinstance(a, DictV):  # c += d changes c itself
         ensure_local(tracer, a, op.__name__)
@@ -93,7 +96,6 @@ def _counter(tracer, fn, args, kwargs):
 
 
 def _items(tracer, v: Value, what: str) -> list:
-    from ..operators import consume
     items = consume(tracer, v)
     if not all(is_const(i) for i in items):
         raise Unsupported("unsupported_call", f"{what} counting items that are not constants")
@@ -110,7 +112,6 @@ def counter_method(tracer, d: DictV, name: str, args, kwargs) -> Value | None:
         return IterV([tracer.wrap_python(x) for x in result]) if name == "elements" \
             else tracer.wrap_python(result)
     if name in ("update", "subtract"):
-        from ..operators import ensure_local
         counts = _const_counter(d, f"Counter.{name}()")
         other = [] if not args else [args[0].concrete() if isinstance(args[0], DictV)
                                      else [i.concrete() for i in _items(tracer, args[0], name)]]
@@ -161,8 +162,6 @@ INSTANCE_CALLS[enum.EnumType] = _call_enum_class
 
 # ---- operator.methodcaller --------------------------------------------------------------------
 def _call_methodcaller(tracer, obj, args, kwargs) -> Value:
-    from ..attrs import load_attr
-    from ..calls import call
     _no_kwargs("methodcaller", kwargs)
     maker, bound = obj.__reduce__()
     if isinstance(maker, functools.partial):  # methodcaller(name, *args, **kw)
@@ -221,7 +220,6 @@ def _is_dataclass_value(v: Value) -> bool:
 def _convert(tracer, v: Value, as_dict: bool) -> Value:
     """``_asdict_inner`` / ``_astuple_inner`` over values: nested dataclasses, tuples, lists
     and dicts are walked; anything else is deep-copied, which only constants survive as is."""
-    from ..values import ListV
     if _is_dataclass_value(v):
         pairs = [(f.name, _convert(tracer, v.attrs[f.name], as_dict)) for f in dataclasses.fields(v.cls)
                  if f.name in v.attrs]
@@ -243,7 +241,6 @@ def _convert(tracer, v: Value, as_dict: bool) -> Value:
 # ---- functools.lru_cache ----------------------------------------------------------------------
 def _call_lru_cached(tracer, obj, args, kwargs, source=None) -> Value:
     from ...guards.sources import AttrSource
-    from ..calls import call
     name = getattr(obj, "__qualname__", "an lru_cache helper")
     if not all(type(a) is Const for a in [*args, *kwargs.values()]):  # a SymV too: it varies
         raise Unsupported("unsupported_call", f"{name} (lru_cache) called with non-constant arguments "

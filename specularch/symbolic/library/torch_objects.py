@@ -23,6 +23,8 @@ import torch.nn as nn
 from ...records import Unsupported
 from ..values import Const, FreshObj, Value, is_const
 from ..models import provides
+from .._torch_dispatch import MutationCheck
+from ..op_args import concrete, holds_tensor, is_dynamic
 
 _DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
 
@@ -111,8 +113,6 @@ def returns_metadata(tracer, func, args: list, kwargs: dict) -> bool:
     refused as ``data_dependent_value``); inlined, the helper's reads of dtypes and sizes are
     seen one by one (sizes stay symbolic, dtypes are guarded). Decided by a trial run on the
     capture's values (capture restores the RNG; a write into an outside tensor stops it)."""
-    from .._torch_dispatch import MutationCheck
-    from ..op_args import concrete, holds_tensor, is_dynamic
     if not any(is_dynamic(a) for a in [*args, *kwargs.values()]):
         return False
     try:

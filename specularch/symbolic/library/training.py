@@ -17,6 +17,7 @@ from .._torch_dispatch import storage_key
 from ..values import Const, TensorV, Value
 from ..values.scalar import ScalarV
 from ..models import provides
+from ..values import ListV
 
 
 def item(tracer, t: TensorV) -> Value:
@@ -158,5 +159,4 @@ def _leaf_tensor(v: TensorV) -> TensorV:
 
 
 def _list(values):
-    from ..values import ListV
     return ListV(list(values))
