@@ -26,7 +26,7 @@ from .library_files import is_torch_file
 from .lookup_guards import guard_lookup, guard_method_lookup, guard_module_call
 from .models import MODELS
 from .tracer import FORBIDDEN_TENSOR_METHODS
-from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, Obj, PartialV, TupleV,
+from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, ObjV, PartialV, TupleV,
                      Value)
 
 # Set on wrappers made by specularch.optimize: the function they stand for.
@@ -57,12 +57,12 @@ def call(tracer, fn: Value, args: list[Value], kwargs: dict[str, Value]) -> Valu
         return call(tracer, load_attr(tracer, None, fn, "__call__"), args, kwargs)
     if isinstance(fn, CtxExitV):
         return MODELS.exit_context(tracer, fn.ctx)
-    if isinstance(fn, Obj):
+    if isinstance(fn, ObjV):
         return _call_object(tracer, fn, args, kwargs)
     raise Unsupported("unsupported_call", f"calling {fn!r}")
 
 
-def _call_object(tracer, fn: Obj, args, kwargs) -> Value:
+def _call_object(tracer, fn: ObjV, args, kwargs) -> Value:
     obj = fn.obj
     original = getattr(obj, ORIGINAL_ATTR, None)
     if original is not None:
@@ -186,7 +186,7 @@ def _grad_mode_decorator(obj):
     return MODELS.grad_decorator_context(owner)
 
 
-def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
+def _torch_python_function(tracer, fn: ObjV, args, kwargs) -> Value:
     obj = fn.obj
     ctx = _grad_mode_decorator(obj) if hasattr(obj, "__wrapped__") else None
     if ctx is not None:
@@ -222,11 +222,11 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
 
 
 def _graph_cannot_hold(value: Value) -> bool:
-    return (isinstance(value, (Obj, FuncV, MethodV))
+    return (isinstance(value, (ObjV, FuncV, MethodV))
             and not isinstance(getattr(value, "obj", None), torch.Generator))
 
 
-def call_module(tracer, mod: Obj, args, kwargs) -> Value:
+def call_module(tracer, mod: ObjV, args, kwargs) -> Value:
     m = mod.obj
     guard_module_call(tracer, mod)
     _guard_call_path(tracer, type(m))
@@ -236,11 +236,11 @@ def call_module(tracer, mod: Obj, args, kwargs) -> Value:
     func = type(m).forward
     if not isinstance(func, types.FunctionType):
         raise Unsupported("unsupported_call", f"{type(m).__name__}.forward is not a Python function")
-    fn = Obj(func)
+    fn = ObjV(func)
     if forward is None:  # an instance-level forward patched in later must be seen
         source = guard_method_lookup(tracer, mod, "forward")
         if source is not None:  # its code and defaults are guarded too
-            fn = Obj(func, source)
+            fn = ObjV(func, source)
     return inline_function(tracer, fn, [mod, *args], kwargs)
 
 
@@ -259,7 +259,7 @@ def _guard_call_path(tracer, cls: type) -> None:
         guard_lookup(tracer, cls, name)
 
 
-def inline_function(tracer, fn: Obj, args, kwargs, *, frame_only: bool = False) -> Value:
+def inline_function(tracer, fn: ObjV, args, kwargs, *, frame_only: bool = False) -> Value:
     func = fn.obj
     closure = ()
     if func.__closure__:
@@ -295,7 +295,7 @@ def _check_trusted_closure(func) -> None:
                               f"{func.__qualname__} is a closure over values that cannot be guarded")
 
 
-def _guard_code_and_signature(tracer, fn: Obj) -> None:
+def _guard_code_and_signature(tracer, fn: ObjV) -> None:
     """Python reads a function's code and defaults at each call: a ``__code__``,
     ``__defaults__`` or ``__kwdefaults__`` assigned after capture must fail a guard (the
     default values themselves are guarded where they are read, by ``_default_source``)."""
@@ -313,7 +313,7 @@ def _guard_code_and_signature(tracer, fn: Obj) -> None:
                          tuple(kwdefaults))
 
 
-def _default_source(fn: Obj, table: str, key):
+def _default_source(fn: ObjV, table: str, key):
     return None if fn.source is None else ItemSource(AttrSource(fn.source, table), key)
 
 

@@ -19,7 +19,7 @@ from ...guards import HasAttrGuard
 from ...records import Unsupported
 from ..exceptions import python_error
 from .. import operators as ops
-from ..values import (Const, DictV, FuncV, IterV, ListV, MethodV, NewObjV, Obj, PartialV, SetV,
+from ..values import (ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, ObjV, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
 from ..models import MODELS, provides
 from ..attrs import load_attr, store_attr
@@ -56,27 +56,27 @@ def _concrete_call(tracer, fn, args, kwargs) -> Value:
 def _len(tracer, fn, args, kwargs):
     if isinstance(args[0], TensorV) and args[0].dynamic and args[0].example.dim():
         return tracer.sym_size(args[0], 0)
-    return Const(ops.length(tracer, args[0]))
+    return ConstV(ops.length(tracer, args[0]))
 
 
 @model(isinstance)
 def _isinstance(tracer, fn, args, kwargs):
     value, classes = args
     cls = _classes(classes)
-    if isinstance(value, (Obj, Const, TensorV)):
-        return Const(isinstance(value.concrete(), cls))
-    return Const(issubclass(value.python_type(), cls))
+    if isinstance(value, (ObjV, ConstV, TensorV)):
+        return ConstV(isinstance(value.concrete(), cls))
+    return ConstV(issubclass(value.python_type(), cls))
 
 
 @model(issubclass)
 def _issubclass(tracer, fn, args, kwargs):
-    return Const(issubclass(_classes(args[0]), _classes(args[1])))
+    return ConstV(issubclass(_classes(args[0]), _classes(args[1])))
 
 
 def _classes(v: Value):
-    if isinstance(v, (Obj, Const)):
+    if isinstance(v, (ObjV, ConstV)):
         return v.concrete()
-    if isinstance(v, TupleV) and all(isinstance(i, (Obj, Const)) for i in v.items):
+    if isinstance(v, TupleV) and all(isinstance(i, (ObjV, ConstV)) for i in v.items):
         return tuple(i.concrete() for i in v.items)
     raise Unsupported("unsupported_call", "isinstance()/issubclass() with a non-constant class")
 
@@ -86,7 +86,7 @@ def _type(tracer, fn, args, kwargs):
     if len(args) != 1:
         raise Unsupported("unsupported_call", "type() with 3 arguments creates a class")
     v = args[0]
-    return Obj(v.python_type() if not isinstance(v, (Obj, Const)) else type(v.concrete()))
+    return ObjV(v.python_type() if not isinstance(v, (ObjV, ConstV)) else type(v.concrete()))
 
 
 @model(getattr)
@@ -109,26 +109,26 @@ def _hasattr(tracer, fn, args, kwargs):
     _guard_hasattr(tracer, obj, name)
     try:
         load_attr(tracer, tracer.frames[-1], obj, name)
-        return Const(True)
+        return ConstV(True)
     except Unsupported as e:
         if e.kind == "exception_handling" and "attribute" in e.explanation:
-            return Const(False)
+            return ConstV(False)
         raise
 
 
 def _guard_hasattr(tracer, obj: Value, name: str) -> None:
-    if isinstance(obj, Obj) and obj.source is not None:
+    if isinstance(obj, ObjV) and obj.source is not None:
         tracer.add_guard(HasAttrGuard, obj.source, name=name, expected=hasattr(obj.obj, name))
 
 
 @model(setattr, delattr)
 def _setattr(tracer, fn, args, kwargs):
     """``setattr(o, "name", v)`` / ``delattr(o, "name")``: ``o.name = v`` / ``del o.name``."""
-    if kwargs or len(args) != (3 if fn is setattr else 2) or not isinstance(args[1], Const) \
+    if kwargs or len(args) != (3 if fn is setattr else 2) or not isinstance(args[1], ConstV) \
             or type(args[1].value) is not str:
         return _impure(tracer, fn, args, kwargs)
     store_attr(tracer, args[0], args[1].value, args[2] if fn is setattr else None)
-    return Const(None)
+    return ConstV(None)
 
 
 @model(input, open, id, exec, eval, compile, globals, locals, vars, breakpoint, __import__)
@@ -150,7 +150,7 @@ def _minmax(tracer, fn, args, kwargs):
     if _all_const(items, kwargs):
         return _concrete_call(tracer, fn, [ListV(list(items))], kwargs)
     key = kwargs.get("key")
-    if key is not None and not (isinstance(key, Const) and key.value is None) and items:
+    if key is not None and not (isinstance(key, ConstV) and key.value is None) and items:
         keys = _sort_keys(tracer, items, key)
         # Python returns the first item whose key is extreme
         best = fn(range(len(items)), key=lambda i: keys[i])
@@ -172,7 +172,7 @@ def _abs(tracer, fn, args, kwargs):
 
 @model(sum)
 def _sum(tracer, fn, args, kwargs):
-    start = args[1] if len(args) > 1 else kwargs.get("start", Const(0))
+    start = args[1] if len(args) > 1 else kwargs.get("start", ConstV(0))
     acc = start
     for item in ops.consume(tracer, args[0]):
         acc = ops.binary(tracer, operator.add, acc, item)
@@ -210,15 +210,15 @@ def _scalar(tracer, fn, args, kwargs):
 
 @model(bool)
 def _bool(tracer, fn, args, kwargs):
-    return Const(ops.truth(tracer, args[0]) if args else False)
+    return ConstV(ops.truth(tracer, args[0]) if args else False)
 
 
 @model(callable)
 def _callable(tracer, fn, args, kwargs):
     v = args[0]
     if isinstance(v, (FuncV, MethodV)):
-        return Const(True)
-    return Const(callable(v.concrete()))
+        return ConstV(True)
+    return ConstV(callable(v.concrete()))
 
 
 @model(list)
@@ -229,8 +229,8 @@ def _list(tracer, fn, args, kwargs):
 @model(tuple)
 def _tuple(tracer, fn, args, kwargs):
     items = list(ops.consume(tracer, args[0])) if args else []
-    if all(type(i) is Const for i in items):  # not a lazy string (printing.StrV): kept lazy
-        return Const(tuple(i.value for i in items))
+    if all(type(i) is ConstV for i in items):  # not a lazy string (printing.StrV): kept lazy
+        return ConstV(tuple(i.value for i in items))
     return TupleV(items)
 
 
@@ -255,7 +255,7 @@ def _set(tracer, fn, args, kwargs):
     if not all(is_const(i) for i in items):
         raise Unsupported("unsupported_call", "a set of tensors or objects")
     values = {i.concrete() for i in items}
-    return SetV(values) if fn is set else Const(frozenset(values))
+    return SetV(values) if fn is set else ConstV(frozenset(values))
 
 
 @model(range, slice)
@@ -267,15 +267,15 @@ def _range(tracer, fn, args, kwargs):
 
 @model(enumerate)
 def _enumerate(tracer, fn, args, kwargs):
-    start = (args[1] if len(args) > 1 else kwargs.get("start", Const(0))).concrete()
+    start = (args[1] if len(args) > 1 else kwargs.get("start", ConstV(0))).concrete()
     items = ops.lazy(tracer, args[0])
-    return IterV([], source=(TupleV([Const(start + i), v]) for i, v in enumerate(items)))
+    return IterV([], source=(TupleV([ConstV(start + i), v]) for i, v in enumerate(items)))
 
 
 @model(zip)
 def _zip(tracer, fn, args, kwargs):
     columns = [ops.iterate(tracer, a) for a in args]
-    strict = kwargs.get("strict", Const(False)).concrete()
+    strict = kwargs.get("strict", ConstV(False)).concrete()
     return IterV([], source=_zip_rows(columns, strict))
 
 
@@ -306,7 +306,7 @@ def _sorted(tracer, fn, args, kwargs):
 def sort_values(tracer, items: list, kwargs: dict) -> list:
     """``sorted(items, key=..., reverse=...)`` where the sort keys must be constants."""
     key = kwargs.get("key")
-    if isinstance(key, Const) and key.value is None:
+    if isinstance(key, ConstV) and key.value is None:
         key = None
     keys = _sort_keys(tracer, items, key)
     reverse = kwargs["reverse"].concrete() if "reverse" in kwargs else False
@@ -356,7 +356,7 @@ def _map(tracer, fn, args, kwargs):
 @model(filter)
 def _filter(tracer, fn, args, kwargs):
     items = ops.lazy(tracer, args[1])
-    if isinstance(args[0], Const) and args[0].value is None:
+    if isinstance(args[0], ConstV) and args[0].value is None:
         return IterV([], source=(i for i in items if ops.truth(tracer, i)))
     return IterV([], source=(i for i in items if ops.truth(tracer, call(tracer, args[0], [i], {}))))
 
@@ -367,8 +367,8 @@ def _anyall(tracer, fn, args, kwargs):
     it = ops.iterate(tracer, args[0])
     while (item := it.next()) is not None:  # stops where Python stops consuming
         if ops.truth(tracer, item) == want:
-            return Const(want)
-    return Const(not want)
+            return ConstV(want)
+    return ConstV(not want)
 
 
 @model(super)
@@ -392,7 +392,7 @@ _PURE_MODULES = {"math", "cmath", "operator", "_operator"}
 
 
 @provides("call_builtin_like")
-def call_builtin_like(tracer, fn: Obj, args, kwargs) -> Value:
+def call_builtin_like(tracer, fn: ObjV, args, kwargs) -> Value:
     obj = fn.obj
     from .stdlib import INSTANCE_CALLS
     if type(obj) in INSTANCE_CALLS:
@@ -441,7 +441,7 @@ def _construct(tracer, cls: type, args, kwargs, cls_source=None) -> Value:
                 raise Unsupported("exception_handling", f"{cls.__name__}() missing field {name!r}")
         return TupleV(values, cls)
     if issubclass(cls, BaseException) and _all_const(args, kwargs):
-        return Obj(_concrete_call(tracer, cls, args, kwargs).concrete())
+        return ObjV(_concrete_call(tracer, cls, args, kwargs).concrete())
     if cls is functools.partial:
         return PartialV(args[0], list(args[1:]), dict(kwargs))
     if issubclass(cls, torch.nn.Module):  # a user's module class (torch's: torch_objects)
@@ -469,7 +469,7 @@ def _object_init(tracer, fn, args, kwargs):
     if len(args) != 1 or kwargs or not isinstance(args[0], NewObjV):
         raise Unsupported("unsupported_call", "object.__init__ called on another object or "
                           "with arguments")
-    return Const(None)
+    return ConstV(None)
 
 
 def _plain_class_problem(cls: type) -> str | None:

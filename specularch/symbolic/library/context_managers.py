@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ...records import Unsupported
 from .builtins import model
 from ..exceptions import PyRaise, leaving_generator, python_error, unwind
-from ..values import Const, CtxExitV, FuncV, GradModeV, MethodV, Obj, Value
+from ..values import ConstV, CtxExitV, FuncV, GradModeV, MethodV, ObjV, Value
 from ..attrs import load_attr
 from ..calls import call, inline, inline_function
 
@@ -31,7 +31,7 @@ def before_with(tracer, ctx: Value) -> tuple[Value, Value]:
         from .methods import enter_context
         return CtxExitV(ctx), enter_context(tracer, ctx)
     if isinstance(ctx, _Modelled):
-        return MethodV(ctx, Obj(_modelled_exit), "__exit__"), ctx.enter(tracer)
+        return MethodV(ctx, ObjV(_modelled_exit), "__exit__"), ctx.enter(tracer)
     try:
         enter = load_attr(tracer, None, ctx, "__enter__")
         exit_ = load_attr(tracer, None, ctx, "__exit__")
@@ -68,10 +68,10 @@ class SuppressV(_Modelled):
     types_: tuple
 
     def enter(self, tracer):
-        return Const(None)
+        return ConstV(None)
 
     def exit(self, tracer, exc):
-        return Const(isinstance(exc, Obj) and isinstance(exc.obj, self.types_))
+        return ConstV(isinstance(exc, ObjV) and isinstance(exc.obj, self.types_))
 
 
 @dataclass(eq=False, repr=False)
@@ -82,7 +82,7 @@ class NullContextV(_Modelled):
         return self.result
 
     def exit(self, tracer, exc):
-        return Const(None)
+        return ConstV(None)
 
 
 @model(contextlib.suppress)
@@ -97,7 +97,7 @@ def _suppress(tracer, fn, args, kwargs):
 
 @model(contextlib.nullcontext)
 def _nullcontext(tracer, fn, args, kwargs):
-    result = kwargs.get("enter_result", args[0] if args else Const(None))
+    result = kwargs.get("enter_result", args[0] if args else ConstV(None))
     return NullContextV(result)
 
 
@@ -118,20 +118,20 @@ class GeneratorContextV(_Modelled):
         return self.frame.yielded[-1]
 
     def exit(self, tracer, exc):
-        if isinstance(exc, Const) and exc.value is None:
+        if isinstance(exc, ConstV) and exc.value is None:
             if _advance(tracer, self.frame):
                 raise python_error(RuntimeError("generator didn't stop"))
-            return Const(False)
+            return ConstV(False)
         try:
             yielded = _advance(tracer, self.frame, throw=exc)
         except PyRaise as error:  # the exception came back out: not suppressed
             if error.exc is exc.obj or (isinstance(exc.obj, StopIteration)
                                         and error.exc.__cause__ is exc.obj):  # (PEP 479)
-                return Const(False)
+                return ConstV(False)
             raise
         if yielded:
             raise python_error(RuntimeError("generator didn't stop after throw()"))
-        return Const(True)  # the generator caught it and returned: suppressed
+        return ConstV(True)  # the generator caught it and returned: suppressed
 
 
 @model(contextlib._GeneratorContextManager)
@@ -146,7 +146,7 @@ def _generator_frame(tracer, func: Value, args, kwargs):
         frame = lambda: inline(tracer, code, func.globals, args, kwargs,  # noqa: E731
                                defaults=func.defaults, kwdefaults=func.kwdefaults,
                                closure=func.closure, name=func.name, frame_only=True)
-    elif isinstance(func, Obj) and isinstance(func.obj, types.FunctionType):
+    elif isinstance(func, ObjV) and isinstance(func.obj, types.FunctionType):
         code = func.obj.__code__
         frame = lambda: inline_function(tracer, func, args, kwargs, frame_only=True)  # noqa: E731
     else:

@@ -16,7 +16,7 @@ import operator
 from ...records import Unsupported
 from ...shadow_heap.rebuild import CallOf, Constant, ListOf, Rebuild
 from .. import operators as ops
-from ..values import Const, Value, is_const
+from ..values import ConstV, Value, is_const
 from ..values.deque import DequeV
 from ..models import provides
 
@@ -36,8 +36,8 @@ def construct(tracer, fn, args, kwargs) -> DequeV:
     if len(args) > 2 or set(kwargs) - {"iterable", "maxlen"}:
         raise Unsupported("exception_handling", "TypeError: deque() takes at most 2 arguments")
     iterable = args[0] if args else kwargs.get("iterable")
-    maxlen = args[1] if len(args) > 1 else kwargs.get("maxlen", Const(None))
-    if not isinstance(maxlen, Const):
+    maxlen = args[1] if len(args) > 1 else kwargs.get("maxlen", ConstV(None))
+    if not isinstance(maxlen, ConstV):
         raise Unsupported("unsupported_call", "deque(maxlen=) with a non-constant maxlen")
     items = ops.consume(tracer, iterable) if iterable is not None else []
     return make(tracer, items, maxlen.value)
@@ -117,7 +117,7 @@ def call_method(tracer, d: DequeV, name: str, args: list, kwargs: dict) -> Value
             raise Unsupported("unsupported_call", "deque.index() with start/stop")
         return _list_method(tracer, d, name, args, kwargs)
     result = _MUTATORS[name](tracer, d, args)
-    return result if isinstance(result, Value) else Const(None)
+    return result if isinstance(result, Value) else ConstV(None)
 
 
 def binary(tracer, op, a: Value, b: Value) -> Value:
@@ -128,7 +128,7 @@ def binary(tracer, op, a: Value, b: Value) -> Value:
     if op in (operator.add, operator.iadd) and isinstance(a, DequeV) and isinstance(b, DequeV):
         return make(tracer, a.items + b.items, a.maxlen)
     if op in (operator.mul, operator.imul, operator.rmul) and isinstance(a, DequeV) \
-            and isinstance(b, Const) and isinstance(b.value, int):
+            and isinstance(b, ConstV) and isinstance(b.value, int):
         items = a.items * max(b.value, 0)
         if op is operator.imul:
             a.items[:] = []

@@ -30,7 +30,7 @@ from ...guards import GlobalStateGuard
 from ...records import Unsupported
 from ...shadow_heap.rebuild import AsInference, GraphOutput, Rebuild
 from ._torch_grad_mode import inference_mode_guard, tracing_mode_active
-from ..values import Const, GradModeV, TensorV, Value
+from ..values import ConstV, GradModeV, TensorV, Value
 from ..models import provides
 from ..values.symint import SymV
 
@@ -51,7 +51,7 @@ def _bool_arg(what: str, args: list, kwargs: dict, name: str, default: bool | No
         if default is None:
             _refuse(f"{what}() without its flag")
         return default
-    value = v.concrete() if isinstance(v, (Const, SymV)) else None
+    value = v.concrete() if isinstance(v, (ConstV, SymV)) else None
     if type(value) is not bool:
         _refuse(f"{what}({v!r}): only a Python bool flag is captured")
     return value
@@ -195,7 +195,7 @@ def requires_grad_(tracer, t: TensorV, args: list, kwargs: dict) -> Value:
             return t  # changes nothing: the flag is guarded with the input
         _refuse("requires_grad_() on a tensor from outside the call changes a flag the caller "
                 "sees")
-    out = tracer.call_op("call_function", set_requires_grad, [t, Const(flag)], {},
+    out = tracer.call_op("call_function", set_requires_grad, [t, ConstV(flag)], {},
                          fn=torch.Tensor.requires_grad_, name="requires_grad_")
     out.node.meta["mutates"] = True  # changes `t` itself: kept in the graph, in order
     return out

@@ -11,8 +11,8 @@ from ..speculation import untracked
 from ..values.deque import DequeV
 from ..operators import consume, contains, ensure_local, identical
 from ..tracer import FORBIDDEN_TENSOR_METHODS
-from ..values import (Const, DictV, DictViewV, GradModeV, IterV, ListV, Obj, SetV, TensorV, TupleV,
-                     UntrackedContainer, Value, is_const)
+from ..values import (ConstV, DictV, DictViewV, GradModeV, IterV, ListV, ObjV, SetV, TensorV, TupleV,
+                     UntrackedContainerV, Value, is_const)
 from ..models import provides
 
 
@@ -44,23 +44,23 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
         return deque_model.call_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, ListV):
         return _list_method(tracer, self_v, name, args, kwargs)
-    if isinstance(self_v, UntrackedContainer):
+    if isinstance(self_v, UntrackedContainerV):
         return untracked.call_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, DictV):
         return _dict_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, SetV):
         return _set_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, DictViewV) and name == "isdisjoint" and self_v.kind != "values":
-        return Const(not any(contains(tracer, item, self_v) for item in consume(tracer, args[0])))
+        return ConstV(not any(contains(tracer, item, self_v) for item in consume(tracer, args[0])))
     if isinstance(self_v, TupleV) and name in ("index", "count"):
         return _sequence_query(tracer, self_v, name, args)
     if isinstance(self_v, TupleV) and name == "_replace":
         return stdlib_objects.namedtuple_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, TupleV) and name == "_asdict":
         return DictV(dict(zip(self_v.cls._fields, self_v.items)))
-    if isinstance(self_v, Const):
+    if isinstance(self_v, ConstV):
         return _const_method(tracer, self_v, name, args, kwargs)
-    if isinstance(self_v, Obj):
+    if isinstance(self_v, ObjV):
         from . import nn_module as module_model, optim as optim_model
         if optim_model.is_modelled(self_v.obj):
             return optim_model.call(tracer, self_v, name, args, kwargs)
@@ -69,7 +69,7 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
     raise Unsupported("unsupported_call", f"method {name!r} of {type(self_v).__name__}")
 
 
-def _const_method(tracer, self_v: Const, name, args, kwargs) -> Value:
+def _const_method(tracer, self_v: ConstV, name, args, kwargs) -> Value:
     args = [ListV(a.rest()) if isinstance(a, IterV) else a for a in args]
     text = printing.str_method(self_v, name, args, kwargs)  # "{:.3f}".format(v): at commit
     if text is not None:
@@ -96,13 +96,13 @@ def _sequence_query(tracer, seq, name, args) -> Value:
                if identical(item, target) or (is_const(item) and is_const(target)
                                               and item.concrete() == target.concrete())]
     if name == "count":
-        return Const(len(matches))
+        return ConstV(len(matches))
     if not matches:
         if not is_const(target):
             raise Unsupported("exception_handling", "ValueError: item not in sequence")
         raise python_error(ValueError(f"{target.concrete()!r} is not in list" if isinstance(seq, ListV)
                                       else "tuple.index(x): x not in tuple"))
-    return Const(matches[0])
+    return ConstV(matches[0])
 
 
 def _list_method(tracer, lst: ListV, name, args, kwargs) -> Value:
@@ -139,14 +139,14 @@ def _list_method(tracer, lst: ListV, name, args, kwargs) -> Value:
         items[:] = sort_values(tracer, items, kwargs)
     else:
         raise Unsupported("unsupported_call", f"list.{name}")
-    return Const(None)
+    return ConstV(None)
 
 
 def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
     items = d.items
     if name == "get":
         key = args[0].concrete()
-        return items.get(key, args[1] if len(args) > 1 else Const(None))
+        return items.get(key, args[1] if len(args) > 1 else ConstV(None))
     if name in ("keys", "values", "items"):  # live views: they read `d` when used
         if args or kwargs:
             raise Unsupported("exception_handling", f"TypeError: dict.{name}() takes no arguments")
@@ -154,7 +154,7 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
     if name == "copy":
         return d.like(dict(items))
     if name == "__contains__":
-        return Const(contains(tracer, args[0], d))
+        return ConstV(contains(tracer, args[0], d))
     from .stdlib import ordered_dict_method
     done = ordered_dict_method(tracer, d, name, args, kwargs) or stdlib_objects.counter_method(
         tracer, d, name, args, kwargs)
@@ -169,7 +169,7 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
             return args[1]
         raise python_error(KeyError(key), f"KeyError: {key!r}")
     if name == "setdefault":
-        return items.setdefault(args[0].concrete(), args[1] if len(args) > 1 else Const(None))
+        return items.setdefault(args[0].concrete(), args[1] if len(args) > 1 else ConstV(None))
     if name == "update":
         if args:
             other = args[0]
@@ -180,10 +180,10 @@ def _dict_method(tracer, d: DictV, name, args, kwargs) -> Value:
                     k, v = consume(tracer, pair)
                     items[k.concrete()] = v
         items.update(kwargs)
-        return Const(None)
+        return ConstV(None)
     if name == "clear":
         items.clear()
-        return Const(None)
+        return ConstV(None)
     raise Unsupported("unsupported_call", f"dict.{name}")
 
 
@@ -200,7 +200,7 @@ def _set_method(tracer, s: SetV, name, args, kwargs) -> Value:
             getattr(s.items, name)(*[a.concrete() for a in args])
         except KeyError as e:
             raise Unsupported("exception_handling", f"KeyError: {e}") from None
-        return Const(None)
+        return ConstV(None)
     raise Unsupported("unsupported_call", f"set.{name}")
 
 
@@ -210,10 +210,10 @@ def enter_context(tracer, ctx: Value) -> Value:
         raise Unsupported("unsupported_call", f"`with` on {ctx!r} (only torch.no_grad(), "
                           "enable_grad(), set_grad_enabled(b) and inference_mode(b))")
     grad_mode.enter(tracer, ctx)
-    return Const(None)
+    return ConstV(None)
 
 
 @provides("exit_context")
 def exit_context(tracer, ctx: Value) -> Value:
     grad_mode.exit(tracer, ctx)
-    return Const(None)
+    return ConstV(None)

@@ -23,7 +23,7 @@ from ...fx_lower._torch_foreach import foreach_norm
 from ...guards.sources import ModuleDictSource
 from ...records import Unsupported
 from ..operators import _guard_keys, consume
-from ..values import Const, IterV, ListV, Obj, TensorV, TupleV, Value
+from ..values import ConstV, IterV, ListV, ObjV, TensorV, TupleV, Value
 from ..models import provides
 
 _TABLES = {"parameters": "_parameters", "buffers": "_buffers"}
@@ -38,14 +38,14 @@ def is_modelled(module: nn.Module, name: str) -> bool:
     return name in METHODS and getattr(type(module), name, None) is getattr(nn.Module, name)
 
 
-def call(tracer, mod: Obj, name: str, args: list, kwargs: dict) -> Value:
+def call(tracer, mod: ObjV, name: str, args: list, kwargs: dict) -> Value:
     if mod.source is None:
         raise Unsupported("unsupported_call", f"{name}() of a module that cannot be addressed "
                           "after the call")
     if name == "zero_grad":
         set_to_none = _flag(args[0] if args else kwargs.get("set_to_none"), True)
         zero_grads(tracer, [p for _, p in _named(tracer, mod, "parameters", True)], set_to_none)
-        return Const(None)
+        return ConstV(None)
     if args:
         raise Unsupported("unsupported_call", f"{name}() with positional arguments is not captured")
     options = {k: v.concrete() for k, v in kwargs.items()}
@@ -64,11 +64,11 @@ def call(tracer, mod: Obj, name: str, args: list, kwargs: dict) -> Value:
     else:  # modules
         pairs = _unique(_tree(tracer, mod, ""))
     if name.startswith("named_"):
-        return IterV([TupleV([Const(k), v]) for k, v in pairs])
+        return IterV([TupleV([ConstV(k), v]) for k, v in pairs])
     return IterV([v for _, v in pairs])
 
 
-def _tree(tracer, mod: Obj, prefix: str) -> list[tuple[str, Value]]:
+def _tree(tracer, mod: ObjV, prefix: str) -> list[tuple[str, Value]]:
     """(qualified name, module value) of ``mod`` and every submodule, in torch's order."""
     _guard_keys(tracer, mod, "_modules")
     out = [(prefix, mod)]
@@ -79,7 +79,7 @@ def _tree(tracer, mod: Obj, prefix: str) -> list[tuple[str, Value]]:
     return out
 
 
-def _named(tracer, mod: Obj, kind: str, recurse: bool) -> list[tuple[str, Value]]:
+def _named(tracer, mod: ObjV, kind: str, recurse: bool) -> list[tuple[str, Value]]:
     """What ``named_parameters()`` / ``named_buffers()`` yields, with guarded sources."""
     table = _TABLES[kind]
     owners = _unique(_tree(tracer, mod, "")) if recurse else [("", mod)]
@@ -113,10 +113,10 @@ def zero_grads(tracer, params: list, set_to_none: bool) -> None:
     from .training import read_grad, write_grad
     for p in params:
         grad = read_grad(tracer, p)
-        if isinstance(grad, Const):  # None: nothing to do either way
+        if isinstance(grad, ConstV):  # None: nothing to do either way
             continue
         if set_to_none:
-            write_grad(tracer, p, Const(None))
+            write_grad(tracer, p, ConstV(None))
         else:
             if grad.example.requires_grad or grad.example.grad_fn is not None:
                 raise Unsupported("unsupported_call", "zero_grad(set_to_none=False) of a "
@@ -129,7 +129,7 @@ def _grads(tracer, parameters: Value) -> list[Value]:
     params = [parameters] if isinstance(parameters, TensorV) else consume(tracer, parameters)
     if not all(isinstance(p, TensorV) for p in params):
         raise Unsupported("unsupported_call", "gradient clipping over something other than tensors")
-    grads = [g for g in (read_grad(tracer, p) for p in params) if not isinstance(g, Const)]
+    grads = [g for g in (read_grad(tracer, p) for p in params) if not isinstance(g, ConstV)]
     if len({(g.example.device, g.example.dtype) for g in grads}) > 1:
         raise Unsupported("unsupported_call", "gradient clipping over gradients of several "
                           "devices or dtypes is not captured")
@@ -138,7 +138,7 @@ def _grads(tracer, parameters: Value) -> list[Value]:
 
 def _op(tracer, fn, *args, **kwargs) -> Value:
     def value(v):
-        return v if isinstance(v, Value) else Const(v)
+        return v if isinstance(v, Value) else ConstV(v)
     return tracer.call_op("call_function", fn, [value(a) for a in args],
                           {k: value(v) for k, v in kwargs.items()})
 
@@ -162,8 +162,8 @@ def clip_grad_norm(tracer, fn, args, kwargs) -> Value:
         norms = _op(tracer, foreach_norm, ListV(grads), norm_type)
         total = _op(tracer, torch.linalg.vector_norm, _op(tracer, torch.stack, norms), norm_type)
         # max_norm / (total + 1e-6) with Python operators: Tensor.__rtruediv__, as in torch
-        coef = _op(tracer, torch.clamp, _op(tracer, operator.truediv, Const(max_norm),
-                                           _op(tracer, operator.add, total, Const(1e-6))), max=1.0)
+        coef = _op(tracer, torch.clamp, _op(tracer, operator.truediv, ConstV(max_norm),
+                                           _op(tracer, operator.add, total, ConstV(1e-6))), max=1.0)
         for g in grads:
             _method(tracer, g, "mul_", coef)
     return total
@@ -177,9 +177,9 @@ def clip_grad_value(tracer, fn, args, kwargs) -> Value:
     clip = float(bound["clip_value"].concrete())
     with _no_grad(tracer):
         for g in _grads(tracer, bound["parameters"]):
-            _method(tracer, g, "clamp_min_", Const(-clip))
-            _method(tracer, g, "clamp_max_", Const(clip))
-    return Const(None)
+            _method(tracer, g, "clamp_min_", ConstV(-clip))
+            _method(tracer, g, "clamp_max_", ConstV(clip))
+    return ConstV(None)
 
 
 class _no_grad:

@@ -27,7 +27,7 @@ from ...guards.sources import AttrSource, ItemSource, KeyedSource, ScalarOfSourc
 from ...records import Unsupported
 from ..inputs import wrap_argument
 from ..values.symint import SymV, arithmetic, compare
-from ..values import Const, DictV, Obj, TensorV, TupleV, Value
+from ..values import ConstV, DictV, ObjV, TensorV, TupleV, Value
 from ..models import provides
 from ..attrs import store_attr
 
@@ -58,7 +58,7 @@ def captured_names() -> str:
     return ", ".join(cls.__name__ for cls in _table())
 
 
-def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
+def call(tracer, opt_v: ObjV, name: str, args: list, kwargs: dict) -> Value:
     opt = opt_v.obj
     own = opt.__dict__.get(name)
     wrapped_by_scheduler = own is not None and getattr(own, "_wrapped_by_lr_sched", False)
@@ -69,15 +69,15 @@ def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
     _guard_no_hooks(tracer, opt_v)
     groups = _groups(tracer, opt_v, read_hyper=name == "step")
     if name == "zero_grad":
-        set_to_none = (args[0] if args else kwargs.get("set_to_none", Const(True))).concrete()
+        set_to_none = (args[0] if args else kwargs.get("set_to_none", ConstV(True))).concrete()
         from .nn_module import zero_grads
         zero_grads(tracer, [p for _, params in groups for p in params], bool(set_to_none))
-        return Const(None)
+        return ConstV(None)
     if name == "step":
-        if args or any(not (isinstance(v, Const) and v.value is None) for v in kwargs.values()):
+        if args or any(not (isinstance(v, ConstV) and v.value is None) for v in kwargs.values()):
             raise Unsupported("unsupported_call", "optimizer.step(closure) is not captured")
         if wrapped_by_scheduler:  # what an LRScheduler's wrapper around step() records
-            store_attr(tracer, opt_v, "_opt_called", Const(True))
+            store_attr(tracer, opt_v, "_opt_called", ConstV(True))
         prior = torch.is_grad_enabled()
         _set_grad(tracer, False)
         try:
@@ -86,7 +86,7 @@ def call(tracer, opt_v: Obj, name: str, args: list, kwargs: dict) -> Value:
                 update(tracer, opt_v, group, params)
         finally:
             _set_grad(tracer, prior)
-        return Const(None)
+        return ConstV(None)
     raise Unsupported("unsupported_call", f"optimizer.{name}() is not captured")
 
 
@@ -95,7 +95,7 @@ def _set_grad(tracer, enabled: bool) -> None:
     set_grad(tracer, enabled)
 
 
-def _guard_no_hooks(tracer, opt_v: Obj) -> None:
+def _guard_no_hooks(tracer, opt_v: ObjV) -> None:
     opt = opt_v.obj
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or global_optimizer_hooks():
         raise Unsupported("module_hooks", "the optimizer has step hooks registered")
@@ -134,7 +134,7 @@ def _written_here(tracer, obj) -> bool:
     return value is not None and tracer.heap.touched(value)
 
 
-def _groups(tracer, opt_v: Obj, read_hyper: bool = True) -> list[tuple[dict, list[TensorV]]]:
+def _groups(tracer, opt_v: ObjV, read_hyper: bool = True) -> list[tuple[dict, list[TensorV]]]:
     """(hyperparameters, parameter values) per param group, with guards on each value the
     optimizer reads; ``lr``, SGD's ``momentum`` and Adam's betas are graph inputs so
     schedulers do not cause recompiles."""
@@ -220,49 +220,49 @@ def state_number(tracer, items: dict, src: Source, key: str) -> Value:
     return number_input(tracer, t.real.item(), ScalarOfSource(ItemSource(src, key)))
 
 
-def _state(tracer, opt_v: Obj, p: TensorV) -> tuple[DictV | None, Source]:
+def _state(tracer, opt_v: ObjV, p: TensorV) -> tuple[DictV | None, Source]:
     """The optimizer's state entry for ``p`` (None when absent), read through a guarded source."""
     written = tracer.opt_state.get((id(opt_v.obj), id(p.real)))
     src = KeyedSource(AttrSource(opt_v.source, "state"), p.source)
     if written is not None:
         return written, src
     entry = tracer.wrap(opt_v.obj.state.get(p.real), src)
-    if isinstance(entry, Const) and entry.value is None:
+    if isinstance(entry, ConstV) and entry.value is None:
         return None, src
     if not isinstance(entry, DictV):
         raise Unsupported("unsupported_call", "unexpected optimizer state entry")
     return entry, src
 
 
-def _new_state(tracer, opt_v: Obj, p: TensorV, items: dict) -> DictV:
+def _new_state(tracer, opt_v: ObjV, p: TensorV, items: dict) -> DictV:
     entry = DictV(items)
     tracer.opt_state[(id(opt_v.obj), id(p.real))] = entry
-    state_v = Obj(opt_v.obj.state, AttrSource(opt_v.source, "state"))
+    state_v = ObjV(opt_v.obj.state, AttrSource(opt_v.source, "state"))
     tracer.heap.write_item(state_v, p, entry, tracer.where())
     return entry
 
 
 def _m(tracer, t: Value, name: str, *args, **kwargs) -> Value:
-    args = [a if isinstance(a, Value) else Const(a) for a in args]
+    args = [a if isinstance(a, Value) else ConstV(a) for a in args]
     return tracer.call_op("call_method", name, [t, *args],
-                          {k: (v if isinstance(v, Value) else Const(v)) for k, v in kwargs.items()},
+                          {k: (v if isinstance(v, Value) else ConstV(v)) for k, v in kwargs.items()},
                           name=name)
 
 
 def _num(tracer, op, a, b) -> Value:
     """Python-number arithmetic that stays symbolic when an operand is a graph input."""
-    a = a if isinstance(a, Value) else Const(a)
-    b = b if isinstance(b, Value) else Const(b)
+    a = a if isinstance(a, Value) else ConstV(a)
+    b = b if isinstance(b, Value) else ConstV(b)
     if isinstance(a, SymV) or isinstance(b, SymV):
         return arithmetic(tracer, op, a, b)
-    return Const(op(a.value, b.value))
+    return ConstV(op(a.value, b.value))
 
 
 def _compare(tracer, op, a, b) -> bool:
     """A comparison that decides Python control flow: guarded when an operand is an input."""
     if isinstance(a, SymV) or isinstance(b, SymV):
-        return compare(tracer, op, a if isinstance(a, Value) else Const(a),
-                       b if isinstance(b, Value) else Const(b)).value
+        return compare(tracer, op, a if isinstance(a, Value) else ConstV(a),
+                       b if isinstance(b, Value) else ConstV(b)).value
     return op(a.concrete() if isinstance(a, Value) else a, b.concrete() if isinstance(b, Value) else b)
 
 
@@ -271,7 +271,7 @@ def _pair(betas: Value) -> tuple:
     if isinstance(betas, TupleV):
         return tuple(betas.items)
     beta1, beta2 = betas.concrete()
-    return Const(beta1), Const(beta2)
+    return ConstV(beta1), ConstV(beta2)
 
 
 def _grad(tracer, p: TensorV) -> Value:
@@ -287,7 +287,7 @@ def _sgd(tracer, opt_v, hyper, params) -> None:
     nesterov, maximize = hyper["nesterov"].concrete(), hyper["maximize"].concrete()
     for p in params:
         grad = _grad(tracer, p)
-        if isinstance(grad, Const):
+        if isinstance(grad, ConstV):
             continue
         if maximize:
             grad = _m(tracer, grad, "neg")
@@ -296,7 +296,7 @@ def _sgd(tracer, opt_v, hyper, params) -> None:
         if has_momentum:
             state, _ = _state(tracer, opt_v, p)
             buf = None if state is None else state.items.get("momentum_buffer")
-            if buf is None or (isinstance(buf, Const) and buf.value is None):
+            if buf is None or (isinstance(buf, ConstV) and buf.value is None):
                 buf = _m(tracer, _m(tracer, grad, "detach"), "clone")
                 if state is None:
                     _new_state(tracer, opt_v, p, {"momentum_buffer": buf})
@@ -317,23 +317,23 @@ def _adam(tracer, opt_v, hyper, params) -> None:
     decoupled = hyper["decoupled_weight_decay"].concrete() if "decoupled_weight_decay" in hyper else False
     for p in params:
         grad = _grad(tracer, p)
-        if isinstance(grad, Const):
+        if isinstance(grad, ConstV):
             continue
         state, src = _state(tracer, opt_v, p)
         if state is None:
-            step_t = tracer.call_op("call_function", torch.tensor, [Const(0.0)],
-                                    {"dtype": Const(torch.get_default_dtype())}, name="tensor")
+            step_t = tracer.call_op("call_function", torch.tensor, [ConstV(0.0)],
+                                    {"dtype": ConstV(torch.get_default_dtype())}, name="tensor")
             exp_avg = tracer.call_op("call_function", torch.zeros_like, [p],
-                                     {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
+                                     {"memory_format": ConstV(torch.preserve_format)}, name="zeros_like")
             exp_avg_sq = tracer.call_op("call_function", torch.zeros_like, [p],
-                                        {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
+                                        {"memory_format": ConstV(torch.preserve_format)}, name="zeros_like")
             items = {"step": step_t, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
             if amsgrad:
                 items["max_exp_avg_sq"] = tracer.call_op(
                     "call_function", torch.zeros_like, [p],
-                    {"memory_format": Const(torch.preserve_format)}, name="zeros_like")
+                    {"memory_format": ConstV(torch.preserve_format)}, name="zeros_like")
             _new_state(tracer, opt_v, p, items)
-            steps_before: Value = Const(0.0)
+            steps_before: Value = ConstV(0.0)
         else:
             keys = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if amsgrad else set())
             if set(state.items) != keys:
@@ -342,7 +342,7 @@ def _adam(tracer, opt_v, hyper, params) -> None:
             steps_before = state_number(tracer, state.items, src, "step")
         if maximize:
             grad = _m(tracer, grad, "neg")
-        step_t = _m(tracer, step_t, "add_", Const(1))
+        step_t = _m(tracer, step_t, "add_", ConstV(1))
         if wd != 0:
             if decoupled:
                 _m(tracer, p, "mul_", _num(tracer, operator.sub, 1, _num(tracer, operator.mul, lr, wd)))
@@ -364,6 +364,6 @@ def _adam(tracer, opt_v, hyper, params) -> None:
             second_moment = _m(tracer, max_sq, "copy_", larger)
         denom = _m(tracer, tracer.call_op("call_function", operator.truediv,
                                           [_m(tracer, second_moment, "sqrt"), bc2_sqrt], {}),
-                   "add_", Const(eps))
+                   "add_", ConstV(eps))
         _m(tracer, p, "addcdiv_", exp_avg, denom,
            value=_num(tracer, operator.sub, 0, step_size))

@@ -33,7 +33,7 @@ from ...guards.sources import AttrSource, ItemSource, Source
 from ...records import Unsupported
 from .optim import Model, _compare, _grad, _m, _new_state, _num, _pair, _state, state_number
 from ..values.symint import SymV
-from ..values import Const, Value
+from ..values import ConstV, Value
 
 _COMMON = frozenset({"params", "lr", "eps", "weight_decay", "maximize", "foreach", "differentiable"})
 
@@ -57,7 +57,7 @@ def _div(tracer, a, b) -> Value:
 
 def _fn(tracer, fn, *args, **kwargs) -> Value:
     return tracer.call_op("call_function", fn, list(args),
-                          {k: (v if isinstance(v, Value) else Const(v)) for k, v in kwargs.items()},
+                          {k: (v if isinstance(v, Value) else ConstV(v)) for k, v in kwargs.items()},
                           name=getattr(fn, "__name__", str(fn)))
 
 
@@ -73,7 +73,7 @@ def _zeros(tracer, p) -> Value:
 def _zero_d(value: float):
     """``torch.tensor(value, dtype=_get_scalar_dtype())`` (``torch.zeros((), ...)`` for 0.0
     makes the same tensor)."""
-    return lambda tracer, p: _fn(tracer, torch.tensor, Const(value), dtype=_scalar_dtype())
+    return lambda tracer, p: _fn(tracer, torch.tensor, ConstV(value), dtype=_scalar_dtype())
 
 
 def _grads(tracer, hyper: dict, params: list, name: str):
@@ -87,7 +87,7 @@ def _grads(tracer, hyper: dict, params: list, name: str):
                               "single-tensor (CPU) update is captured")
     for p in params:
         grad = _grad(tracer, p)
-        if isinstance(grad, Const):
+        if isinstance(grad, ConstV):
             continue
         if grad.example.is_sparse:
             raise Unsupported("unsupported_call", f"{name} with a sparse gradient is not captured")
@@ -111,14 +111,14 @@ def _entry(tracer, opt_v, p, name: str, init: list, needed) -> tuple[dict, Sourc
 def _before(tracer, items: dict, src, key: str, initial: float) -> Value:
     """The number in the 0-d state tensor ``key`` before this step: a graph input, or
     ``initial`` for a state entry this step creates."""
-    return Const(initial) if src is None else state_number(tracer, items, src, key)
+    return ConstV(initial) if src is None else state_number(tracer, items, src, key)
 
 
 def _count(tracer, items, src) -> Value:
     """``step_t += 1; step = _get_value(step_t)``: the step tensor in the graph, the count a
     Python number (a graph input plus one, exact below 2**24)."""
     before = _before(tracer, items, src, "step", 0.0)
-    _m(tracer, items["step"], "add_", Const(1))
+    _m(tracer, items["step"], "add_", ConstV(1))
     return _num(tracer, operator.add, before, 1)
 
 
@@ -137,7 +137,7 @@ def _adadelta(tracer, opt_v, hyper, params) -> None:
     init = [("step", _zero_d(0.0)), ("square_avg", _zeros), ("acc_delta", _zeros)]
     for p, grad in _grads(tracer, hyper, params, "Adadelta"):
         items, _ = _entry(tracer, opt_v, p, "Adadelta", init, ("step", "square_avg", "acc_delta"))
-        _m(tracer, items["step"], "add_", Const(1))
+        _m(tracer, items["step"], "add_", ConstV(1))
         grad = _m(tracer, grad, "neg") if maximize else grad
         grad = _decay(tracer, p, grad, wd)
         square_avg, acc_delta = items["square_avg"], items["acc_delta"]
@@ -161,15 +161,15 @@ def _rmsprop(tracer, opt_v, hyper, params) -> None:
         items, _ = _entry(tracer, opt_v, p, "RMSprop", init, [key for key, _ in init])
         grad = _m(tracer, grad, "neg") if maximize else grad
         square_avg = items["square_avg"]
-        _m(tracer, items["step"], "add_", Const(1))
+        _m(tracer, items["step"], "add_", ConstV(1))
         grad = _decay(tracer, p, grad, wd)
         _m(tracer, _m(tracer, square_avg, "mul_", alpha), "addcmul_", grad, grad, value=1 - alpha)
         if centered:
-            grad_avg = _m(tracer, items["grad_avg"], "lerp_", grad, Const(1 - alpha))
+            grad_avg = _m(tracer, items["grad_avg"], "lerp_", grad, ConstV(1 - alpha))
             avg = _m(tracer, _m(tracer, square_avg, "addcmul", grad_avg, grad_avg, value=-1), "sqrt_")
         else:
             avg = _m(tracer, square_avg, "sqrt")
-        avg = _m(tracer, avg, "add_", Const(eps))
+        avg = _m(tracer, avg, "add_", ConstV(eps))
         if has_momentum:
             buf = _m(tracer, _m(tracer, items["momentum_buffer"], "mul_", momentum), "addcdiv_", grad, avg)
             _m(tracer, p, "add_", buf, alpha=_neg(tracer, lr))
@@ -183,7 +183,7 @@ def _adagrad_sum(opt_v):
     def make(tracer, p):
         src = ItemSource(AttrSource(opt_v.source, "defaults"), "initial_accumulator_value")
         value = tracer.wrap(opt_v.obj.defaults["initial_accumulator_value"], src).concrete()
-        return _fn(tracer, torch.full_like, p, Const(value), memory_format=torch.preserve_format)
+        return _fn(tracer, torch.full_like, p, ConstV(value), memory_format=torch.preserve_format)
     return make
 
 
@@ -199,7 +199,7 @@ def _adagrad(tracer, opt_v, hyper, params) -> None:
         # clr = lr / (1 + (step - 1) * lr_decay)
         clr = _div(tracer, lr, _num(tracer, operator.add, 1, _mul(tracer, _sub(tracer, step, 1), lr_decay)))
         state_sum = _m(tracer, items["sum"], "addcmul_", grad, grad, value=1)
-        std = _m(tracer, _m(tracer, state_sum, "sqrt"), "add_", Const(eps))
+        std = _m(tracer, _m(tracer, state_sum, "sqrt"), "add_", ConstV(eps))
         _m(tracer, p, "addcdiv_", grad, std, value=_neg(tracer, clr))
 
 
@@ -217,7 +217,7 @@ def _adamax(tracer, opt_v, hyper, params) -> None:
         # torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps), out=exp_inf)
         scaled = _m(tracer, items["exp_inf"], "mul_", beta2)
         larger = _fn(tracer, torch.maximum, scaled,
-                     _m(tracer, _m(tracer, grad, "abs"), "add_", Const(eps)))
+                     _m(tracer, _m(tracer, grad, "abs"), "add_", ConstV(eps)))
         exp_inf = _m(tracer, scaled, "copy_", larger)
         clr = _div(tracer, lr, _sub(tracer, 1, _num(tracer, operator.pow, beta1, step)))
         _m(tracer, p, "addcdiv_", exp_avg, exp_inf, value=_neg(tracer, clr))
@@ -245,8 +245,8 @@ def _mu_product(tracer, items, src, mu) -> Value:
     before = _before(tracer, items, src, "mu_product", 1.0)
     t = _m(tracer, items["mu_product"], "mul_", mu)
     dtype = t.example.dtype
-    if isinstance(before, Const) and isinstance(mu, Const):
-        return Const(scaled_scalar(before.value, mu.value, dtype))
+    if isinstance(before, ConstV) and isinstance(mu, ConstV):
+        return ConstV(scaled_scalar(before.value, mu.value, dtype))
     node = tracer.graph.call_function(scaled_scalar, tuple(
         v.node if isinstance(v, SymV) else v.value for v in (before, mu)) + (dtype,))
     return SymV(scaled_scalar(before.value, mu.value, dtype), node, None, tracer)
@@ -275,7 +275,7 @@ def _nadam(tracer, opt_v, hyper, params) -> None:
                         grad, grad, value=_sub(tracer, 1, beta2))
         denom = _m(tracer, _m(tracer, exp_avg_sq, "div", bias_correction2), "sqrt")
         mu_product_next = _mul(tracer, mu_product, mu_next)
-        denom = _m(tracer, denom, "add_", Const(eps))
+        denom = _m(tracer, denom, "add_", ConstV(eps))
         neg_lr = _neg(tracer, lr)
         # value=(-lr * (1.0 - mu) / (1.0 - mu_product)), then (-lr * mu_next) / (1.0 - mu_product_next)
         _m(tracer, p, "addcdiv_", grad, denom, value=_div(
@@ -307,7 +307,7 @@ def _radam(tracer, opt_v, hyper, params) -> None:
             tracer, pow_, beta2, step)), bias_correction2))
         update = _fn(tracer, operator.mul, corrected, lr)
         if _compare(tracer, operator.gt, rho_t, 5.0):  # guarded: flips once as steps grow
-            sq_sqrt = _m(tracer, _m(tracer, exp_avg_sq, "sqrt"), "add_", Const(eps))
+            sq_sqrt = _m(tracer, _m(tracer, exp_avg_sq, "sqrt"), "add_", ConstV(eps))
             adaptive = _fn(tracer, operator.truediv, _num(tracer, pow_, bias_correction2, 0.5), sq_sqrt)
             rect = _num(tracer, pow_, _div(
                 tracer, _mul(tracer, _mul(tracer, _sub(tracer, rho_t, 4), _sub(tracer, rho_t, 2)), rho_inf),

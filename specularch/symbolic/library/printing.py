@@ -8,7 +8,7 @@ is byte-identical to eager's. ``print`` is logged in the shadow heap and committ
 order with the other writes, only after the graph ran and every check passed; a call that
 falls back prints nothing here and the eager run prints once.
 
-A ``StrV`` is a ``Const`` whose ``value`` is computed on first use: anything that needs the
+A ``StrV`` is a ``ConstV`` whose ``value`` is computed on first use: anything that needs the
 text during capture (a comparison, a dict key, ``len``, a method) forces it, which guards a
 symbolic number on its value or, for a ``.item()`` value, falls back (``data_dependent_value``).
 """
@@ -22,7 +22,7 @@ from ...records import Unsupported
 from ...shadow_heap.rebuild import CallOf, Concat, Formatted, Rebuild
 from ..values.symint import SymV
 from ..values.scalar import ScalarV
-from ..values import Const, DictV, ListV, Obj, TensorV, TupleV, Value, leaves
+from ..values import ConstV, DictV, ListV, ObjV, TensorV, TupleV, Value, leaves
 from ..models import provides
 from ..operators import truth
 from ..values import is_const
@@ -43,7 +43,7 @@ def _concat(*parts: str) -> str:
     return "".join(parts)
 
 
-class StrV(Const):
+class StrV(ConstV):
     """A ``str`` the commit computes: ``kind`` is ``format`` (``args``: value, conversion,
     spec), ``concat`` (``args``: the parts) or ``call`` (``fn(*args, **kwargs)``, ``fn`` one of
     ``str``, ``repr``, ``ascii``, ``format``, ``%``, ``str.format``)."""
@@ -116,7 +116,7 @@ def snapshot(v: Value) -> Value:
     dicts copied: a later change in the call must not show). Anything else is refused."""
     if is_lazy(v):
         return v
-    if type(v) is Const and _fixed_text(v.value):
+    if type(v) is ConstV and _fixed_text(v.value):
         return v
     if isinstance(v, TupleV):
         return TupleV([snapshot(i) for i in v.items], v.cls)
@@ -125,12 +125,12 @@ def snapshot(v: Value) -> Value:
     if isinstance(v, DictV) and v.cls is dict and all(type(k) in _PRINTABLE_CONSTS for k in v.items):
         return DictV({k: snapshot(i) for k, i in v.items.items()})
     if isinstance(v, SymV):  # a symbolic bool: its text is its value
-        return Const(v.concrete())
+        return ConstV(v.concrete())
     if refusal_kind(v) == "data_dependent_value":
         raise Unsupported("data_dependent_value", "printing or formatting a tensor reads its values "
                           "(and its grad_fn) into Python; print `t.item()` or `t.tolist()` outside "
                           "the optimized function")
-    what = f"a {type(v.obj).__name__}" if isinstance(v, Obj) else type(v).__name__
+    what = f"a {type(v.obj).__name__}" if isinstance(v, ObjV) else type(v).__name__
     raise Unsupported("unsupported_call", f"printing or formatting {what}: its text comes from "
                       "its own __str__/__repr__, which is not captured")
 
@@ -150,29 +150,29 @@ def _lazy_operands(*values: Value) -> bool:
 def format_value_v(value: Value, conversion: int, spec: str) -> Value:
     """``FORMAT_VALUE``: lazy when ``value``'s text is known only after the graph ran."""
     if is_lazy(value):
-        return StrV("format", format_value, [value, Const(conversion), Const(spec)])
+        return StrV("format", format_value, [value, ConstV(conversion), ConstV(spec)])
     if not is_const(value):
         raise Unsupported(refusal_kind(value), "an f-string formats "
                           + ("a tensor (its values)" if refusal_kind(value) == "data_dependent_value"
                              else "a non-constant value (an object)"))
-    return Const(format_value(value.concrete(), conversion, spec))
+    return ConstV(format_value(value.concrete(), conversion, spec))
 
 
 def build_string(parts: list[Value]) -> Value:
     """``BUILD_STRING``: the f-string's parts joined (at commit when one is lazy)."""
     if any(isinstance(p, StrV) for p in parts):
         return StrV("concat", _concat, parts)
-    return Const("".join(p.concrete() for p in parts))
+    return ConstV("".join(p.concrete() for p in parts))
 
 
 @provides("format_binary")
 def binary(op, a: Value, b: Value) -> Value | None:
     """``"%.3f" % v`` and ``s + t`` with a lazy operand, else None (not a string operation)."""
-    if not (isinstance(a, Const) and a.python_type() is str):
+    if not (isinstance(a, ConstV) and a.python_type() is str):
         return None
     if op in (operator.mod, operator.imod) and _lazy_operands(a, b):
         return StrV("call", operator.mod, [a, snapshot(b)])
-    if op in (operator.add, operator.iadd) and isinstance(b, Const) and b.python_type() is str \
+    if op in (operator.add, operator.iadd) and isinstance(b, ConstV) and b.python_type() is str \
             and (isinstance(a, StrV) or isinstance(b, StrV)):
         return StrV("concat", _concat, [a, b])
     return None
@@ -185,14 +185,14 @@ def builtin(fn, args: list[Value], kwargs: dict) -> Value | None:
             return args[0]
         return StrV("call", fn, [snapshot(args[0])])
     if fn is format and 1 <= len(args) <= 2 and not kwargs and _lazy_operands(args[0]) \
-            and all(type(a) is Const for a in args[1:]):
+            and all(type(a) is ConstV for a in args[1:]):
         return StrV("call", fn, [snapshot(args[0]), *args[1:]])
     return None
 
 
 def str_method(receiver: Value, name: str, args: list[Value], kwargs: dict) -> Value | None:
     """``"{} {:.3f}".format(a, b)`` with a lazy argument, else None."""
-    if name != "format" or not (isinstance(receiver, Const) and receiver.python_type() is str):
+    if name != "format" or not (isinstance(receiver, ConstV) and receiver.python_type() is str):
         return None
     if not _lazy_operands(receiver, *args, *kwargs.values()):
         return None
@@ -218,25 +218,25 @@ def deferred_print(tracer, args: list[Value], kwargs: dict) -> Value:
     if "flush" in kwargs:
         flush = truth(tracer, kwargs["flush"])
     tracer.heap.write_print(values, sep, end, stream, flush, tracer.where())
-    return Const(None)
+    return ConstV(None)
 
 
 def _separator(v: Value | None, name: str) -> Value | None:
-    if v is None or (type(v) is Const and v.value is None):
+    if v is None or (type(v) is ConstV and v.value is None):
         return None
-    if isinstance(v, Const) and v.python_type() is str:
+    if isinstance(v, ConstV) and v.python_type() is str:
         return v
     raise Unsupported("exception_handling", f"TypeError: {name} must be None or a string, "
                       f"not {v.python_type().__name__}")
 
 
 def _stream(tracer, v: Value | None) -> Value | None:
-    if v is None or (type(v) is Const and v.value is None):
+    if v is None or (type(v) is ConstV and v.value is None):
         return None
     source = getattr(v, "source", None)
-    if isinstance(v, Obj) and isinstance(source, AttrSource) and source.attr in ("stdout", "stderr"):
+    if isinstance(v, ObjV) and isinstance(source, AttrSource) and source.attr in ("stdout", "stderr"):
         base = tracer._by_source.get(source.base)
-        if isinstance(base, Obj) and base.obj is sys and v.obj is getattr(sys, source.attr):
+        if isinstance(base, ObjV) and base.obj is sys and v.obj is getattr(sys, source.attr):
             return v
     raise Unsupported("unsupported_call", "print(file=...) is captured only for sys.stdout and "
                       "sys.stderr; writing to another file is an effect outside the graph")

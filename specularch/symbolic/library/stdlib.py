@@ -19,7 +19,7 @@ from ...records import Unsupported
 from ..exceptions import python_error
 from .. import operators as ops
 from .builtins import _dict, model
-from ..values import Const, DictV, IterV, Obj, TupleV, Value
+from ..values import ConstV, DictV, IterV, ObjV, TupleV, Value
 from ..models import provides
 from ..attrs import load_attr
 from ..calls import call
@@ -30,7 +30,7 @@ _OPERATORS = frozenset(ops.BINARY_OPS)
 def _apply2(tracer, fn: Value, a: Value, b: Value) -> Value:
     """``fn(a, b)``: ``operator.add``/``mul``/... as the operator itself (sizes stay symbolic,
     sequences concatenate), anything else as an ordinary call."""
-    if isinstance(fn, Obj) and ops_hashable(fn.obj) and fn.obj in _OPERATORS:
+    if isinstance(fn, ObjV) and ops_hashable(fn.obj) and fn.obj in _OPERATORS:
         return ops.binary(tracer, fn.obj, a, b)
     return call(tracer, fn, [a, b], {})
 
@@ -80,9 +80,9 @@ def _chain_from_iterable(tracer, fn, args, kwargs):
 
 @model(itertools.product)
 def _product(tracer, fn, args, kwargs):
-    repeat = kwargs.pop("repeat", Const(1))
+    repeat = kwargs.pop("repeat", ConstV(1))
     _no_kwargs("itertools.product", kwargs)
-    if not isinstance(repeat, Const) or not isinstance(repeat.value, int):
+    if not isinstance(repeat, ConstV) or not isinstance(repeat.value, int):
         raise Unsupported("unsupported_call", "itertools.product(repeat=) with a non-constant count")
     if repeat.value < 0:
         raise Unsupported("exception_handling", "ValueError: repeat argument cannot be negative")
@@ -92,14 +92,14 @@ def _product(tracer, fn, args, kwargs):
 
 @model(itertools.accumulate)
 def _accumulate(tracer, fn, args, kwargs):
-    func = kwargs.pop("func", args[1] if len(args) > 1 else Const(None))
-    initial = kwargs.pop("initial", Const(None))
+    func = kwargs.pop("func", args[1] if len(args) > 1 else ConstV(None))
+    initial = kwargs.pop("initial", ConstV(None))
     _no_kwargs("itertools.accumulate", kwargs)
     if len(args) > 2:
         raise Unsupported("exception_handling", "TypeError: accumulate() takes at most 2 arguments")
-    if isinstance(func, Const) and func.value is None:
-        func = Obj(operator.add)
-    start = None if isinstance(initial, Const) and initial.value is None else initial
+    if isinstance(func, ConstV) and func.value is None:
+        func = ObjV(operator.add)
+    start = None if isinstance(initial, ConstV) and initial.value is None else initial
     return IterV([], source=_accumulated(tracer, func, ops.iterate(tracer, args[0]), start))
 
 
@@ -134,12 +134,12 @@ def _ordered_dict(tracer, fn, args, kwargs):
 
 @model(collections.defaultdict)
 def _defaultdict(tracer, fn, args, kwargs):
-    factory = args[0] if args else Const(None)
+    factory = args[0] if args else ConstV(None)
     if len(args) > 2:
         raise Unsupported("exception_handling", "TypeError: defaultdict expected at most 2 arguments")
-    if isinstance(factory, Const) and factory.value is None:
+    if isinstance(factory, ConstV) and factory.value is None:
         factory = None
-    elif isinstance(factory, Const) or (isinstance(factory, Obj) and not callable(factory.obj)):
+    elif isinstance(factory, ConstV) or (isinstance(factory, ObjV) and not callable(factory.obj)):
         raise Unsupported("exception_handling", "TypeError: first argument must be callable or None")
     d = _checked_keys(_dict(tracer, dict, args[1:], kwargs))
     return DictV(d.items, cls=collections.defaultdict, factory=factory)
@@ -150,11 +150,11 @@ def missing_item(tracer, d: DictV, key) -> Value:
     """``d[key]`` for a key ``d`` lacks: a defaultdict calls its factory and stores the result
     (``__missing__``); any other dict raises KeyError (the call runs eagerly)."""
     if d.cls is collections.Counter:  # Counter.__missing__: 0, not stored
-        return Const(0)
+        return ConstV(0)
     if d.factory is None:
         raise python_error(KeyError(key), f"KeyError: {key!r} during capture")
     value = call(tracer, d.factory, [], {})
-    ops.setitem(tracer, d, Const(key), value)
+    ops.setitem(tracer, d, ConstV(key), value)
     return value
 
 
@@ -163,8 +163,8 @@ def ordered_dict_method(tracer, d: DictV, name: str, args, kwargs) -> Value | No
     if name not in ("move_to_end", "popitem"):
         return None
     last = kwargs.get("last", args[-1] if (name == "popitem" and args)
-                      or (name == "move_to_end" and len(args) > 1) else Const(True))
-    if not isinstance(last, Const) or (d.cls is not collections.OrderedDict and (args or kwargs)):
+                      or (name == "move_to_end" and len(args) > 1) else ConstV(True))
+    if not isinstance(last, ConstV) or (d.cls is not collections.OrderedDict and (args or kwargs)):
         if d.cls is not collections.OrderedDict and name == "popitem":
             raise Unsupported("exception_handling", "TypeError: dict.popitem() takes no arguments")
         raise Unsupported("unsupported_call", f"{name}() with a non-constant `last`")
@@ -175,7 +175,7 @@ def ordered_dict_method(tracer, d: DictV, name: str, args, kwargs) -> Value | No
         if not d.items:
             raise python_error(KeyError("popitem(): dictionary is empty"))
         key = next(reversed(d.items)) if last.value else next(iter(d.items))
-        return TupleV([Const(key), d.items.pop(key)])
+        return TupleV([ConstV(key), d.items.pop(key)])
     key = args[0].concrete()
     if key not in d.items:
         raise python_error(KeyError(key), f"KeyError: {key!r}")
@@ -187,7 +187,7 @@ def ordered_dict_method(tracer, d: DictV, name: str, args, kwargs) -> Value | No
         d.items.clear()
         d.items[key] = value
         d.items.update(rest)
-    return Const(None)
+    return ConstV(None)
 
 
 # ---- operator.itemgetter / attrgetter objects -------------------------------------------------

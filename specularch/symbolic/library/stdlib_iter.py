@@ -16,14 +16,14 @@ from ...records import Unsupported
 from .. import operators as ops
 from .builtins import model
 from .stdlib import _no_kwargs
-from ..values import Const, IterV, TupleV, Value, is_const
+from ..values import ConstV, IterV, TupleV, Value, is_const
 from ..calls import call
 
 
 def _const(v: Value | None, what: str, kinds=(int,), none_ok=True):
     if v is None:
         return None
-    if not isinstance(v, Const):
+    if not isinstance(v, ConstV):
         raise Unsupported("unsupported_call", f"{what} that is not a constant")
     if (v.value is None and none_ok) or (isinstance(v.value, kinds) and not isinstance(v.value, bool)):
         return v.value
@@ -64,12 +64,12 @@ def _sliced(it: IterV, start: int, stop, step: int):
 
 @model(itertools.count)
 def _count(tracer, fn, args, kwargs):
-    start = args[0] if args else kwargs.pop("start", Const(0))
-    step = args[1] if len(args) > 1 else kwargs.pop("step", Const(1))
+    start = args[0] if args else kwargs.pop("start", ConstV(0))
+    step = args[1] if len(args) > 1 else kwargs.pop("step", ConstV(1))
     _no_kwargs("itertools.count", kwargs)
     first = _const(start, "count start", numbers.Number, none_ok=False)
     delta = _const(step, "count step", numbers.Number, none_ok=False)
-    return IterV([], source=(Const(x) for x in itertools.count(first, delta)))
+    return IterV([], source=(ConstV(x) for x in itertools.count(first, delta)))
 
 
 @model(itertools.repeat)
@@ -85,7 +85,7 @@ def _repeat(tracer, fn, args, kwargs):
 
 @model(itertools.zip_longest)
 def _zip_longest(tracer, fn, args, kwargs):
-    fill = kwargs.pop("fillvalue", Const(None))
+    fill = kwargs.pop("fillvalue", ConstV(None))
     _no_kwargs("itertools.zip_longest", kwargs)
     return IterV([], source=_longest_rows([ops.iterate(tracer, a) for a in args], fill))
 
@@ -113,7 +113,7 @@ def _pool_and_r(tracer, fn, args, kwargs):
     r = args[1] if len(args) > 1 else kwargs.pop("r", None)
     _no_kwargs(f"itertools.{fn.__name__}", kwargs)
     pool = ops.consume(tracer, args[0])  # the whole input, taken when made
-    if fn is itertools.permutations and (r is None or (isinstance(r, Const) and r.value is None)):
+    if fn is itertools.permutations and (r is None or (isinstance(r, ConstV) and r.value is None)):
         return pool, len(pool)
     r = None if r is None else _const(r, f"{fn.__name__} r", none_ok=False)
     if r is None or r < 0:
@@ -134,7 +134,7 @@ for _maker in (itertools.combinations, itertools.combinations_with_replacement, 
 # ---- groupby ---------------------------------------------------------------------------------
 @model(itertools.groupby)
 def _groupby(tracer, fn, args, kwargs):
-    key = args[1] if len(args) > 1 else kwargs.pop("key", Const(None))
+    key = args[1] if len(args) > 1 else kwargs.pop("key", ConstV(None))
     _no_kwargs("itertools.groupby", kwargs)
     state = _GroupBy(tracer, ops.iterate(tracer, args[0]), None if is_const(key) and key.concrete() is None else key)
     return IterV([], source=state.groups())

@@ -38,7 +38,7 @@ from ...records import Unsupported
 from . import deque as deque_model
 from .builtins import _all_const, _concrete_call, model
 from .stdlib import INSTANCE_CALLS, _no_kwargs
-from ..values import Const, DictV, IterV, NewObjV, Obj, TupleV, Value, is_const
+from ..values import ConstV, DictV, IterV, NewObjV, ObjV, TupleV, Value, is_const
 from ..models import provides
 from ..attrs import load_attr
 from ..calls import call
@@ -63,7 +63,7 @@ def binary(tracer, op, a: Value, b: Value) -> Value | None:
     """``op`` with a deque or Counter operand (None for other operands)."""
     if isinstance(a, deque_model.DequeV) or isinstance(b, deque_model.DequeV):
         result = deque_model.binary(tracer, op, a, b)
-        return wrap_made(tracer, result.obj) if isinstance(result, Obj) else result
+        return wrap_made(tracer, result.obj) if isinstance(result, ObjV) else result
     if not any(isinstance(v, DictV) and v.cls is collections.Counter for v in (a, b)):
         return None
     if not (is_const(a) and is_const(b)):
@@ -121,7 +121,7 @@ def counter_method(tracer, d: DictV, name: str, args, kwargs) -> Value | None:
         getattr(counts, name)(*other, **{k: v.concrete() for k, v in kwargs.items()})
         d.items.clear()
         d.items.update(wrap_made(tracer, counts).items)
-        return Const(None)
+        return ConstV(None)
     if name == "fromkeys":
         raise Unsupported("exception_handling", "NotImplementedError: Counter.fromkeys()")
     return None
@@ -198,10 +198,10 @@ def refuse_frozen_write(obj: NewObjV, name: str) -> None:
 def _object_setattr(tracer, fn, args, kwargs):
     """``object.__setattr__(self, name, value)``: how a frozen dataclass's ``__init__`` sets
     its fields; modelled on an object made in the call."""
-    if len(args) == 3 and not kwargs and isinstance(args[0], NewObjV) and isinstance(args[1], Const) \
+    if len(args) == 3 and not kwargs and isinstance(args[0], NewObjV) and isinstance(args[1], ConstV) \
             and isinstance(args[1].value, str):
         args[0].attrs[args[1].value] = args[2]
-        return Const(None)
+        return ConstV(None)
     raise Unsupported("unsupported_call", "object.__setattr__ on an object that existed before the call")
 
 
@@ -232,7 +232,7 @@ def _convert(tracer, v: Value, as_dict: bool) -> Value:
         return ListV([_convert(tracer, i, as_dict) for i in v.items])
     if isinstance(v, DictV) and v.cls is dict:
         return DictV({k: _convert(tracer, i, as_dict) for k, i in v.items.items()})
-    if isinstance(v, Const) and type(v.value) is not tuple:
+    if isinstance(v, ConstV) and type(v.value) is not tuple:
         return v
     raise Unsupported("unsupported_call", f"dataclasses.asdict/astuple deep-copies a {v.python_type().__name__} "
                       "field (copy.deepcopy is not modelled)")
@@ -242,7 +242,7 @@ def _convert(tracer, v: Value, as_dict: bool) -> Value:
 def _call_lru_cached(tracer, obj, args, kwargs, source=None) -> Value:
     from ...guards.sources import AttrSource
     name = getattr(obj, "__qualname__", "an lru_cache helper")
-    if not all(type(a) is Const for a in [*args, *kwargs.values()]):  # a SymV too: it varies
+    if not all(type(a) is ConstV for a in [*args, *kwargs.values()]):  # a SymV too: it varies
         raise Unsupported("unsupported_call", f"{name} (lru_cache) called with non-constant arguments "
                           "(or numbers that vary between calls): the cache keys on them")
     writes, nodes = len(tracer.heap), len(tracer.graph.nodes)
@@ -251,7 +251,7 @@ def _call_lru_cached(tracer, obj, args, kwargs, source=None) -> Value:
     if len(tracer.heap) != writes or len(tracer.graph.nodes) != nodes:
         raise Unsupported("unsupported_call", f"{name} (lru_cache) has effects or computes on tensors: "
                           "a cache hit in eager skips them")
-    if not (type(result) is Const or (isinstance(result, Obj) and isinstance(result.obj, enum.Enum))):
+    if not (type(result) is ConstV or (isinstance(result, ObjV) and isinstance(result.obj, enum.Enum))):
         raise Unsupported("unsupported_call", f"{name} (lru_cache) returns a mutable or tensor value: "
                           "eager hands back the very cached object on each hit")
     cached = _concrete_call(tracer, obj, args, kwargs).concrete()  # eager's lookup for this call

@@ -8,7 +8,7 @@
 * ``torch.nn`` modules (``nn.ReLU()``, ``nn.Dropout(p)``, ``nn.Sequential`` of those): built
   for real at capture time from constant arguments and called like any module; only ones
   that own no parameters or buffers (creating those draws from the random-number generator
-  each call) and that do not outlive the call (``FreshObj``: a graph cannot hand out a new
+  each call) and that do not outlive the call (``FreshObjV``: a graph cannot hand out a new
   object each call).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ...records import Unsupported
-from ..values import Const, FreshObj, Value, is_const
+from ..values import ConstV, FreshObjV, Value, is_const
 from ..models import provides
 from .._torch_dispatch import MutationCheck
 from ..op_args import concrete, holds_tensor, is_dynamic
@@ -35,7 +35,7 @@ def construct(tracer, cls: type, args: list, kwargs: dict) -> Value | None:
     if cls in (torch.finfo, torch.iinfo):
         cargs, ckwargs = _concrete_args(cls, args, kwargs)
         try:
-            return Const(cls(*cargs, **ckwargs))
+            return ConstV(cls(*cargs, **ckwargs))
         except Exception as e:  # torch.iinfo(torch.float32): eager's TypeError
             raise Unsupported("exception_handling", f"torch.{cls.__name__}() raised "
                               f"{type(e).__name__}: {e}") from None
@@ -76,7 +76,7 @@ def _concrete_args(cls, args, kwargs) -> tuple[list, dict]:
 
 
 def _module_arg(v: Value):
-    if isinstance(v, FreshObj) or is_const(v):
+    if isinstance(v, FreshObjV) or is_const(v):
         return v.concrete()
     raise Unsupported("unsupported_call", "creating a torch.nn module inside the optimized "
                       f"function from {v!r} (only constants and modules made in the call are "
@@ -102,7 +102,7 @@ def _fresh_module(tracer, cls: type, args: list, kwargs: dict) -> Value:
                           "creates parameters or buffers (freshly initialised, from the random-"
                           "number generator, on every call); a graph cannot recreate them",
                           "Create the module in __init__ and keep it as an attribute.")
-    return FreshObj(module)
+    return FreshObjV(module)
 
 
 @provides("returns_metadata")

@@ -14,7 +14,7 @@ from ...guards import NoTensorHooksGuard
 from ...guards.sources import AttrSource
 from ...records import Unsupported
 from .._torch_dispatch import storage_key
-from ..values import Const, TensorV, Value
+from ..values import ConstV, TensorV, Value
 from ..values.scalar import ScalarV
 from ..models import provides
 from ..values import ListV
@@ -81,7 +81,7 @@ def write_grad(tracer, t: TensorV, value: Value | None) -> None:
 
 
 def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
-    if args or any(not (isinstance(v, Const) and v.value in (None, False)) for v in kwargs.values()):
+    if args or any(not (isinstance(v, ConstV) and v.value in (None, False)) for v in kwargs.values()):
         raise Unsupported("unsupported_call", "backward() with arguments (gradient, retain_graph, "
                           "inputs, ...) is not captured; call it as loss.backward()")
     if loss.example.numel() != 1:
@@ -109,27 +109,27 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         from ...distributed import agreement, eager
         tracer.distributed_leaves = [leaf.real for leaf in leaves]
         eager.note_backward_captured()
-        ids = {"step": Const(tracer.code.co_qualname),
-               "layout": Const(agreement.layout_hash([str(leaf.source) for leaf in leaves]))}
+        ids = {"step": ConstV(tracer.code.co_qualname),
+               "layout": ConstV(agreement.layout_hash([str(leaf.source) for leaf in leaves]))}
         grads = tracer.call_op("call_function", distributed.grad_and_allreduce,
                                [loss, _list(map(_leaf_tensor, leaves))], ids, name="autograd.grad",
                                fn=lambda l, p, **_: torch.autograd.grad(l, p, allow_unused=True))
     else:
         grads = tracer.call_op("call_function", torch.autograd.grad,
-                               [loss, _list(map(_leaf_tensor, leaves))], {"allow_unused": Const(True)},
+                               [loss, _list(map(_leaf_tensor, leaves))], {"allow_unused": ConstV(True)},
                                name="autograd.grad")
     for leaf, grad in zip(leaves, grads.items):
-        if isinstance(grad, Const):  # unused leaf: eager leaves its .grad alone
+        if isinstance(grad, ConstV):  # unused leaf: eager leaves its .grad alone
             continue
         if grad.example.layout is not torch.strided:
             raise Unsupported("unsupported_call", f"the gradient of {leaf.source} is sparse "
                               "(e.g. nn.Embedding(sparse=True)); sparse gradients are not captured")
         current = read_grad(tracer, leaf)
-        if isinstance(current, Const) and current.value is None:
+        if isinstance(current, ConstV) and current.value is None:
             write_grad(tracer, leaf, grad)
         else:  # in-place accumulation into the existing .grad (committed by the heap)
             tracer.call_op("call_method", "add_", [current, grad], {}, name="add_")
-    return Const(None)
+    return ConstV(None)
 
 
 def _refuse_outside_history(tracer, loss: TensorV) -> None:

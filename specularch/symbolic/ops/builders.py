@@ -5,12 +5,12 @@ from __future__ import annotations
 from ...records import Unsupported
 from ..operators import consume
 from .registry import handles
-from ..values import Const, DictV, ListV, SetV, TupleV, UntrackedContainer, is_const
+from ..values import ConstV, DictV, ListV, SetV, TupleV, UntrackedContainerV, is_const
 
 
 def _tuple(items):
-    if all(type(i) is Const for i in items):  # not a lazy string (printing.StrV): kept lazy
-        return Const(tuple(i.value for i in items))
+    if all(type(i) is ConstV for i in items):  # not a lazy string (printing.StrV): kept lazy
+        return ConstV(tuple(i.value for i in items))
     return TupleV(list(items))
 
 
@@ -91,9 +91,9 @@ def _set_update(frame, ins):
 def _dict_update(frame, ins):
     source = frame.pop()
     target = frame.stack[-ins.arg]
-    if isinstance(source, Const) and isinstance(source.value, dict):
+    if isinstance(source, ConstV) and isinstance(source.value, dict):
         source = DictV({k: frame.tracer.wrap_python(v) for k, v in source.value.items()})
-    if isinstance(source, UntrackedContainer):
+    if isinstance(source, UntrackedContainerV):
         source.concrete()  # raises RelaxationRefused: ``**d`` needs all of its items after all
     if not isinstance(source, DictV):
         raise Unsupported("unsupported_call", f"** unpacking of {source!r}")

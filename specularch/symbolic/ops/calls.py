@@ -6,7 +6,7 @@ from ...records import Unsupported
 from ..calls import call
 from ..operators import consume
 from .registry import handles
-from ..values import Const, DictV, FuncV, NullV
+from ..values import ConstV, DictV, FuncV, NullV
 
 
 @handles("KW_NAMES")
@@ -52,8 +52,8 @@ def _make_function(frame, ins):
     if flags & 0x04:
         frame.pop()  # annotations
     kwdefaults = dict(frame.pop().items) if flags & 0x02 else {}
-    defaults_v = frame.pop() if flags & 0x01 else Const(())
-    if isinstance(defaults_v, Const):
+    defaults_v = frame.pop() if flags & 0x01 else ConstV(())
+    if isinstance(defaults_v, ConstV):
         defaults = tuple(frame.tracer.wrap_python(d) for d in defaults_v.value)
     else:
         defaults = tuple(defaults_v.items)

@@ -7,7 +7,7 @@ from ...records import Unsupported
 from ..operators import iterate, truth
 from ..speculation import branch_merge, raising_branch
 from .registry import handles
-from ..values import Const, TensorV
+from ..values import ConstV, TensorV
 
 
 @handles("JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT")
@@ -38,7 +38,7 @@ def _branch(frame, ins, jump_if: bool):
 
 
 def _is_none(v) -> bool:
-    return isinstance(v, Const) and v.value is None
+    return isinstance(v, ConstV) and v.value is None
 
 
 @handles("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NONE")
@@ -86,7 +86,7 @@ def _for_iter(frame, ins):
 def _return_generator(frame, ins):
     if not frame.generator:
         raise Unsupported("generator", "generator functions run eagerly")
-    frame.push(Const(None))  # popped right away: the value of the first send(None)
+    frame.push(ConstV(None))  # popped right away: the value of the first send(None)
 
 
 @handles("YIELD_VALUE")
@@ -94,7 +94,7 @@ def _yield_value(frame, ins):
     if not frame.generator:
         raise Unsupported("generator", "yield inside the optimized function")
     frame.yielded.append(frame.pop())
-    frame.push(Const(None))  # the value `send` would deliver
+    frame.push(ConstV(None))  # the value `send` would deliver
 
 
 @handles("GET_YIELD_FROM_ITER", "SEND", "ASYNC_GEN_WRAP", "GET_AWAITABLE", "GET_AITER",

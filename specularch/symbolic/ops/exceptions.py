@@ -15,7 +15,7 @@ from ...records import Unsupported
 from ..library import context_managers  # noqa: F401  (registers contextlib models)
 from ..exceptions import PyRaise, exception_types, handled, raise_value, set_handled
 from .registry import handles
-from ..values import Const, Obj
+from ..values import ConstV, ObjV
 
 
 @handles("RAISE_VARARGS")
@@ -33,7 +33,7 @@ def _raise(frame, ins):
 @handles("RERAISE")
 def _reraise(frame, ins):
     exc = frame.pop()
-    if not isinstance(exc, Obj) or not isinstance(exc.obj, BaseException):
+    if not isinstance(exc, ObjV) or not isinstance(exc.obj, BaseException):
         raise Unsupported("internal_error", f"RERAISE of {exc!r}")
     error = PyRaise(exc.obj, value=exc)
     # (the compiler's re-raise: no clause matched, or the end of a `finally`): the fallback
@@ -46,7 +46,7 @@ def _reraise(frame, ins):
 def _push_exc_info(frame, ins):
     exc = frame.pop()
     previous = handled(frame.tracer)
-    frame.push(previous if previous is not None else Const(None))
+    frame.push(previous if previous is not None else ConstV(None))
     frame.push(exc)
     set_handled(frame.tracer, exc)
 
@@ -54,13 +54,13 @@ def _push_exc_info(frame, ins):
 @handles("POP_EXCEPT")
 def _pop_except(frame, ins):
     previous = frame.pop()
-    set_handled(frame.tracer, None if isinstance(previous, Const) else previous)
+    set_handled(frame.tracer, None if isinstance(previous, ConstV) else previous)
 
 
 @handles("CHECK_EXC_MATCH")
 def _check_exc_match(frame, ins):
     types_ = exception_types(frame.pop())
-    frame.push(Const(isinstance(frame.stack[-1].obj, types_)))
+    frame.push(ConstV(isinstance(frame.stack[-1].obj, types_)))
 
 
 @handles("WITH_EXCEPT_START")
@@ -69,4 +69,4 @@ def _with_except_start(frame, ins):
     exc = frame.stack[-1]
     exit_ = frame.stack[-4]
     kind = frame.tracer.wrap(type(exc.obj), None)
-    frame.push(call(frame.tracer, exit_, [kind, exc, Const(None)], {}))
+    frame.push(call(frame.tracer, exit_, [kind, exc, ConstV(None)], {}))

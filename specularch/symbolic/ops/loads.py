@@ -7,7 +7,7 @@ import sys
 from ...records import Unsupported
 from ..attrs import load_attr, store_attr
 from .registry import handles
-from ..values import NULL, CellV, Const, Value
+from ..values import NULL, CellV, ConstV, Value
 
 
 @handles("NOP", "RESUME", "PRECALL", "MAKE_CELL", "COPY_FREE_VARS", "EXTENDED_ARG")
@@ -38,7 +38,7 @@ def _delete_fast(frame, ins):
 
 @handles("LOAD_CONST")
 def _load_const(frame, ins):
-    frame.push(Const(ins.argval))
+    frame.push(ConstV(ins.argval))
 
 
 @handles("LOAD_GLOBAL")

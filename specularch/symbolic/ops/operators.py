@@ -9,7 +9,7 @@ from ..speculation import branch_merge
 from .. import operators as ops
 from ..library import printing
 from .registry import handles
-from ..values import Const, TensorV, is_const
+from ..values import ConstV, TensorV, is_const
 
 
 @handles("BINARY_OP")
@@ -35,7 +35,7 @@ def _invert(frame, ins):
 
 @handles("UNARY_NOT")
 def _not(frame, ins):
-    frame.push(Const(not ops.truth(frame.tracer, frame.pop())))
+    frame.push(ConstV(not ops.truth(frame.tracer, frame.pop())))
 
 
 @handles("COMPARE_OP")
@@ -51,7 +51,7 @@ def _is(frame, ins):
     if branch is not None:  # eager may give one tensor where the merged graph has two
         raise branch_merge.refuse("`is` compares the identity of a merged tensor", branch)
     same = ops.identical(a, b)
-    frame.push(Const(same != bool(ins.arg)))
+    frame.push(ConstV(same != bool(ins.arg)))
 
 
 @handles("CONTAINS_OP")
@@ -59,7 +59,7 @@ def _contains(frame, ins):
     container, item = frame.pop(), frame.pop()
     if isinstance(container, TensorV):
         raise Unsupported("data_dependent_branch", "`in` on a tensor compares tensor values")
-    frame.push(Const(ops.contains(frame.tracer, item, container) != bool(ins.arg)))
+    frame.push(ConstV(ops.contains(frame.tracer, item, container) != bool(ins.arg)))
 
 
 @handles("BINARY_SUBSCR")
@@ -85,7 +85,7 @@ def _build_slice(frame, ins):
     parts = frame.popn(ins.arg)
     if not all(is_const(p) for p in parts):
         raise Unsupported("data_dependent_value", "a slice bound computed from a tensor value")
-    frame.push(Const(slice(*[p.concrete() for p in parts])))
+    frame.push(ConstV(slice(*[p.concrete() for p in parts])))
 
 
 @handles("FORMAT_VALUE")

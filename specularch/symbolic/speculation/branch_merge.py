@@ -31,7 +31,7 @@ from .._torch_dispatch import storage_key
 from ..values.deque import DequeV
 from ..exceptions import raising_nodes
 from ..values.symint import SymV
-from ..values import (CellV, Const, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
+from ..values import (CellV, ConstV, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
                      TensorV, TupleV, Value)
 
 SIDE_META = "merged_branch"  # node.meta: (file, line, function) of the merged branch
@@ -253,7 +253,7 @@ def _select(tracer, cond: TensorV, a: Value, b: Value, at: tuple) -> Value:
                            "select's, which code reading it would see")
         tracer.merged_aliases.record(tracer, result, (a, b), _outlives, at)
         return result
-    if isinstance(a, Const) and isinstance(b, Const) and type(a.value) is type(b.value) \
+    if isinstance(a, ConstV) and isinstance(b, ConstV) and type(a.value) is type(b.value) \
             and a.value == b.value:
         return a
     if type(a) is type(b) and isinstance(a, (TupleV, ListV)) and len(a.items) == len(b.items) \

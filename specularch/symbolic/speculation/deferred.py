@@ -39,7 +39,7 @@ from ...shadow_heap.rebuild import ClockRead, Number, Rebuild
 from ..library.builtins import model
 from ..values.symint import SymV
 from ..values.scalar import ScalarV
-from ..values import Const, Value
+from ..values import ConstV, Value
 from ..models import provides
 
 _PLAIN = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -118,11 +118,11 @@ def _operand(v: Value) -> bool:
         return True
     if isinstance(v, SymV):
         return type(v.value) in (int, float)
-    return isinstance(v, Const) and type(v.value) in _NUMBER
+    return isinstance(v, ConstV) and type(v.value) in _NUMBER
 
 
 def _preview(v: Value):
-    return v.value  # ScalarV, SymV (its capture value, not specialised) and Const alike
+    return v.value  # ScalarV, SymV (its capture value, not specialised) and ConstV alike
 
 
 def _make(fn, args: list, stable: bool = True) -> NumV:
@@ -152,7 +152,7 @@ def binary(op, a: Value, b: Value) -> Value | None:
 def _fixed_power(a: Value, b: Value) -> bool:
     """``a ** b``'s type is known from the operands' types only for a constant exponent
     (``2 ** -1`` is a float, ``(-8.0) ** 0.5`` a complex)."""
-    return isinstance(b, Const) and (type(b.value) in (int, bool) or b.value.is_integer())
+    return isinstance(b, ConstV) and (type(b.value) in (int, bool) or b.value.is_integer())
 
 
 @provides("deferred_unary")
@@ -168,7 +168,7 @@ def builtin(fn, args: list, kwargs: dict) -> Value | None:
         return None
     if fn in (int, float) and len(args) == 1 or fn in _MATH and len(args) == 1:
         return _make(fn, args)
-    if fn is round and (len(args) == 1 or len(args) == 2 and isinstance(args[1], Const)
+    if fn is round and (len(args) == 1 or len(args) == 2 and isinstance(args[1], ConstV)
                         and (args[1].value is None or type(args[1].value) is int)):
         return _make(fn, args)
     if fn in (min, max) and len(args) >= 2:  # Python's first-wins rule, applied at commit

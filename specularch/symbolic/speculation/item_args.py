@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.fx
 
-from ..values import Const, Value
+from ..values import ConstV, Value
 from ..values.scalar import ScalarV
 
 # Operators and torch functions/methods (by name) whose number arguments are plain values.
@@ -111,7 +111,7 @@ def _number(tracer, v) -> Value:
         return v  # a clock is read outside the graph; an unstable type would change the op
     if isinstance(v, NumV):
         parts = [_number(tracer, a) if isinstance(a, ScalarV) else a for a in v.args]
-        if not all(isinstance(p, (ItemNumV, SymV, Const)) for p in parts):
+        if not all(isinstance(p, (ItemNumV, SymV, ConstV)) for p in parts):
             return v
         node = tracer.graph.call_function(v.fn, tuple(_node(p) for p in parts))
     else:
@@ -122,7 +122,7 @@ def _number(tracer, v) -> Value:
 
 
 def _node(v: Value):
-    return v.value if isinstance(v, Const) else v.node
+    return v.value if isinstance(v, ConstV) else v.node
 
 
 def _read(tracer, v) -> torch.fx.Node:

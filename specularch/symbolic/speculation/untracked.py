@@ -20,12 +20,12 @@ from __future__ import annotations
 from ...guards import ContainsGuard, ItemSource
 from ..exceptions import python_error
 from ..values.symint import SymV
-from ..values import AppendOnlyListV, Const, KeyedDictV, RelaxationRefused, Value
+from ..values import AppendOnlyListV, ConstV, KeyedDictV, RelaxationRefused, Value
 
 
 def getitem(tracer, c, key: Value) -> Value:
     if isinstance(c, AppendOnlyListV):
-        index = key.value if isinstance(key, Const) else None
+        index = key.value if isinstance(key, ConstV) else None
         if type(index) is int and -len(c.appended) <= index < 0:
             return c.appended[index]
         raise RelaxationRefused(c.source)
@@ -42,7 +42,7 @@ def setitem(tracer, c, key: Value, value: Value) -> None:
         raise RelaxationRefused(c.source)
     k = _key(c, key)
     c.written[k] = value
-    tracer.heap.write_item(c, Const(k), value, tracer.where())
+    tracer.heap.write_item(c, ConstV(k), value, tracer.where())
 
 
 def contains(tracer, key: Value, c) -> bool:
@@ -58,22 +58,22 @@ def call_method(tracer, c, name: str, args: list, kwargs: dict) -> Value:
     if isinstance(c, AppendOnlyListV):
         if name == "append" and len(args) == 1:
             _append(tracer, c, args[0])
-            return Const(None)
+            return ConstV(None)
         if name == "extend" and len(args) == 1:
             from ..operators import consume
             for item in consume(tracer, args[0]):
                 _append(tracer, c, item)
-            return Const(None)
+            return ConstV(None)
         raise RelaxationRefused(c.source)
     if name in ("get", "setdefault") and len(args) in (1, 2):
-        default = args[1] if len(args) == 2 else Const(None)
+        default = args[1] if len(args) == 2 else ConstV(None)
         if contains(tracer, args[0], c):
             return getitem(tracer, c, args[0])
         if name == "setdefault":
             setitem(tracer, c, args[0], default)
         return default
     if name == "__contains__" and len(args) == 1:
-        return Const(contains(tracer, args[0], c))
+        return ConstV(contains(tracer, args[0], c))
     raise RelaxationRefused(c.source)
 
 
@@ -83,7 +83,7 @@ def _append(tracer, c: AppendOnlyListV, value: Value) -> None:
 
 
 def _key(c: KeyedDictV, key: Value):
-    if isinstance(key, Const) and type(key.value) in (str, int):
+    if isinstance(key, ConstV) and type(key.value) in (str, int):
         return key.value
     if isinstance(key, SymV) and type(key.value) is int:
         return key.concrete()  # an int that is a graph input: this graph is for this key

@@ -24,7 +24,7 @@ from ...guards.sources import AttrSource
 from ...records import Unsupported
 from .._torch_dispatch import storage_key
 from .leaf_writes import written_leaf
-from ..values import Const, TensorV
+from ..values import ConstV, TensorV
 
 
 def data_alias(external: TensorV, args: list, kwargs: dict) -> TensorV | None:
@@ -39,7 +39,7 @@ def data_alias(external: TensorV, args: list, kwargs: dict) -> TensorV | None:
 
 def data_target(tracer, copy: TensorV) -> TensorV:
     """``copy.data``: the tensor a write through ``.data`` runs on in the graph."""
-    return tracer.call_op("call_function", getattr, [copy, Const("data")], {}, name="data")
+    return tracer.call_op("call_function", getattr, [copy, ConstV("data")], {}, name="data")
 
 
 def rebind_data(alias: TensorV, into: TensorV, external: TensorV) -> None:

@@ -36,7 +36,7 @@ class Value:
 
 
 @dataclass(eq=False, repr=False)
-class Const(Value):
+class ConstV(Value):
     """An immutable Python value (int, str, None, dtype, torch.Size, tuple of consts, ...)."""
 
     value: Any
@@ -150,10 +150,10 @@ class DictViewV(Value):
         """The view's items as values, read from the dict as it is now."""
         items = self.mapping.items
         if self.kind == "keys":
-            return [Const(k) for k in items]
+            return [ConstV(k) for k in items]
         if self.kind == "values":
             return list(items.values())
-        return [TupleV([Const(k), v]) for k, v in items.items()]
+        return [TupleV([ConstV(k), v]) for k, v in items.items()]
 
     def concrete(self):
         d = self.mapping
@@ -183,7 +183,7 @@ class SetV(Value):
 
 
 @dataclass(eq=False, repr=False)
-class Obj(Value):
+class ObjV(Value):
     """Any other object: modules, functions, classes, nn.Modules, user objects."""
 
     obj: Any
@@ -193,17 +193,17 @@ class Obj(Value):
         return self.obj
 
     def __repr__(self):
-        return f"Obj({type(self.obj).__name__})"
+        return f"ObjV({type(self.obj).__name__})"
 
 
 @dataclass(eq=False, repr=False)
-class FreshObj(Obj):
+class FreshObjV(ObjV):
     """A real object built at capture time that stands for one eager makes anew on every call
     (``nn.ReLU()`` in forward): usable inside the call, refused where it would outlive it."""
 
 
 @dataclass(eq=False, repr=False)
-class GeneratorV(Obj):
+class GeneratorV(ObjV):
     """A ``torch.Generator`` read from outside the frame: a graph input (``node``)."""
 
     node: Any = None
@@ -387,7 +387,7 @@ class PartialV(Value):
         return f"PartialV({self.func!r})"
 
 
-class UntrackedContainer(Value):
+class UntrackedContainerV(Value):
     """A list or dict that existed before the call and that a relaxation stopped tracking as a
     whole (its length/keys are not guarded). Only the accesses the subclass allows are
     captured; anything else needs the whole contents after all, so ``concrete()`` raises
@@ -400,7 +400,7 @@ class UntrackedContainer(Value):
 
 
 @dataclass(eq=False, repr=False)
-class AppendOnlyListV(UntrackedContainer):
+class AppendOnlyListV(UntrackedContainerV):
     """A list only appended to (a log, a history): its length is not guarded; appends are
     committed as appends. The items appended in this call can be read back by negative index
     (``log[-1]`` right after ``log.append(x)``), which does not depend on the old length."""
@@ -416,7 +416,7 @@ class AppendOnlyListV(UntrackedContainer):
 
 
 @dataclass(eq=False, repr=False)
-class KeyedDictV(UntrackedContainer):
+class KeyedDictV(UntrackedContainerV):
     """A dict used only through single keys (a cache, a memo table): its key set is not
     guarded; a read of ``d[k]`` guards that one entry (and that ``k`` is present), ``k in d``
     guards that one membership, and ``d[k] = v`` is committed as that one item write."""
@@ -460,15 +460,15 @@ class RelaxationRefused(Exception):
 
 def is_const(v: Value) -> bool:
     """True when ``v`` (recursively) holds no tensors, functions, cells or opaque objects."""
-    if isinstance(v, Const) or type(v).__name__ == "SymV":  # SymV specialises when read
+    if isinstance(v, ConstV) or type(v).__name__ == "SymV":  # SymV specialises when read
         return True
     if isinstance(v, (TupleV, ListV)):
         return all(is_const(i) for i in v.items)
     if isinstance(v, DictV):
         return all(is_const(i) for i in v.items.values())
-    if isinstance(v, SetV) or (isinstance(v, Obj) and isinstance(v.obj, enum.Enum)):
+    if isinstance(v, SetV) or (isinstance(v, ObjV) and isinstance(v.obj, enum.Enum)):
         return True  # an enum member: an immutable, hashable singleton
-    if isinstance(v, Obj) and isinstance(v.obj, BaseException) and v.source is None:
+    if isinstance(v, ObjV) and isinstance(v.obj, BaseException) and v.source is None:
         return True  # an exception raised in the call (made from constants: exceptions.py)
     if isinstance(v, DictViewV):
         return v.kind == "keys" or is_const(v.mapping)

@@ -17,7 +17,7 @@ from typing import Any
 import torch.fx
 
 from ...guards.guard import ExprGuard, same_value
-from . import Const, Value
+from . import ConstV, Value
 
 _SYMBOL = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
            operator.mod: "%", operator.truediv: "/", operator.pow: "**",
@@ -91,7 +91,7 @@ def arithmetic(tracer, op, a: Value, b: Value) -> Value:
                 f"({la} {sym} {lb})" if known else "")
 
 
-def compare(tracer, op, a: Value, b: Value) -> Const:
+def compare(tracer, op, a: Value, b: Value) -> ConstV:
     """Comparisons decide Python control flow: the outcome is guarded (or asserted)."""
     na, va, ea, la = _operand(a)
     nb, vb, eb, lb = _operand(b)
@@ -103,8 +103,8 @@ def compare(tracer, op, a: Value, b: Value) -> Const:
     else:
         check = tracer.graph.call_function(op, (na, nb))
         tracer.assertions.append((check, outcome, tracer.where(), ("compare", id(check))))
-    return Const(outcome)
+    return ConstV(outcome)
 
 
 def is_symbolic_operand(x: Value) -> bool:
-    return isinstance(x, SymV) or (isinstance(x, Const) and type(x.value) in (int, float, bool))
+    return isinstance(x, SymV) or (isinstance(x, ConstV) and type(x.value) in (int, float, bool))
