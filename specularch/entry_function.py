@@ -80,7 +80,7 @@ def _guarded_grad_mode(guards: GuardSet) -> bool:
     return next(g.grad_enabled for g in guards if isinstance(g, GlobalStateGuard))
 
 
-def build_entry(guards: GuardSet, input_sources: list, output_spec: Rebuild, graph_fn: Callable,
+def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Rebuild, graph_fn: Callable,
                 fast_tensors: bool = True, writes: list = (), assertions: list = (),
                 random_graph: bool = False) -> tuple[Callable, str]:
     """The entry function and its source text (kept for explain()). ``writes``: the lowered

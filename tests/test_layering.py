@@ -195,7 +195,7 @@ CROSS_PACKAGE_CYCLES = {
 }
 
 # Processing order, highest first; a module may import its own layer or lower ones only.
-LAYERS = [("frames",), ("dispatch", "eager_run", "entry", "templates"), ("symbolic",),
+LAYERS = [("frames",), ("dispatch", "eager_run", "entry_function", "templates"), ("symbolic",),
           ("guards", "shadow_heap", "fx_lower")]
 UPWARD_IMPORTS = {  # (importer package, imported package): why it is allowed
     ("specularch.dispatch", "specularch.frames"):

@@ -15,7 +15,7 @@ import torch
 from .. import frames, log
 from ..config import config
 from ..eager_run import EagerRun
-from ..entry import AssumptionFailed
+from ..entry_function import AssumptionFailed
 from ..records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError, Unsupported
 from ..symbolic.speculation import branch_merge
 from ..symbolic import exceptions

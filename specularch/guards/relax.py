@@ -16,7 +16,7 @@ from . import DictKeysGuard, LenGuard, TensorGuard, ValueGuard
 from .sources import LocalSource
 
 
-def fact(value: Any) -> tuple:
+def argument_fact(value: Any) -> tuple:
     """What profiling records about one argument."""
     if isinstance(value, torch.Tensor):
         return ("tensor", type(value), value.dtype, value.device, tuple(value.shape))

@@ -13,7 +13,7 @@ op that takes it as a value computes it in the graph (item_args.py).
 Exceptions: a recipe that raises at capture (``1 / 0.0``) falls back right away. One that
 raises only with the values of a later call (``total / n`` with ``n`` from ``.item()``, an
 overflowing ``**``) raises when the commit evaluates it. The entry evaluates every recipe
-right after the graph and *before* any write (``entry.build_entry``), so nothing has been
+right after the graph and *before* any write (``entry_function.build_entry_function``), so nothing has been
 written; the dispatcher then runs the call eagerly (as for a graph that raised), which
 raises the same error with eager's own effects.
 
