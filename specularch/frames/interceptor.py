@@ -272,8 +272,11 @@ def _bump_region() -> None:
 # ------------------------------------------------------------------------- callback ----
 
 def _callback(frame: Any, cache_entry: Any, frame_state: Any) -> Any:
-    # Called by C with the hook off in this thread, on a cache miss only. Must never raise:
-    # an exception here would switch the hook off in this thread for good.
+    # Called by C with the hook off in this thread, on a cache miss only. An error here is
+    # swallowed (the frame runs as plain Python): raising would switch the hook off in this
+    # thread for good. Ctrl-C (a BaseException that is not an Exception) is the program's:
+    # it is raised at the call being entered, as eager would raise it there, with the hook
+    # switched back on first (torch does not, after a callback that raised).
     try:
         _counts["callback_calls"] += 1
         code, lasti, frame_builtins = _th.frame_facts(frame)
@@ -295,12 +298,15 @@ def _callback(frame: Any, cache_entry: Any, frame_state: Any) -> Any:
         decision = _th.run_code(target.trampoline, code)
         _counts["trampolines_installed"] += 1
         return decision
-    except BaseException:
+    except Exception:
         try:
             _counts["callback_errors"] += 1
         except BaseException:
             pass
         return _th.SKIP_ONCE
+    except BaseException:
+        _th.raw_swap_callback(_callback)  # C code: no Python frame runs hooked before the raise
+        raise
 
 
 # ------------------------------------------------------------------------ activation ----

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.fx
 
+from . import _torch_fx_sources as fx_sources
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -51,9 +53,11 @@ def _drawing_nothing(compile_fn: Callable) -> Callable:
     def compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         cpu = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        since = fx_sources.mark()
         try:
             return compile_fn(gm, example_inputs)
         finally:
+            fx_sources.release_with(gm, since)  # torch.fx's copies of the compiled code's text
             torch.set_rng_state(cpu)
             if cuda is not None:
                 torch.cuda.set_rng_state_all(cuda)

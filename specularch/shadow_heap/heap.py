@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .writes import (Append, DelAttr, Print, ReplaceDict, ReplaceList, SetAttr, SetCell, SetGlobal,
+from .writes import (Append, DelAttr, Effect, Print, ReplaceDict, ReplaceList, SetAttr, SetCell, SetGlobal,
                      SetItem, UpdateTensor, Write)
 
 DELETED = object()
@@ -73,6 +73,10 @@ class ShadowHeap:
     def write_print(self, args: list, sep, end, stream, flush: bool, where: str = "") -> None:
         """``print(...)``: an effect with no target, committed in program order."""
         self._log.append(Print(tuple(args), sep, end, stream, bool(flush), where))
+
+    def write_effect(self, fn, args: list, where: str = "") -> None:
+        """``fn(*args)`` at commit, in program order: an effect with no target."""
+        self._log.append(Effect(fn, tuple(args), where))
 
     def write_cell(self, cell, value, where: str = "") -> None:
         self._log.append(SetCell(cell, value, where))

@@ -300,6 +300,36 @@ class Print(Write):
         return f"PRINT({', '.join(args + ['flush=True'] * self.flush)})"
 
 
+@dataclass(frozen=True, eq=False)
+class Effect(Write):
+    """``fn(*args)`` at commit, in program order: an effect with no target (the replay of
+    ``warnings.warn``: symbolic/library/warnings.py). ``fn`` is a Python callable."""
+
+    kind: ClassVar[str] = "effect"
+    fn: Any
+    args: tuple
+    where: str = ""
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise malformed("Effect", f"{self.fn!r} is not callable")
+        if not isinstance(self.args, tuple):
+            raise malformed("Effect", "args must be a tuple")
+
+    @property
+    def target(self) -> None:  # nothing is written into (see symbolic/alias_guards.py)
+        return None
+
+    def lower(self, lowering):
+        return Effect(self.fn, tuple(lowering.build(a) for a in self.args), self.where)
+
+    def rebuilds(self):
+        return iter(self.args)
+
+    def render(self, r) -> str:
+        return f"{r.const(self.fn)}({', '.join(r.expr(a) for a in self.args)})"
+
+
 def lint_writes(writes: list[Write]) -> None:
     """Lowered writes hold only rebuild records (and a cell write its cell's source)."""
     for w in writes:

@@ -45,7 +45,7 @@ def load_attr(tracer, frame, v: Value, name: str) -> Value:
         return _super_attr(tracer, v, name)
     if isinstance(v, NewObjV):
         return _new_object_attr(tracer, v, name)
-    if isinstance(v, (UntrackedContainerV, DictViewV)):
+    if isinstance(v, (UntrackedContainerV, DictViewV, MODELS.ExitStackV)):
         return MethodV(v, None, name)
     if name == "maxlen" and isinstance(v, DequeV):
         return ConstV(v.maxlen)

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from ..fx_lower.randomness import is_random_node
+from ..fx_lower import _torch_fx_sources as fx_sources
 from ..guards import GuardSet
 from ..guards.sources import CellSource, Source
 from ..records import Unsupported
@@ -67,6 +68,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
     """``assumptions`` say which argument sizes, Python numbers, containers and tensor
     branches the graph must not specialise on (profiling/relaxation)."""
     start = time.perf_counter()
+    since = fx_sources.mark()
     tracer = Tracer(code, globals_, assumptions, max_instructions=max_instructions,
                     inline_depth=inline_depth)
     try:
@@ -132,6 +134,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
     if tracer.distributed_leaves and assertions:
         raise Unsupported("data_dependent_branch", "a distributed training step cannot speculate "
                           "on tensor values yet (all ranks must take the same path)")
+    fx_sources.release_with(gm, since)  # torch.fx keeps generated code's text for good
     return Capture(gm, tracer.guards, inputs, spec, time.perf_counter() - start,
                    writes=writes, assertions=assertions,
                    distributed_leaves=tracer.distributed_leaves)

@@ -31,6 +31,8 @@ DECLARED = frozenset({
     # library/printing.py, speculation/deferred.py, library/stdlib*.py
     "format_binary", "deferred_binary", "deferred_unary", "stdlib_binary", "missing_item",
     "refuse_frozen_write", "deque_check_key",
+    # library/exit_stack.py: the value class, whose attributes are all methods
+    "ExitStackV",
 })
 
 

@@ -51,7 +51,13 @@ def _names_itself(code: types.CodeType) -> bool:
     """Whether the function may call itself (``self.encode(...)``, ``walk(...)``): then its
     first call is already a template call, so the root of the structure is a template
     instance too (one wavefront per structure, not one per child of the root)."""
-    return code.co_name in code.co_names
+    return _names(code, code.co_name)
+
+
+def _names(code: types.CodeType, name: str) -> bool:
+    # comprehensions and generator expressions are nested code objects in 3.11
+    return name in code.co_names or any(
+        isinstance(c, types.CodeType) and _names(c, name) for c in code.co_consts)
 
 
 def _looks_structural(bound: dict[str, Value]) -> bool:
@@ -73,9 +79,10 @@ def _family_call(tracer, code, globals_: dict, bound: dict[str, Value]) -> Value
     struct_nodes = tuple(_object_input(tracer, bound[params[i]]) for i in sorted(struct))
     ctx_nodes = tuple(_object_input(tracer, bound[params[i]]) for i in sorted(ctx))
     mapping = {i: bound[params[i]].source for i in ctx}
-    tensors = []
-    for source, value in zip(family.ctx_sources, family.ctx_values(L)):
-        tensors.append(tracer.wrap(value, rebase(source, mapping)).node)
+    tensors = []  # what this context's paths read (None: another context's tensor)
+    values = family.ctx_values(L, family.enabled_paths(L))
+    for source, value in zip(family.ctx_sources, values):
+        tensors.append(None if value is None else tracer.wrap(value, rebase(source, mapping)).node)
     node = tracer.graph.create_node("call_function", family.run,
                                     (struct_nodes, ctx_nodes, tuple(tensors)), {})
     node.meta["where"] = tracer.where()

@@ -9,7 +9,8 @@ out and WITH_EXCEPT_START calls it with the exception (see ``ops_exceptions``). 
   ``yield`` on entry, and on exit resumes after it, or has the exception thrown in at the
   ``yield`` (so its own ``try``/``finally``/``except`` run);
 * ``contextlib.suppress(...)`` and ``contextlib.nullcontext(...)``: modelled directly;
-* torch's grad-mode managers keep their own model (``grad_mode.py``).
+* torch's grad-mode managers keep their own model (``grad_mode.py``);
+* ``contextlib.ExitStack`` made in the call: ``exit_stack.py``.
 """
 from __future__ import annotations
 
@@ -182,3 +183,6 @@ def _advance(tracer, frame, throw: Value | None = None) -> bool:
     finally:
         tracer.frames.pop()
     return len(frame.yielded) > yielded
+
+
+from . import exit_stack  # noqa: E402,F401  (registers contextlib.ExitStack)

@@ -9,6 +9,7 @@ from ..exceptions import python_error
 from . import deque as deque_model, grad_mode, printing, stdlib_objects, training
 from ..speculation import untracked
 from ..values.deque import DequeV
+from .exit_stack import ExitStackV
 from ..operators import consume, contains, ensure_local, identical
 from ..tracer import FORBIDDEN_TENSOR_METHODS
 from ..values import (ConstV, DictV, DictViewV, GradModeV, IterV, ListV, ObjV, SetV, TensorV, TupleV,
@@ -42,6 +43,8 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
         return tracer.call_op("call_method", name, [self_v, *args], kwargs, name=name)
     if isinstance(self_v, DequeV):
         return deque_model.call_method(tracer, self_v, name, args, kwargs)
+    if isinstance(self_v, ExitStackV):
+        return self_v.method(tracer, name, args, kwargs)
     if isinstance(self_v, ListV):
         return _list_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, UntrackedContainerV):

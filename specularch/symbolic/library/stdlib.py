@@ -215,4 +215,4 @@ INSTANCE_CALLS = {operator.itemgetter: _call_itemgetter, operator.attrgetter: _c
 
 
 # deque / Counter / enum / dataclasses / lru_cache / methodcaller and more itertools
-from . import stdlib_iter, stdlib_objects  # noqa: E402,F401
+from . import stdlib_iter, stdlib_objects, warnings  # noqa: E402,F401

@@ -19,10 +19,11 @@
   constant; the real cached function is then called once, at capture, with those constants,
   and both answers must agree. So the result baked into the graph is what eager returns on
   every call the guards let through: the cache's entry if it still holds one (it was computed
-  from state the guards pin), a fresh computation otherwise. What differs from eager is only
-  the cache's bookkeeping on graph runs: ``cache_info()`` hits/misses do not grow and an
-  evicted or cleared entry is not re-added (the capture itself counts one lookup, as eager
-  would for that call). Non-constant arguments (the cache keys on them, by identity for
+  from state the guards pin), a fresh computation otherwise. The cache's bookkeeping is
+  eager's: the commit makes the lookup eager makes (``_CacheLookup``, in program order), so
+  ``cache_info()`` hits and misses grow, the LRU order moves and an evicted or cleared entry
+  is computed and stored again; the capture's own lookup stands for its call's. Non-constant
+  arguments (the cache keys on them, by identity for
   tensors), a helper with effects, a mutable or tensor result (eager hands back the very
   cached object each time), or disagreeing answers: the call runs eagerly.
 """
@@ -259,7 +260,27 @@ def _call_lru_cached(tracer, obj, args, kwargs, source=None) -> Value:
     if type(cached) is not type(fresh) or not (cached is fresh or cached == fresh):
         raise Unsupported("unsupported_call", f"{name} (lru_cache) holds a result that differs from a "
                           "fresh computation (it read state that has changed since)")
+    lookup = _CacheLookup(obj, tuple(a.value for a in args), {k: v.value for k, v in kwargs.items()})
+    tracer.heap.write_effect(lookup, [], tracer.where())
     return result
+
+
+class _CacheLookup:
+    """The lookup eager makes in each call, made again by each commit: the result is baked
+    into the graph, but ``cache_info()``, the LRU order and evictions follow the calls.
+
+    ``owed`` lookups are skipped: the capture looked the value up once (to compare it with a
+    fresh computation), which stands for the lookup of the call it captured."""
+
+    def __init__(self, cached, args: tuple, kwargs: dict):
+        self.cached, self.args, self.kwargs = cached, args, kwargs
+        self.owed = 1
+
+    def __call__(self) -> None:
+        if self.owed:
+            self.owed -= 1
+            return
+        self.cached(*self.args, **self.kwargs)
 
 
 INSTANCE_CALLS[functools._lru_cache_wrapper] = _call_lru_cached
