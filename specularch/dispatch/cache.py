@@ -91,7 +91,7 @@ def try_entry(state: CodeState, entry: GraphEntry, slots, cells, globals_, built
     raises, or whose assumption fails, leads to the original Python (nothing committed)."""
     try:
         result = entry.fn(slots, cells, globals_, builtins_)
-    except Exception as e:  # (the entry put the grad mode back: see entry.py)
+    except Exception as e:  # (the entry function put the grad mode back: see entry_function.py)
         replacement = misses.fx_instead(state, entry, e)  # a compiling backend failed
         if replacement is not None:
             return try_entry(state, replacement, slots, cells, globals_, builtins_, count_hit)
