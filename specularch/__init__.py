@@ -15,7 +15,7 @@ from .config import ConfigError, config
 from .explain import Explanation
 from .fx_lower import list_backends, register_backend
 from .records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError
-from .symbolic.registry import fallback_opcodes, unhandled_opcodes
+from .symbolic.ops.registry import fallback_opcodes, unhandled_opcodes
 
 __version__ = "0.1.0"
 

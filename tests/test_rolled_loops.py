@@ -79,7 +79,7 @@ def test_a_rolled_loop_runs_one_iteration_and_zero_raises_like_eager():
 
 def test_a_step_taking_a_batch_tuple_relaxes_the_sizes_inside_it_and_rolls():
     # the benchmark's step: `train_step(batch)` with batch = (tokens, targets)
-    from specularch.relax import NESTED_SIZES
+    from specularch.guards.relax import NESTED_SIZES
     torch.manual_seed(0)
     eager_model = lstm_lm.LSTMLM(30, 8, 1)
     opt_model = copy.deepcopy(eager_model)

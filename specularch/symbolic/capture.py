@@ -16,29 +16,32 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx
 
-from ..entry import is_random_node
+from ..fx_lower.randomness import is_random_node
 from ..fx_lower import _torch_fx_sources as fx_sources
 from ..guards import GuardSet
 from ..guards.sources import CellSource, Source
 from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
-from . import alias_guards, branch_merge, deferred, grad_mode, saved_versions, view_writes
+from . import alias_guards
+from .speculation import branch_merge, deferred, saved_versions, view_writes
+from .library import grad_mode
 from ._torch_dispatch import version_bumps
-from . import deque_model
+from .library import deque as deque_model
 from .assumptions import Assumptions
-from .deque_model import DequeV
+from .values.deque import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
-from .printing import StrV
-from .rolled_loops import LoopReport
-from .rolled_values import RollRefused
-from .stdlib_objects import counter_from_pairs
-from .symint import SymV
+from .library.printing import StrV
+from .speculation.rolled_loops import LoopReport
+from .values.rolled import RollRefused
+from .library.stdlib_objects import counter_from_pairs
+from .values.symint import SymV
 from .tracer import Tracer
-from .training import ScalarV, item_snapshot
-from .values import (CellV, Const, DictV, DictViewV, FreshObj, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
-                     UntrackedContainer, Value)
+from .library.training import item_snapshot
+from .values.scalar import ScalarV
+from .values import (CellV, ConstV, DictV, DictViewV, FreshObjV, ListV, NewObjV, ObjV, SetV, TensorV, TupleV,
+                     UntrackedContainerV, Value)
 
 
 # Failures that speculation itself decided on: their eager entries are meant to stay.
@@ -232,7 +235,7 @@ class SpecBuilder:
             return grad_mode.output_spec(v, self.out(v.node))
         if isinstance(v, StrV):  # a string formatted by the commit from the graph's values
             return v.spec(self.build)
-        if isinstance(v, Const):
+        if isinstance(v, ConstV):
             return rb.Constant(v.value)
         if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)
             return self.out(v.node)
@@ -240,12 +243,12 @@ class SpecBuilder:
             return deferred.spec(v, self.build)
         if isinstance(v, ScalarV):  # `t.item()`: read from the graph's output afterwards
             return rb.GraphItem(self.out(item_snapshot(v.node, v.read_after), as_value=False).index)
-        if isinstance(v, (ListV, DictV, UntrackedContainer)) and v.source is not None:
+        if isinstance(v, (ListV, DictV, UntrackedContainerV)) and v.source is not None:
             return rb.FromSource(v.source)
-        if isinstance(v, FreshObj):
+        if isinstance(v, FreshObjV):
             raise Unsupported("unsupported_call", f"a {type(v.obj).__name__} made in the call is "
                               "returned or stored: eager makes a new one on every call")
-        if isinstance(v, Obj):
+        if isinstance(v, ObjV):
             return rb.FromSource(v.source) if v.source is not None else rb.Pinned(v.obj)
         if isinstance(v, SetV):
             return rb.SetOf(frozenset(v.items))
@@ -286,7 +289,7 @@ class SpecBuilder:
         self._rebuilt.add(id(v))
         maker = counter_from_pairs if v.cls is collections.Counter else v.cls
         if v.cls is collections.defaultdict:
-            if v.factory is not None and not isinstance(v.factory, (Obj, Const)):
+            if v.factory is not None and not isinstance(v.factory, (ObjV, ConstV)):
                 raise Unsupported("unsupported_call", "a defaultdict whose default_factory was "
                                   "made in the call is returned or stored")
             maker = functools.partial(collections.defaultdict,
