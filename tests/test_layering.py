@@ -188,11 +188,7 @@ def package_of(module: str) -> str:
 
 
 # Known cycles across packages, each with its reason; the list may only shrink.
-CROSS_PACKAGE_CYCLES = {
-    frozenset({"specularch.symbolic", "specularch.templates"}):
-        "templates/ is reached from inline() and capture by function-level imports "
-        "(symbolic/calls.py, symbolic/capture.py) until it registers through a hook point",
-}
+CROSS_PACKAGE_CYCLES: dict = {}
 
 # Processing order, highest first; a module may import its own layer or lower ones only.
 LAYERS = [("frames",), ("dispatch", "eager_run", "entry_function", "templates"), ("symbolic",),
@@ -204,8 +200,6 @@ UPWARD_IMPORTS = {  # (importer package, imported package): why it is allowed
         "that registration",
     ("specularch.eager_run", "specularch.frames"):
         "the eager path registers with the trampolines the same way (frames.set_run_here)",
-    ("specularch.symbolic", "specularch.templates"): CROSS_PACKAGE_CYCLES[
-        frozenset({"specularch.symbolic", "specularch.templates"})],
 }
 
 

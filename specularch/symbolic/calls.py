@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..guards import DictKeysGuard, IdGuard, LenGuard, ValueGuard
 from ..guards.sources import AttrSource, ClosureSource, DerefSource, ItemSource
 from ..records import Unsupported
+from . import hooks
 from .bytecode import CO_VARARGS, CO_VARKEYWORDS
 from ._torch_dispatch import is_tensor_class
 from .exceptions import PyRaise, leaving_generator
@@ -324,9 +325,8 @@ def inline(tracer, code: types.CodeType, globals_: dict, args: list[Value], kwar
     from .frame import Frame
     from .bytecode import analyse
     bound = bind_arguments(code, args, kwargs, defaults, kwdefaults or {}, name)
-    if not frame_only:
-        from ..templates.callsite import recursive_call
-        templated = recursive_call(tracer, code, globals_, bound)
+    if not frame_only and hooks.recursion is not None:
+        templated = hooks.recursion(tracer, code, globals_, bound)
         if templated is not None:
             return templated
     cells = {n: c for n, c in zip(code.co_freevars, closure)}

@@ -23,7 +23,7 @@ from ..guards.sources import CellSource, Source
 from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
-from . import alias_guards
+from . import alias_guards, hooks
 from .speculation import branch_merge, deferred, saved_versions, view_writes
 from .library import grad_mode
 from ._torch_dispatch import version_bumps
@@ -147,9 +147,8 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
             e.value_dependent = True  # reached under a speculated tensor branch
         raise
     tracer.graph.output(tuple(specs.outputs))
-    if tracer.template_calls:
-        from ..templates.merge import merge_family_calls
-        merge_family_calls(tracer.graph)  # the trees of a batch: one wavefront
+    if tracer.template_calls and hooks.after_graph is not None:
+        hooks.after_graph(tracer)  # the trees of a batch: one wavefront (templates/merge.py)
     _eliminate_dead_code(tracer.graph)
     inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
     tracer.graph.lint()
