@@ -31,6 +31,9 @@ class Assumptions:
     keyed_dicts: frozenset = frozenset()
     # (id(code), offset of FOR_ITER) of loops that could not be rolled: unrolled
     unrolled_loops: frozenset = frozenset()
+    # rolled loops keep every op in their body, in eager's order (config.templates == "exact"):
+    # nothing is hoisted after the loop (rolled_hoist.py), so results are eager's bit for bit
+    exact_loops: bool = False
 
     def __post_init__(self) -> None:
         # Callers pass their live sets; the capture keeps a snapshot no later relaxation

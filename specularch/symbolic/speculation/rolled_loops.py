@@ -32,6 +32,7 @@ import torch.fx
 
 from ...fx_lower.randomness import is_random_node
 from ...records import Unsupported
+from . import rolled_hoist
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
 from ..values.symint import SymV, arithmetic, compare
@@ -57,13 +58,18 @@ class LoopReport:
     body_ops: int = 0
     carried: int = 0
     outputs: int = 0
+    hoisted: int = 0                     # body ops moved after the loop (rolled_hoist.py)
+    not_hoisted: str = ""                # why an appended value is computed in the body
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
 
     def __str__(self) -> str:
         if not self.rolled:
             return f"unrolled loop at {self.where}: {self.why}"
+        hoisted = (f", {self.hoisted} ops hoisted after the loop" if self.hoisted else
+                   f" (nothing hoisted: {self.not_hoisted})" if self.not_hoisted else "")
         return (f"rolled loop at {self.where}: body {self.body_ops} ops, {self.carried} carried, "
-                f"{self.outputs} stacked; trip counts of the last calls: {list(self.trips)}")
+                f"{self.outputs} stacked{hoisted}; trip counts of the last calls: "
+                f"{list(self.trips)}")
 
 
 class RolledLoop:
@@ -451,20 +457,34 @@ class _Roll:
         if len(self.heads) != len(self.entries):
             loop.refuse("two carried values share one graph node")
         self.invariants: list = []
+        appended = [t.node for _, _, t in match.appends]
+        self.hoist = rolled_hoist.plan(
+            self.body_nodes, index_node, [a.node for _, a, _ in self.entries] + [
+                pred for pred, _, _, _ in checks], appended, set(self.heads),
+            exact=self.tracer.assumptions.exact_loops)
+        self.kept = [n for n in self.body_nodes if n not in set(self.hoist.nodes)]
+        # erasing a node clears its args: what the copies after the loop are made from
+        self.hoisted_ops = [(n, n.op, n.target, *rolled_hoist.from_the_end(n))
+                            for n in self.hoist.nodes]
+        # what the body returns per iteration: appended values computed in it, then the
+        # values hoisted ops read
+        self.per_iteration = [a for a in appended if a not in self.hoist.appended]
+        self.per_iteration += self.hoist.boundaries
 
     def apply(self) -> None:
         body, outputs = self._body()
         n = self.loop.n
         compare(self.tracer, operator.ge, n, ConstV(1))  # iteration 0 is in the graph
-        report = LoopReport(self.loop.where, True, site=self.loop.site, body_ops=len(self.body_nodes),
-                            carried=len(self.entries), outputs=len(self.match.appends))
+        report = LoopReport(self.loop.where, True, site=self.loop.site, body_ops=len(self.kept),
+                            carried=len(self.entries), outputs=len(self.match.appends),
+                            hoisted=len(self.hoist.nodes), not_hoisted=self.hoist.why_not)
         for node in reversed(self.body_nodes):
             if any(user not in self.in_body for user in node.users):
                 self.loop.refuse("a value of the body is used after the loop other than "
                                  "through the loop's variables")
             self.graph.erase_node(node)
         self.graph.erase_node(self.index_node)
-        target = RolledLoop(body, len(self.entries), len(self.match.appends),
+        target = RolledLoop(body, len(self.entries), len(self.per_iteration),
                             tuple(expected for _, expected, _, _ in self.checks), report)
         node = self.graph.call_function(target, (n.node, tuple(h.node for h, _, _ in self.entries),
                                                  tuple(self.invariants)))
@@ -495,14 +515,14 @@ class _Roll:
         graph = torch.fx.Graph()
         env = {self.index_node: graph.placeholder("t")}
         self._carried_inputs = [graph.placeholder(f"carried_{k}") for k in range(len(self.entries))]
-        for node in self.body_nodes:
+        for node in self.body_nodes:  # hoisted ones too: their invariants stay inputs
             for arg in node.all_input_nodes:
                 if arg not in self.in_body:
                     self._input(arg, env, graph)
         # invariants are placeholders too: they must come after the carried ones
-        for node in self.body_nodes:
+        for node in self.kept:
             env[node] = graph.node_copy(node, lambda x: env[x])
-        results = [a.node for _, a, _ in self.entries] + [t.node for _, _, t in self.match.appends]
+        results = [a.node for _, a, _ in self.entries] + self.per_iteration
         results += [pred for pred, _, _, _ in self.checks]
         outputs = [self._input(r, env, graph) if r not in env else env[r] for r in results]
         graph.output(tuple(outputs))
@@ -523,13 +543,39 @@ class _Roll:
         last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
         for holder, key in self.match.index_slots:
             _set_slot(holder, key, last)
-        for j, (lst, head_items, appended) in enumerate(self.match.appends):
-            tail = self.graph.call_function(operator.getitem, (node, len(self.entries) + j))
+        stacked = self._hoisted(node)
+        for lst, head_items, appended in self.match.appends:
             head_nodes = [_fx(v) for v in head_items]
-            joined = self.graph.call_function(_join, (head_nodes, tail))
+            if appended.node in stacked:
+                joined = self.graph.call_function(rolled_hoist.join_stacked,
+                                                  (head_nodes, stacked[appended.node]))
+            else:
+                j = self.per_iteration.index(appended.node)
+                tail = self.graph.call_function(operator.getitem, (node, len(self.entries) + j))
+                joined = self.graph.call_function(_join, (head_nodes, tail))
             length = arithmetic(self.tracer, operator.add, last, ConstV(len(head_items)))
             examples = [v.concrete() for v in head_items] + [appended.example] * (self.loop.n.value - 1)
             become_rolled(lst, RolledListV(joined, examples, length, self.loop.where))
+
+
+    def _hoisted(self, node: torch.fx.Node) -> dict:
+        """The hoisted ops, once after the loop on the stacked per-iteration values they
+        read; appended node -> its values of iterations 1 .. n-1 stacked."""
+        if not self.hoist:
+            return {}
+        k = len(self.entries)
+        lists = tuple(self.graph.call_function(operator.getitem, (node, k + self.per_iteration.index(b)))
+                      for b in self.hoist.boundaries)
+        tail, invariants = rolled_hoist.tail(self.hoisted_ops, self.hoist)
+        call = self.graph.call_function(tail, (lists, tuple(invariants)))
+        call.meta["where"] = self.loop.where
+        stacked = {}
+        for i, appended in enumerate(tail.appended):
+            stacked[appended] = self.graph.call_function(operator.getitem, (call, i))
+            example = appended.meta["example"]
+            stacked[appended].meta["example"] = example.unsqueeze(0).expand(
+                self.loop.n.value - 1, *example.shape)
+        return stacked
 
 
 def _fx(v: Value):
