@@ -70,20 +70,17 @@ def plan(body_nodes: list, index_node, needed: list, appended: list, carried_hea
         return HoistPlan(why_not="templates='exact' keeps the body in eager's order")
     in_body = set(body_nodes)
     row = set(in_body) | set(carried_heads)
-    movable, why_not = set(), ""
-    for node in body_nodes:
-        why = _why_not_row_wise(node, row, index_node)
-        if why is None:
-            movable.add(node)
-        elif not why_not:
-            why_not = f"{_name(node)}: {why}"
-    kept = _ancestors([n for n in needed if n in in_body], in_body)
-    kept |= _ancestors([n for n in body_nodes if n not in movable], in_body)
+    why = {node: _why_not_row_wise(node, row, index_node) for node in body_nodes}
+    carried = _ancestors([n for n in needed if n in in_body], in_body)
     feeding = _ancestors([n for n in appended if n in in_body], in_body)
-    nodes = [n for n in body_nodes if n in feeding and n not in kept]
+    # a node that stays needs what it reads in the body too
+    kept = _ancestors([n for n in body_nodes if n in carried or n not in feeding
+                       or why[n] is not None], in_body)
+    nodes = [n for n in body_nodes if n not in kept]
     moved = set(nodes)
-    if any(u not in moved and u in in_body for n in nodes for u in n.users):
-        return HoistPlan(why_not="a hoistable value is read by the body")  # kept closes this
+    stays = [n for n in body_nodes if n in feeding and n not in carried and why[n] is not None]
+    why_not = f"{_name(stays[-1])}: {why[stays[-1]]}" if stays else \
+        "what is appended feeds the values carried to the next iteration"
     boundaries = []
     for node in nodes:
         for arg in node.all_input_nodes:
