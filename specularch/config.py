@@ -177,10 +177,12 @@ OPTIONS: dict[str, Option] = {
                "SPECULARCH_INLINE_DEPTH", POSITIVE_INT),
         Option("max_instructions", 200_000, "Bytecode instructions one capture may execute "
                "symbolically (bounds unrolled loops).", "SPECULARCH_MAX_INSTRUCTIONS", POSITIVE_INT),
-        Option("templates", "batched", "Recursion captured once per path and run on new "
-               "structures: 'batched' (instances of one path run together by wavefront; equal to "
-               "eager within float rounding), 'exact' (one by one; bit-identical), 'off' (unroll "
-               "each structure into its own graph).", "SPECULARCH_TEMPLATES", TEMPLATES),
+        Option("templates", "batched", "Recursion templates and rolled loops: 'batched' "
+               "(instances of one recursion path run together by wavefront, and what a rolled "
+               "loop's body computes only for the values it appends runs once after the loop on "
+               "all iterations; equal to eager within float rounding), 'exact' (templates and "
+               "rolled loops in eager's exact order; bit-identical), 'off' (unroll each "
+               "recursive structure into its own graph).", "SPECULARCH_TEMPLATES", TEMPLATES),
         Option("strict", False, "Raise SpecularchStrictError instead of falling back to eager "
                "or recompiling (for CI).", "SPECULARCH_STRICT", FLAG),
         Option("enabled", False, "Optimize the program globally (the frames the policy picks; "

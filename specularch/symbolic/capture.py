@@ -33,6 +33,7 @@ from .values.deque import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
 from .library.printing import StrV
+from .speculation.rolled_hoist import stack_whole
 from .speculation.rolled_loops import LoopReport
 from .values.rolled import RollRefused
 from .library.stdlib_objects import counter_from_pairs
@@ -149,6 +150,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     tracer.graph.output(tuple(specs.outputs))
     if tracer.template_calls and hooks.after_graph is not None:
         hooks.after_graph(tracer)  # the trees of a batch: one wavefront (templates/merge.py)
+    stack_whole(tracer.graph)  # a list a hoisted rolled loop appended to, stacked
     _eliminate_dead_code(tracer.graph)
     inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
     tracer.graph.lint()

@@ -265,3 +265,27 @@ def join_stacked(head: list, stacked: torch.Tensor | None) -> list:
     """The list a hoisted loop appended to: its items before the rolled iterations, then one
     item per row of what the hoisted ops computed for all iterations at once."""
     return [*head, *stacked.unbind(0)] if stacked is not None else list(head)
+
+
+def stack_joined(head: list, stacked: torch.Tensor | None) -> torch.Tensor:
+    """``torch.stack(join_stacked(head, stacked))`` without splitting the rows that were
+    computed together and copying them back: the same values, one copy fewer each way."""
+    if stacked is None:
+        return torch.stack(head)
+    return torch.cat([torch.stack(head), stacked]) if head else stacked
+
+
+def stack_whole(graph: torch.fx.Graph) -> None:
+    """Rewrite ``torch.stack(join_stacked(head, rows))`` (dim 0, the list used nowhere else)
+    into ``stack_joined(head, rows)``."""
+    for node in list(graph.nodes):
+        joined = node.args[0] if node.target is torch.stack and len(node.args) == 1 else None
+        if not isinstance(joined, torch.fx.Node) or joined.target is not join_stacked \
+                or node.kwargs.get("dim", 0) or len(joined.users) != 1:
+            continue
+        with graph.inserting_before(node):
+            whole = graph.call_function(stack_joined, joined.args)
+        whole.meta = dict(node.meta)
+        node.replace_all_uses_with(whole)
+        graph.erase_node(node)
+        graph.erase_node(joined)
