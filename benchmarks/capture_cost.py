@@ -4,7 +4,8 @@ stack of N ``nn.TransformerEncoderLayer(64, 4, 128)`` with Adam, for several N.
     python benchmarks/capture_cost.py [--layers 12,24,48] [--repeat 1] [--profile N]
 
 Per N: capture seconds and the backend's "compile" seconds (from ``explain()``), the whole
-first call, the graph's lines of code and its guards; then the ratio of the largest N to the
+first call (wall and this process's CPU seconds: on a loaded machine the CPU time is the
+steadier number), the graph's lines of code and its guards; then the ratio of the largest N to the
 smallest. Linear cost means the ratio is about the ratio of the sizes (4 for 48/12).
 ``torch.set_num_threads(1)``, ``profile_calls=0`` (the first call captures), a fresh model and
 ``specularch.reset()`` per measurement; with ``--repeat`` the medians. ``--profile N`` runs
@@ -52,16 +53,16 @@ def measure(layers: int) -> dict:
     step, x = make_step(layers)
     optimized = specularch.optimize(step)
     with config.patch(profile_calls=0):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         optimized(x)
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu
     report = specularch.explain(optimized)
     if len(report.graphs) != 1 or report.fallbacks:
         print(report, file=sys.stderr)
         raise SystemExit(f"N={layers}: expected one graph and no fallback")
     graph = report.graphs[0]
     return {"N": layers, "capture": graph.capture_seconds, "compile": graph.compile_seconds,
-            "total": total, "lines": len(graph.code.splitlines()), "guards": len(graph.guards)}
+            "total": total, "cpu": cpu, "lines": len(graph.code.splitlines()), "guards": len(graph.guards)}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -70,17 +71,17 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'N':>4} {'capture s':>10} {'compile s':>10} {'total s':>9} {'graph lines':>12} "
+    print(f"{'N':>4} {'capture s':>10} {'compile s':>10} {'total s':>9} {'cpu s':>7} {'graph lines':>12} "
           f"{'guards':>7}")
     for r in rows:
-        print(f"{r['N']:>4} {r['capture']:>10.2f} {r['compile']:>10.2f} {r['total']:>9.2f} "
+        print(f"{r['N']:>4} {r['capture']:>10.2f} {r['compile']:>10.2f} {r['total']:>9.2f} {r['cpu']:>7.2f} "
               f"{r['lines']:>12} {r['guards']:>7}")
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         print(f"ratio N={last['N']}/N={first['N']} (sizes x{last['N'] / first['N']:.0f}): "
               f"capture {last['capture'] / first['capture']:.2f}x, "
               f"compile {last['compile'] / first['compile']:.2f}x, "
-              f"total {last['total'] / first['total']:.2f}x")
+              f"total {last['total'] / first['total']:.2f}x, cpu {last['cpu'] / first['cpu']:.2f}x")
 
 
 def profile(layers: int, top: int = 35) -> None:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     sizes = [int(n) for n in args.layers.split(",")]
     runs: dict[int, list[dict]] = {n: [] for n in sizes}
+    measure(1)  # imports and first-use set-up, which would otherwise count for the first size
     for round_ in range(args.repeat):
         for n in sizes:  # sizes interleaved per round: a load change hits every size alike
             row = measure(n)

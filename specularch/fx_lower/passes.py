@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import heapq
 import operator
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx
@@ -83,32 +85,47 @@ def fold_clones(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out-of-place op gives, on meta tensors, the clone's dtype, shape and strides. Graphs with
     dynamic sizes are left alone (strides checked at one shape need not hold at another).
     Returns a new GraphModule (the input is not changed) sharing ``gm``'s attributes."""
-    def fold(graph: torch.fx.Graph) -> int:
-        # The output node reads most updated tensors: replacing its inputs one alias at a
-        # time rewrites its (program-sized) argument tuple per alias, so it is done once.
-        renamed: dict = {}
-        count = sum(_fold_chain(graph, node, renamed) for node in list(graph.nodes)
-                    if node.op == "call_method" and node.target == "clone")
-        if renamed:
-            output = next(iter(reversed(graph.nodes)))
-            output.args = torch.fx.node.map_arg(output.args, lambda n: renamed.get(n, n))
-            for alias in reversed(renamed):
-                graph.erase_node(alias)
-        return count
-    return rewritten_copy(gm, fold, "specularch.fx_lower.passes.fold_clones", "folded_clones")
+    return rewritten_copy(gm, FOLD_CLONES)
 
 
-def rewritten_copy(gm: torch.fx.GraphModule, rewrite, constructed_by: str,
-                   count_key: str) -> torch.fx.GraphModule:
+def _fold(graph: torch.fx.Graph) -> int:
+    # The output node reads most updated tensors: replacing its inputs one alias at a
+    # time rewrites its (program-sized) argument tuple per alias, so it is done once.
+    renamed: dict = {}
+    count = sum(_fold_chain(graph, node, renamed) for node in list(graph.nodes)
+                if node.op == "call_method" and node.target == "clone")
+    if renamed:
+        output = next(iter(reversed(graph.nodes)))
+        output.args = torch.fx.node.map_arg(output.args, lambda n: renamed.get(n, n))
+        for alias in reversed(renamed):
+            graph.erase_node(alias)
+    return count
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A graph rewrite run by ``rewritten_copy``: ``run(graph) -> how many rewrites`` changes
+    the graph in place; ``constructed_by`` names the pass, ``count_key`` the ``meta`` entry
+    that gets the count."""
+    run: Callable[[torch.fx.Graph], int]
+    constructed_by: str
+    count_key: str
+
+
+FOLD_CLONES = Rewrite(_fold, "specularch.fx_lower.passes.fold_clones", "folded_clones")
+
+
+def rewritten_copy(gm: torch.fx.GraphModule, *rewrites: Rewrite) -> torch.fx.GraphModule:
     """A new GraphModule sharing ``gm``'s attributes, over a copy of its graph changed by
-    ``rewrite(graph) -> how many rewrites`` (graphs with dynamic sizes are left as they are);
-    ``meta`` says which pass made it and ``meta[count_key]`` how many rewrites it did."""
+    each rewrite in turn (graphs with dynamic sizes are left as they are); ``meta`` says
+    which pass made it (the last one) and each pass's count. Several rewrites share one
+    copy of the graph and one generation of its code: both cost the graph's size."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    count = 0 if gm.meta.get("dynamic_dims") else rewrite(graph)
+    counts = {r.count_key: 0 if gm.meta.get("dynamic_dims") else r.run(graph) for r in rewrites}
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta = dict(gm.meta, constructed_by=constructed_by, **{count_key: count})
-    if count:
+    new.meta = dict(gm.meta, constructed_by=rewrites[-1].constructed_by, **counts)
+    if any(counts.values()):
         graph.lint()
     return new
 
