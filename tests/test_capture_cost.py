@@ -10,6 +10,7 @@ The output node's inputs are replaced in C (``Node._replace_input_with``), one c
 but costing the output's whole argument list: each such call counts as many units as the
 node has inputs."""
 import copy
+import os
 import sys
 
 import pytest
@@ -126,3 +127,27 @@ def test_fx_backend_passes_do_linear_work(output_rewrites_weighted):
     large = _fx_compile_work(64, output_rewrites_weighted)
     ratio = large / small
     assert ratio < 5, f"4x the layers cost {ratio:.1f}x the work ({large} vs {small} calls)"
+
+
+def _unsupported_step(x):
+    return x + os.getpid() % 7  # a call capture refuses: the call falls back
+
+
+@pytest.mark.parametrize("fn", [_unsupported_step, lambda x: x * 2 + 1], ids=["fallback", "graph"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_capture_leaves_garbage_collection_as_it_found_it(fn, enabled):
+    """Capture and the `fx` backend pause automatic collection (``dispatch/misses.py``
+    ``gc_paused``): afterwards it is on again, also when capture fell back, and stays off
+    for a program that turned it off."""
+    import gc
+    specularch.reset()
+    fast, x = specularch.optimize(fn), torch.randn(3)
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with config.patch(profile_calls=0):
+            assert torch.equal(fast(x), fn(x))
+        assert gc.isenabled() is enabled
+        assert len(specularch.explain(fast).fallbacks) == (fn is _unsupported_step)
+    finally:
+        gc.enable() if was else gc.disable()
