@@ -18,7 +18,7 @@ from ..config import config
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ..symbolic.inputs import placeholder
-from ..symbolic.values import Const, DictV, ListV, Obj, TensorV, TupleV, Value
+from ..symbolic.values import ConstV, DictV, ListV, ObjV, TensorV, TupleV, Value
 from .family import TemplateMiss, family_for
 from .paths import check_signature
 
@@ -63,7 +63,7 @@ def _names(code: types.CodeType, name: str) -> bool:
 def _looks_structural(bound: dict[str, Value]) -> bool:
     values = list(bound.values())
     return not any(isinstance(v, TensorV) for v in values) and any(
-        (isinstance(v, Obj) and not isinstance(v.obj, _CONTEXT_TYPES)) or isinstance(v, TupleV)
+        (isinstance(v, ObjV) and not isinstance(v.obj, _CONTEXT_TYPES)) or isinstance(v, TupleV)
         for v in values if getattr(v, "source", None) is not None)
 
 
@@ -100,9 +100,9 @@ def _classify(tracer, code, params, bound) -> tuple[list[int], list[int]]:
         if getattr(value, "source", None) is None:
             raise Unsupported("unsupported_call", f"{code.co_qualname} recurses on `{name}` "
                               "computed in the call (templates recurse on parts of arguments)")
-        if isinstance(value, Obj) and isinstance(value.obj, _CONTEXT_TYPES):
+        if isinstance(value, ObjV) and isinstance(value.obj, _CONTEXT_TYPES):
             ctx.append(i)
-        elif isinstance(value, (Obj, TupleV)) or (isinstance(value, Const) and value.value is None):
+        elif isinstance(value, (ObjV, TupleV)) or (isinstance(value, ConstV) and value.value is None):
             struct.append(i)
         elif isinstance(value, (ListV, DictV)) and not tracer.heap.pending():
             struct.append(i)
@@ -116,9 +116,9 @@ def _classify(tracer, code, params, bound) -> tuple[list[int], list[int]]:
 
 
 def _real(value: Value):
-    if isinstance(value, Obj):
+    if isinstance(value, ObjV):
         return value.obj
-    if isinstance(value, Const):
+    if isinstance(value, ConstV):
         return value.value
     return value.concrete()  # a tuple/list/dict rebuilt around the same leaf objects
 

@@ -213,14 +213,20 @@ class Family:
         return L
 
 
+def ctx_tensor(ctx: tuple, index: int):
+    """Context tensor ``index`` as the graph passed it; a path captured after the graph (or
+    another context's path) may read one it did not pass: the call then runs eagerly."""
+    value = ctx[index] if index < len(ctx) else None
+    if value is None:
+        raise TemplateMiss("a template path reads a context tensor the graph did not pass")
+    return value
+
+
 def _arguments(path: Path, ctx: tuple, nodes: tuple, kids: list, outs: list) -> list:
     args = []
     for inp in path.inputs:
         if inp.kind == "ctx":
-            value = ctx[inp.index] if inp.index < len(ctx) else None
-            if value is None:
-                raise TemplateMiss("a template path reads a context tensor the graph did not pass")
-            args.append(value)
+            args.append(ctx_tensor(ctx, inp.index))
         elif inp.kind == "node":
             args.append(nodes[inp.index])
         else:

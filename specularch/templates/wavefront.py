@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .family import Plan, TemplateMiss, _arguments
+from .family import Plan, _arguments, ctx_tensor
 from .rowwise import batched_form
 
 
@@ -118,10 +118,7 @@ def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Stor
     args = []
     for position, inp in enumerate(path.inputs):
         if inp.kind == "ctx":
-            value = ctx[inp.index] if inp.index < len(ctx) else None
-            if value is None:
-                raise TemplateMiss("a template path reads a context tensor the graph did not pass")
-            args.append(value)
+            args.append(ctx_tensor(ctx, inp.index))
         elif inp.kind == "node":
             values = [plan.nodes[i][inp.index] for i in instances]
             if position in form.number_dtypes:
