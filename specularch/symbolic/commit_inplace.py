@@ -44,19 +44,30 @@ _LITERALS = (int, float, bool, type(None))
 
 
 def replay_updates(tracer, specs, writes: list, spec: rb.Rebuild, assertions: list) -> list:
-    """``writes`` with every tensor update the commit can run in place as a ``ReplayTensor``;
+    """``writes`` with every tensor update the commit can run in place turned into
+    ``ReplayTensor`` records (one per op, in graph order, where the first such update was);
     the graph (not yet given its output node) loses those copies and their ops, and
     ``specs.outputs`` gains their operands."""
     updates = [w for w in writes if isinstance(w, UpdateTensor)]
     if not updates:
         return writes
     graph = Graph(tracer, specs, spec, writes, assertions)
-    replaced = {}
-    for w in updates:
-        replay = graph.replay(w)
-        if replay is not None:
-            replaced[id(w)] = replay
-    return [replaced.get(id(w), w) for w in writes]
+    chosen = graph.choose(updates)
+    if not chosen:
+        return writes
+    replays = graph.lower(chosen)
+    gone = {id(u.write) for u in chosen}
+    first = min(i for i, w in enumerate(writes) if id(w) in gone)
+    kept = [w for w in writes if id(w) not in gone]
+    return kept[:first] + replays + kept[first:]
+
+
+class _Update:
+    """One candidate: the copy (``clone``) and the in-place ops on it, in graph order."""
+
+    def __init__(self, write: UpdateTensor, clone: torch.fx.Node, chain: list):
+        self.write, self.clone, self.chain = write, clone, chain
+        self.aliases = {clone, *chain}  # nodes whose value is the copy's tensor
 
 
 class Graph:
@@ -79,38 +90,69 @@ class Graph:
                 else:
                     self.last_unknown = i
         self.numbers: dict = {}
-        self.read: set = set()  # nodes a replay reads: they stay in the graph as they are
 
-    def operand(self, node: torch.fx.Node) -> rb.GraphOutput:
-        """``node`` as a graph output a replay reads: counted as a use of that output, so the
-        update it may be the value of stays a copy the graph makes."""
-        self.read.add(node)
-        out = self.specs.out(node, as_value=False)
-        self.uses[out.index] = self.uses.get(out.index, 0) + 1
-        return out
+    def choose(self, updates: list) -> list:
+        """The updates the commit replays. One may read another's value (a momentum buffer
+        read by its parameter's update): the commit runs every replayed op in graph order, so
+        the real tensor holds then what the copy held. An update is dropped while a node the
+        commit does not replay reads its value; dropping one can drop others (fixpoint)."""
+        candidates = {}
+        for w in updates:
+            u = self._candidate(w)
+            if u is not None:
+                candidates[u.clone] = u
+        while True:
+            replayed = {op for u in candidates.values() for op in u.chain}
+            aliases = {a: u for u in candidates.values() for a in u.aliases}
+            dropped = [c for c, u in candidates.items() if not self._ok(u, replayed, aliases)]
+            if not dropped:
+                return list(candidates.values())
+            for c in dropped:
+                del candidates[c]
 
-    def replay(self, w: UpdateTensor) -> ReplayTensor | None:
-        specs = self.specs
-        clone = specs.outputs[w.value.index]
-        chain = _chain(clone, self.uses.get(w.value.index, 0), self.order)
-        if chain is None or w.bumps < len(chain) or any(n in self.read for n in [clone, *chain]):
+    def _candidate(self, w: UpdateTensor) -> _Update | None:
+        clone = self.specs.outputs[w.value.index]
+        source = clone.args[0] if clone.op == "call_method" and clone.target == "clone" and \
+            len(clone.args) == 1 and not clone.kwargs else None
+        if self.uses.get(w.value.index, 0) != 1 or not isinstance(source, torch.fx.Node) or \
+                source.op != "placeholder" or not isinstance(source.meta.get("example"), torch.Tensor):
             return None
-        operands = [a for op in chain for a in op.all_input_nodes if a is not clone]
-        if any(not self._stable(a, self.order[chain[-1]]) for a in operands
-               if isinstance(a.meta.get("example"), torch.Tensor)):
+        aliases, chain = {clone}, []
+        # the in-place ops on the copy (`x = buf.mul_(m); x.add_(g)`: the second on the first's
+        # result), found in graph order from the clone on
+        pending = sorted(clone.users, key=self.order.__getitem__)
+        while pending:
+            op = pending.pop(0)
+            if op in aliases or not (op.op == "call_method" and op.args and op.args[0] in aliases):
+                continue
+            example = op.meta.get("example")
+            if not _replayable(op.target, source.meta["example"]) or \
+                    not isinstance(example, torch.Tensor) or example.requires_grad:
+                return None
+            aliases.add(op)
+            chain.append(op)
+            pending = sorted({*pending, *op.users}, key=self.order.__getitem__)
+        if not chain or w.bumps < len(chain):
             return None
-        try:
-            ops = tuple(_lower_op(op, clone, w.target, self) for op in chain)
-        except _Keep:
-            return None
-        for op in reversed(chain):
-            op.graph.erase_node(op)
-        # The slot keeps its number (rebuild records refer to outputs by position): it passes
-        # the input through, which costs nothing and is not read.
-        specs.outputs[w.value.index] = clone.args[0]
-        specs.as_values.discard(w.value.index)
-        clone.graph.erase_node(clone)
-        return ReplayTensor(w.target, ops, w.bumps - len(chain), w.where)
+        return _Update(w, clone, chain)
+
+    def _ok(self, u: _Update, replayed: set, aliases: dict) -> bool:
+        """Every reader of the copy is a replayed op; every operand is a replayed tensor, a
+        number the entry can compute, or a tensor whose value the commit still reads."""
+        if any(r not in replayed for a in u.aliases for r in a.users):
+            return False
+        last = self.order[u.chain[-1]]
+        for op in u.chain:
+            for a in [*op.args[1:], *op.kwargs.values()]:
+                if isinstance(a, torch.fx.Node) and a not in aliases:
+                    if isinstance(a.meta.get("example"), torch.Tensor):
+                        if not self._stable(a, last):
+                            return False
+                    elif not _number_ok(a, self.sources):
+                        return False
+                elif not isinstance(a, torch.fx.Node) and not _literal(a):
+                    return False
+        return True
 
     def _stable(self, node: torch.fx.Node, last: int) -> bool:
         """Whether the commit reads in ``node`` what the op read: memory no deferred write
@@ -119,45 +161,56 @@ class Graph:
         return key not in self.written and self.last_write.get(key, -1) < last and \
             self.last_unknown < last
 
-
-def _chain(clone: torch.fx.Node, output_uses: int, order: dict) -> list | None:
-    """The in-place ops on the copy, in graph order, when they are all it is used for."""
-    source = clone.args[0] if clone.op == "call_method" and clone.target == "clone" and \
-        len(clone.args) == 1 and not clone.kwargs else None
-    if output_uses != 1 or not isinstance(source, torch.fx.Node) or source.op != "placeholder" \
-            or not isinstance(source.meta.get("example"), torch.Tensor):
-        return None
-    chain = sorted(clone.users, key=order.__getitem__)
-    for op in chain:
-        example = op.meta.get("example")
-        if op.op != "call_method" or not op.args or op.args[0] is not clone or op.users or \
-                not _replayable(op.target, source.meta["example"]) or \
-                not isinstance(example, torch.Tensor) or example.requires_grad:
-            return None
-    return chain or None
+    def lower(self, chosen: list) -> list:
+        """The replay records, one per op in graph order; the graph without the copies."""
+        targets = {a: u.write.target for u in chosen for a in u.aliases}
+        ops = sorted((op for u in chosen for op in u.chain), key=self.order.__getitem__)
+        owner = {op: u for u in chosen for op in u.chain}
+        records = []
+        for op in ops:
+            u = owner[op]
+            extra = u.write.bumps - len(u.chain) if op is u.chain[-1] else 0
+            records.append(ReplayTensor(u.write.target, (_lower_op(op, targets, self),), extra,
+                                        u.write.where))
+        for op in reversed(ops):
+            op.graph.erase_node(op)
+        for u in chosen:
+            # The slot keeps its number (rebuild records refer to outputs by position): it
+            # passes the input through, which costs nothing and is not read.
+            self.specs.outputs[u.write.value.index] = u.clone.args[0]
+            self.specs.as_values.discard(u.write.value.index)
+            u.clone.graph.erase_node(u.clone)
+        return records
 
 
 def _replayable(method: str, target: torch.Tensor) -> bool:
     return method in _REPLAYABLE or (method in _FLOAT_ONLY and target.dtype.is_floating_point)
 
 
-class _Keep(Exception):
-    """An operand the commit cannot read: the write stays functional."""
-
-
-def _lower_op(op: torch.fx.Node, clone: torch.fx.Node, target: rb.Rebuild, graph: Graph) -> tuple:
+def _lower_op(op: torch.fx.Node, targets: dict, graph: Graph) -> tuple:
     def arg(a):
-        if a is clone:
-            return target  # `p.mul_(p)`: the tensor as the ops before left it, as in eager
         if isinstance(a, torch.fx.Node):
+            if a in targets:  # a replayed tensor, as the ops before this one left it
+                return targets[a]
             if isinstance(a.meta.get("example"), torch.Tensor):
-                return graph.operand(a)
+                return graph.specs.out(a, as_value=False)
             return _number(a, graph.sources, graph.numbers)
-        if isinstance(a, _LITERALS) or isinstance(a, (torch.dtype, torch.memory_format)):
-            return rb.Constant(a)
-        raise _Keep
+        return rb.Constant(a)
     return (op.target, tuple(arg(a) for a in op.args[1:]),
             tuple((k, arg(v)) for k, v in op.kwargs.items()))
+
+
+def _literal(a) -> bool:
+    return isinstance(a, _LITERALS) or isinstance(a, (torch.dtype, torch.memory_format))
+
+
+def _number_ok(node: torch.fx.Node, sources: dict) -> bool:
+    """Whether ``_number`` can compute ``node`` in the entry."""
+    if node.op == "placeholder":
+        return type(node.meta.get("example")) in (int, float) and node in sources
+    return node.op == "call_function" and node.target in _NUMBER_OPS and not node.kwargs and \
+        all(_number_ok(a, sources) if isinstance(a, torch.fx.Node) else type(a) in (int, float)
+            for a in node.args)
 
 
 def _number(node: torch.fx.Node, sources: dict, numbers: dict) -> rb.Rebuild:
@@ -172,21 +225,15 @@ def _number(node: torch.fx.Node, sources: dict, numbers: dict) -> rb.Rebuild:
         node.meta["read_by_commit"] = True  # stays a graph input: explain() lists it
     elif node.op == "call_function" and node.target in _NUMBER_OPS and not node.kwargs:
         args = tuple(_number(a, sources, numbers) if isinstance(a, torch.fx.Node)
-                     else _literal_number(a) for a in node.args)
+                     else rb.Constant(a) for a in node.args)
         key = (node.target, tuple(_key(a) for a in args))
         if key not in numbers:  # uids of deferred.py's numbers are ids: positive
             numbers[key] = rb.Number(node.target, args, -1 - len(numbers))
         record = numbers[key]
     else:
-        raise _Keep
+        raise ValueError(f"{node} is not a number the entry computes (see _number_ok)")
     numbers[("node", node)] = record
     return record
-
-
-def _literal_number(a) -> rb.Constant:
-    if type(a) not in (int, float):
-        raise _Keep
-    return rb.Constant(a)
 
 
 def _key(record: rb.Rebuild):
