@@ -67,7 +67,7 @@ def test_adam_step_runs_without_clones_and_matches_eager_bit_for_bit():
     assert gm.meta["folded_clones"] == 4
     assert ".clone()" not in gm.code and ".lerp_(" not in gm.code and ".addcdiv_(" not in gm.code
     source = _state_of(fast).entries[0].entry_source
-    assert "FOREACH_COPY_ALL(" in source and source.count(".addcdiv_(") == 4 and source.count(".lerp_(") == 4
+    assert "FOREACH_COPY_ALL(" in source and "FOREACH_ADDCDIV_(" in source and "FOREACH_LERP_(" in source
     assert _state_of(fast).stats.graph_hits == 4  # 3 profiled calls, 1 capture
 
 

@@ -15,6 +15,7 @@ import torch
 from ..fx_lower._torch_foreach import foreach_copy_
 from ..guards.guard import const_name
 from .rebuild import Rebuild
+from .replay import NAMESPACE as _FOREACH_NAMESPACE, replay_lines
 from .writes import ReplayTensor, UpdateTensor, Write
 
 _TENSOR_WRITES = (UpdateTensor, ReplayTensor)
@@ -77,26 +78,7 @@ def tensor_commit(render: Renderer, writes: list, plain: bool) -> list[str]:
     (``symbolic/commit_inplace.py``)."""
     copies = [w for w in writes if isinstance(w, UpdateTensor)]
     replays = [w for w in writes if isinstance(w, ReplayTensor)]
-    return (_copy_lines(render, copies, plain) if copies else []) + _replay_lines(render, replays)
-
-
-def _replay_lines(render: Renderer, writes: list[ReplayTensor]) -> list[str]:
-    """``p.add_(R[3], alpha=n0)`` per op, under no_grad as eager's optimizer runs them (the
-    results need no autograd: checked at capture), on one line so the entry's indentation of
-    commit lines holds."""
-    if not writes:
-        return []
-    calls, extra = [], []
-    for w in writes:
-        target = render.expr(w.target)
-        for method, args, kwargs in w.ops:
-            operands = [render.expr(a) for a in args] + [f"{k}={render.expr(v)}" for k, v in kwargs]
-            calls.append(f"{target}.{method}({', '.join(operands)})")
-        extra += [target] * w.bumps
-    lines = [f"with NO_GRAD(): {'; '.join(calls)}"]
-    if extra:
-        lines.append(f"BUMP_VERSIONS(({', '.join(extra)}, ))")
-    return lines
+    return (_copy_lines(render, copies, plain) if copies else []) + replay_lines(render, replays, plain)
 
 
 def _copy_lines(render: Renderer, writes: list[UpdateTensor], plain: bool) -> list[str]:
@@ -169,4 +151,4 @@ COMMIT_NAMESPACE: dict[str, Any] = dict(
     NEW=_new_object, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
     FOREACH_COPY_ALL=_foreach_copy_all, BUMP_VERSIONS=torch.autograd.graph.increment_version,
     AS_INFERENCE=as_inference, PRINT=builtins.print, FORMAT=builtins.format,
-    STR=str, REPR=repr, ASCII=ascii, NO_GRAD=torch.no_grad)
+    STR=str, REPR=repr, ASCII=ascii, NO_GRAD=torch.no_grad, **_FOREACH_NAMESPACE)

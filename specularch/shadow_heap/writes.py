@@ -268,13 +268,14 @@ class ReplayTensor(Write):
     ``symbolic/commit_inplace.py`` when nothing in the graph reads the new value. ``ops``:
     ``((method, (arg record, ...), (("name", record), ...)), ...)``, already lowered (read from
     graph outputs, sources, constants and numbers); ``bumps``: version increments eager made
-    beyond one per op."""
+    beyond one per op. The commit batches replays into foreach calls (``replay.py``)."""
 
     kind: ClassVar[str] = "tensor"
     target: Any
     ops: tuple
     bumps: int = 0
     where: str = ""
+    form: tuple = ()  # ((operand kinds: "t" / "n" / "name=n"), dtype) when batchable (replay.py)
 
     def __post_init__(self):
         if not self.ops or not all(isinstance(m, str) and m.endswith("_") and isinstance(a, tuple)

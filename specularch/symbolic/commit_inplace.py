@@ -166,12 +166,13 @@ class Graph:
         targets = {a: u.write.target for u in chosen for a in u.aliases}
         ops = sorted((op for u in chosen for op in u.chain), key=self.order.__getitem__)
         owner = {op: u for u in chosen for op in u.chain}
+        of_alias = {a: u for u in chosen for a in u.aliases}
         records = []
         for op in ops:
             u = owner[op]
             extra = u.write.bumps - len(u.chain) if op is u.chain[-1] else 0
             records.append(ReplayTensor(u.write.target, (_lower_op(op, targets, self),), extra,
-                                        u.write.where))
+                                        u.write.where, _form(op, u.clone.args[0], of_alias)))
         for op in reversed(ops):
             op.graph.erase_node(op)
         for u in chosen:
@@ -198,6 +199,34 @@ def _lower_op(op: torch.fx.Node, targets: dict, graph: Graph) -> tuple:
         return rb.Constant(a)
     return (op.target, tuple(arg(a) for a in op.args[1:]),
             tuple((k, arg(v)) for k, v in op.kwargs.items()))
+
+
+def _plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) and \
+        t.layout is torch.strided and t.device.type == "cpu" and t.dtype.is_floating_point and \
+        not t.is_inference()
+
+
+def _form(op: torch.fx.Node, source: torch.fx.Node, owner: dict) -> tuple:
+    """``((kinds of the operands), dtype)`` when the commit may batch ``op`` with the same op
+    on other tensors into one foreach call (``shadow_heap/replay.py``): the target and every
+    tensor operand plain dense CPU floating tensors of one dtype and shape; else ``()``."""
+    target = source.meta["example"]
+    kinds = []
+    for name, a in [*((None, a) for a in op.args[1:]), *op.kwargs.items()]:
+        example = a.meta.get("example") if isinstance(a, torch.fx.Node) else a
+        replayed = isinstance(a, torch.fx.Node) and a in owner
+        if replayed or isinstance(example, torch.Tensor):  # (a replayed tensor: its target)
+            t = owner[a].clone.args[0].meta["example"] if replayed else example
+            if not _plain(t) or t.dtype != target.dtype or t.shape != target.shape:
+                return ()
+            kind = "t"
+        elif isinstance(a, torch.fx.Node) or type(a) in (int, float):
+            kind = "n"
+        else:
+            return ()
+        kinds.append(kind if name is None else f"{name}={kind}")
+    return (tuple(kinds), str(target.dtype)) if _plain(target) else ()
 
 
 def _literal(a) -> bool:
