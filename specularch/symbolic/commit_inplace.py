@@ -90,6 +90,9 @@ class Graph:
                 else:
                     self.last_unknown = i
         self.numbers: dict = {}
+        # sizes that may change between calls: operands checked at one size are not batched
+        self.dynamic = bool(tracer._sizes) or any(
+            getattr(n.meta.get("value"), "dynamic", False) for n in self.sources)
 
     def choose(self, updates: list) -> list:
         """The updates the commit replays. One may read another's value (a momentum buffer
@@ -172,7 +175,8 @@ class Graph:
             u = owner[op]
             extra = u.write.bumps - len(u.chain) if op is u.chain[-1] else 0
             records.append(ReplayTensor(u.write.target, (_lower_op(op, targets, self),), extra,
-                                        u.write.where, _form(op, u.clone.args[0], of_alias)))
+                                        u.write.where,
+                                        () if self.dynamic else _form(op, u.clone.args[0], of_alias)))
         for op in reversed(ops):
             op.graph.erase_node(op)
         for u in chosen:
