@@ -10,7 +10,12 @@ from . import data
 NAME, UNIT = "lstm_lm", "words/s"
 PRESETS = {"tiny": {"vocab": 50, "hidden": 16, "layers": 1, "batch": 4, "min_len": 3, "max_len": 6},
            "cpu": {"vocab": 2000, "hidden": 128, "layers": 2, "batch": 20, "min_len": 20, "max_len": 35},
-           "paper": {"vocab": 10000, "hidden": 650, "layers": 2, "batch": 20, "min_len": 35, "max_len": 35}}
+           "paper": {"vocab": 10000, "hidden": 650, "layers": 2, "batch": 20, "min_len": 35, "max_len": 35},
+           # python -m specularch.bench's never-seen regime: a new random BPTT length per batch
+           # (Zaremba et al.'s small LM, no dropout; the cpu preset's vocabulary, so the step
+           # is not all decoder matmul)
+           "never_seen": {"vocab": 2000, "hidden": 200, "layers": 2, "batch": 20, "min_len": 15,
+                          "max_len": 25, "dropout": 0.0}}
 
 
 class LSTMLM(nn.Module):
@@ -45,7 +50,7 @@ class LSTMLM(nn.Module):
 
 def build(preset):
     p = PRESETS[preset]
-    return LSTMLM(p["vocab"], p["hidden"], p["layers"])
+    return LSTMLM(p["vocab"], p["hidden"], p["layers"], p.get("dropout", 0.2))
 
 
 def epoch(preset, generator, batches=8):

@@ -10,12 +10,12 @@ PRESETS = tree_rnn.PRESETS
 
 
 class TreeLSTM(nn.Module):
-    def __init__(self, vocab, hidden, classes=5):
+    def __init__(self, vocab, hidden, classes=5, embed=None):
         super().__init__()
         self.hidden = hidden
-        self.embed = nn.Embedding(vocab, hidden)
-        self.leaf = nn.Linear(hidden, 3 * hidden)          # i, o, u for leaves
-        self.node = nn.Linear(2 * hidden, 5 * hidden)      # i, o, u, f_left, f_right
+        self.embed = nn.Embedding(vocab, embed or hidden)
+        self.leaf = nn.Linear(embed or hidden, 3 * hidden)  # i, o, u for leaves
+        self.node = nn.Linear(2 * hidden, 5 * hidden)       # i, o, u, f_left, f_right
         self.classify = nn.Linear(hidden, classes)
 
     def encode(self, tree):
@@ -36,7 +36,7 @@ class TreeLSTM(nn.Module):
 
 def build(preset):
     p = PRESETS[preset]
-    return TreeLSTM(p["vocab"], p["hidden"])
+    return TreeLSTM(p["vocab"], p["hidden"], embed=p.get("embed"))
 
 
 make_batch = tree_rnn.make_batch

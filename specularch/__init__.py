@@ -11,11 +11,12 @@ from . import records
 from .api import explain, optimize, reset
 # Imported for its effect: it installs the dispatcher's hooks for distributed training steps.
 from . import distributed  # noqa: F401
+from . import templates  # noqa: F401  (registers recursion templates with capture)
 from .config import ConfigError, config
 from .explain import Explanation
 from .fx_lower import list_backends, register_backend
 from .records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError
-from .symbolic.registry import fallback_opcodes, unhandled_opcodes
+from .symbolic.ops.registry import fallback_opcodes, unhandled_opcodes
 
 __version__ = "0.1.0"
 

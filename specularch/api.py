@@ -311,3 +311,5 @@ def explain(obj: Any, *, verbose: bool = False) -> Explanation:
 def reset() -> None:
     """Forget every graph, guard, record and statistic (optimized objects stay optimized)."""
     dispatch.reset()
+    from .templates import family
+    family.reset()

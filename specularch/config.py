@@ -184,7 +184,7 @@ OPTIONS: dict[str, Option] = {
         Option("strict", False, "Raise SpecularchStrictError instead of falling back to eager "
                "or recompiling (for CI).", "SPECULARCH_STRICT", FLAG),
         Option("enabled", False, "Optimize the program globally (the frames the policy picks; "
-               "see specularch/policy.py). Read at start-up from the environment.", "SPECULARCH",
+               "see specularch/frames/policy.py). Read at start-up from the environment.", "SPECULARCH",
                FLAG),
         Option("step_names", frozenset({"train_step", "training_step", "train_one_step", "step_fn",
                                         "eval_step"}),

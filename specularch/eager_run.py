@@ -132,7 +132,7 @@ def locked_entry(fn: Callable) -> Callable:
     """``fn`` (an entry: guards, graph, commit) run while holding ``COMMIT_LOCK``."""
     lock = COMMIT_LOCK
 
-    def entry(slots, cells, G, B):
+    def entry(slots, cells, globals_, builtins_):
         with lock:
-            return fn(slots, cells, G, B)
+            return fn(slots, cells, globals_, builtins_)
     return entry

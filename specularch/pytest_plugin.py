@@ -1,6 +1,6 @@
 """pytest plugin (entry point ``pytest11``), active once specularch is installed.
 
-* ``pytest --specularch=on`` runs the suite with the global switch (see ``policy.py``);
+* ``pytest --specularch=on`` runs the suite with the global switch (see ``specularch/frames/policy.py``);
 * ``pytest --specularch=compare`` does the same in validation mode: every optimized call is
   also run eagerly on copies of its arguments and compared (``validate.py``); a difference
   fails the test with a report naming the function, the graph, its guards and the value;

@@ -13,7 +13,8 @@ from __future__ import annotations
 import atexit
 import sys
 
-from . import dispatch, frames, policy
+from . import dispatch, frames
+from .frames import policy
 from .config import ConfigError, config
 from .config import check_environment as check_variables
 from .fx_lower import list_backends
@@ -59,7 +60,7 @@ def report() -> str:
     """Reports of every code object the global switch (or optimize) ran."""
     states = [s for s in dispatch.all_states() if s.stats.calls]
     if not states:
-        return "specularch: nothing was optimized (no frame matched the policy; see specularch/policy.py)"
+        return "specularch: nothing was optimized (no frame matched the policy; see specularch/frames/policy.py)"
     return "\n\n".join(str(explain_state(s)) for s in states)
 
 

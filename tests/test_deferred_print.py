@@ -199,8 +199,8 @@ def item_string_as_dict_key(x):
 
 
 def item_to_int(x):
-    n = int(x.sum().item())  # printed by the commit (symbolic/deferred.py), and computed
-    print(n)                 # in the graph for the torch op (symbolic/item_args.py)
+    n = int(x.sum().item())  # printed by the commit (symbolic/speculation/deferred.py), and computed
+    print(n)                 # in the graph for the torch op (symbolic/speculation/item_args.py)
     return x + n
 
 

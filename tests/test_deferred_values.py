@@ -1,4 +1,4 @@
-"""Numbers the commit computes (symbolic/deferred.py): arithmetic on `.item()` values stored,
+"""Numbers the commit computes (symbolic/speculation/deferred.py): arithmetic on `.item()` values stored,
 returned and printed (a running reward, a summed loss) is evaluated after the graph with
 Python's own operators, bit-identical to eager; a use that steers Python still falls back.
 Clock reads (`time.perf_counter()` & co.) are read before or after the graph. LBFGS and

@@ -1,4 +1,4 @@
-"""`python -m specularch.distribute`: each rule's rewrite appears and is reported with its
+"""`python -m specularch.ddp_convert`: each rule's rewrite appears and is reported with its
 line; a script breaking a restriction is refused naming the line and the rule; and a
 converted script run with 2 gloo processes trains like the original — with DDP, and with
 `--no-ddp` (the step function optimized by specularch, which averages the gradients).
@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from specularch.distribute import convert
-from specularch.distribute.rules import Refused
+from specularch.ddp_convert import convert
+from specularch.ddp_convert.rules import Refused
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "distribute" / "train_mlp.py"
@@ -25,7 +25,7 @@ BAD = ROOT / "examples" / "distribute" / "bad_conditional_optimizer.py"
 
 
 def _cli(*args, env=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "specularch.distribute", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "specularch.ddp_convert", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, **(env or {})})
 

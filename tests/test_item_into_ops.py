@@ -1,4 +1,4 @@
-"""`.item()` values passed to torch ops (symbolic/item_args.py): the graph reads `.item()`
+"""`.item()` values passed to torch ops (symbolic/speculation/item_args.py): the graph reads `.item()`
 where eager read it and hands the op the same Python number, so results are bit-identical
 (every check compares with atol=rtol=0). Uses that steer Python still fall back."""
 import pytest

@@ -117,3 +117,149 @@ def test_private_torch_apis_only_in_compat_modules(path):
 def test_the_check_finds_private_torch_names(snippet, expected):
     assert private_torch_uses(snippet) == expected
 
+
+
+# ---- the import graph: cycles and layers --------------------------------------------------
+# Every import of the package counts, module-level and function-level alike: a function-level
+# import defers a dependency to run time, it does not remove it.
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(module: str, is_package: bool, node: ast.ImportFrom, known: set[str]) -> list[str]:
+    """The modules of the package that ``from X import a, b`` reaches (``a`` when it is a
+    submodule of ``X``, else ``X`` itself)."""
+    if node.level:
+        parts = module.split(".")[:len(module.split(".")) - node.level + is_package]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of specularch -> the modules of specularch it imports."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "workloads" not in p.parts}
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                targets |= set(_imported(module, path.name == "__init__.py", node, set(paths)))
+        graph[module] = {t for t in targets if t in paths and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The import cycles: strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or w != v:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+            if len(component) > 1:
+                found.append(component)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_of(module: str) -> str:
+    """``specularch.symbolic`` for every module under symbolic/; a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+# Known cycles across packages, each with its reason; the list may only shrink.
+CROSS_PACKAGE_CYCLES: dict = {}
+
+# Processing order, highest first; a module may import its own layer or lower ones only.
+LAYERS = [("frames",), ("dispatch", "eager_run", "entry_function", "templates"), ("symbolic",),
+          ("guards", "shadow_heap", "fx_lower")]
+UPWARD_IMPORTS = {  # (importer package, imported package): why it is allowed
+    ("specularch.dispatch", "specularch.frames"):
+        "the dispatcher registers itself with the frame hook (frames.set_dispatcher) and turns "
+        "the hook on around eager runs (frames.hook_active); the hook calls down only through "
+        "that registration",
+    ("specularch.eager_run", "specularch.frames"):
+        "the eager path registers with the trampolines the same way (frames.set_run_here)",
+}
+
+
+def _layer(module: str) -> int | None:
+    name = module.split(".")[1] if "." in module else None
+    return next((i for i, layer in enumerate(LAYERS) if name in layer), None)
+
+
+def test_no_import_cycle_spans_two_packages():
+    spanning = {}
+    for cycle in cycles(import_graph()):
+        packages = frozenset(map(package_of, cycle))
+        if len(packages) > 1 and packages not in CROSS_PACKAGE_CYCLES:
+            spanning[packages] = sorted(cycle)
+    assert not spanning, ("import cycles across packages (a cycle is allowed inside one "
+                          f"package only; register the lower side in a table instead): {spanning}")
+
+
+def test_no_import_runs_up_the_layers():
+    upward = []
+    for module, targets in import_graph().items():
+        for target in targets:
+            low, high = _layer(module), _layer(target)
+            pair = (package_of(module), package_of(target))
+            if low is not None and high is not None and high < low and pair not in UPWARD_IMPORTS:
+                upward.append(f"{module} -> {target}")
+    assert not upward, ("imports back up the layers frames -> dispatch -> symbolic -> "
+                        f"guards/shadow_heap/fx_lower: {sorted(upward)}")
+
+
+def test_symbolic_core_reaches_library_models_through_the_table():
+    """Only ``capture.py``, which drives a capture, imports symbolic/library/ from the core of
+    symbolic/; the rest of the core looks models up in ``symbolic/models.py``, so the library
+    sits above the core it is written against."""
+    library = "specularch.symbolic.library"
+    core = {m for m in import_graph() if m.startswith("specularch.symbolic.") and m.count(".") == 2
+            and m.split(".")[2] not in ("ops", "values", "library", "speculation")}
+    offending = sorted(f"{m} -> {t}" for m, targets in import_graph().items() for t in targets
+                       if m in core - {"specularch.symbolic.capture"}
+                       and (t == library or t.startswith(library + ".")))
+    assert not offending, f"core modules of symbolic/ importing library/ (use models.MODELS): {offending}"
+
+
+def test_every_declared_model_is_registered():
+    from specularch.symbolic.models import DECLARED, MODELS
+    import specularch.symbolic.library  # noqa: F401  (what capture imports)
+    assert {name for name in DECLARED if name not in MODELS._table} == set()
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [{"a", "b"}]),
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}}, [{"a", "b", "c"}]),
+])
+def test_the_cycle_finder(graph, expected):
+    assert cycles(graph) == expected
+
+
+def test_the_import_graph_sees_function_level_and_relative_imports():
+    graph = import_graph()
+    assert "specularch.symbolic.calls" in graph["specularch.symbolic.ops.exceptions"]  # in a function
+    assert "specularch.symbolic.ops.loads" in graph["specularch.symbolic.ops.registry"]  # from . import
+    assert "specularch.guards.sources" in graph["specularch.symbolic.values"]  # from ...guards.sources

@@ -21,7 +21,9 @@ def test_workload_trains_one_step_at_tiny_size(name):
     assert loss.dim() == 0 and torch.isfinite(loss)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    assert w.items(batch) > 0 and set(w.presets) == {"tiny", "cpu", "paper"}
+    # never_seen: the sizes of the benchmark's never-seen-structure regime (varying structure)
+    varying = {"never_seen"} if name in ("tree_rnn", "tree_lstm", "lstm_lm") else set()
+    assert w.items(batch) > 0 and set(w.presets) == {"tiny", "cpu", "paper"} | varying
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -73,7 +75,8 @@ def test_digits_dataset_ships_with_scikit_learn():
 def _bench(tmp_path, backends):
     from specularch.bench.__main__ import main
     out = tmp_path / "r.json"
-    assert main(["--workloads", "lenet,tree_rnn", "--preset", "tiny", "--rounds", "1", "--steps", "5",
+    assert main(["--workloads", "lenet,tree_rnn", "--preset", "tiny", "--regime", "cycle",
+                 "--rounds", "1", "--steps", "5",
                  "--backends", backends, "--json", str(out)]) == 0
     return {r["workload"]: r["modes"] for r in json.loads(out.read_text())["results"]}
 

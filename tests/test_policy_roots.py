@@ -1,4 +1,4 @@
-"""The global switch's choice of roots (specularch/policy.py): the outermost module call is
+"""The global switch's choice of roots (specularch/frames/policy.py): the outermost module call is
 optimized whether its class is the user's or torch's (``nn.Sequential``, a bare
 ``nn.Linear``); modules called inside it, also through helper methods, are not separate
 roots; modules called by torch's own code stay skipped. One ``forward`` code object is shared
@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from specularch import dispatch, frames, policy
+from specularch import dispatch, frames
+from specularch.frames import policy
 
 # ---------------------------------------------------------------- the decision itself ----
 

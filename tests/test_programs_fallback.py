@@ -80,7 +80,7 @@ def raise_value_error(x, n):
 
 
 def perf_counter_call(x):
-    t0 = time.perf_counter()  # read when the graph runs (symbolic/deferred.py); comparing
+    t0 = time.perf_counter()  # read when the graph runs (symbolic/speculation/deferred.py); comparing
     y = x * 2                 # clock values needs them while capturing:
     return y, time.perf_counter() >= t0  # mark
 

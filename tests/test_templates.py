@@ -148,7 +148,9 @@ def _nested(depth, seed):
     return (_nested(depth - 1, seed * 2 + 1), _nested(depth - 1 - (seed % 2), seed * 2 + 2))
 
 
-def test_nested_tuples_of_tensors_one_graph_for_every_shape_of_nesting():
+def test_nested_tuples_of_tensors_values_and_gradients():
+    """(A tuple is guarded whole where it is read, so each nesting shape is its own path and,
+    passed as the argument, its own graph: docs/recursion.md, Limits.)"""
     shapes = [_nested(2, 1), _nested(3, 2), _nested(4, 3), _nested(1, 4)]
     check(lambda m, x: m(x), lambda i: A(_seeded(TupleCombiner), shapes[i]), calls=4, grad=True,
           expect="graph", rtol=1e-6, atol=1e-7)
@@ -304,3 +306,84 @@ def test_a_node_kind_seen_later_falls_back_once_then_runs_as_a_graph():
     assert report.stats.assumption_failures == 1, str(report)
     assert report.stats.captures == 2 and report.stats.graph_hits == 2, str(report)
     assert "template:" in str(report.fallbacks[0])
+
+
+def test_explain_lists_templates_paths_batches_and_unrolled_recursion():
+    _, _, report = _train(tree_rnn.TreeRNN(50, 8), 1, 5, "batched")
+    text = "\n".join(report.templates)
+    assert "template TreeRNN.encode: 2 path(s)" in text
+    assert "L['tree'].word == None" in text and "type(L['tree'].word) is int" in text
+    assert "last call:" in text and "batch sizes" in text and "batched;" in text
+    assert "templates:" in str(report)
+    counting = specularch.optimize(_seeded(Counting))
+    with config.patch(profile_calls=0):
+        counting((T(1, 3, seed=1), T(1, 3, seed=2)))
+    text = "\n".join(specularch.explain(counting).templates)
+    assert "recursion unrolled (one graph per structure): Counting.walk:" in text
+
+
+class Leafy(nn.Module):
+    """One ``encode`` code, two models whose leaf modules differ (the second reads a
+    parameter path the first does not have)."""
+
+    def __init__(self, deep: bool):
+        super().__init__()
+        self.leaf = nn.Sequential(nn.Linear(1, 3), nn.Tanh()) if deep else nn.Linear(1, 3)
+        self.node = nn.Linear(3, 3)
+
+    def encode(self, node):
+        if not node.children:
+            return self.leaf(torch.tensor([[node.value]]))
+        return self.node(sum(self.encode(c) for c in node.children))
+
+    def forward(self, node):
+        return self.encode(node)
+
+
+def test_models_sharing_recursive_code_but_not_structure_each_get_their_paths():
+    gen = torch.Generator().manual_seed(5)
+    trees = [_nary(gen) for _ in range(4)]
+    for deep in (True, False, True):
+        torch.manual_seed(0)
+        eager = Leafy(deep)
+        fast = specularch.optimize(copy.deepcopy(eager))
+        with config.patch(profile_calls=0):
+            for tree in trees:
+                torch.testing.assert_close(fast(tree), eager(tree), rtol=1e-6, atol=1e-7)
+        report = specularch.explain(fast)
+        assert not report.fallbacks and report.stats.captures == 1, str(report)
+
+
+_WALK = """
+import torch
+
+def walk(node):
+    if node.children:
+        return walk(node.children[0]) * SCALE + walk(node.children[1])
+    return torch.tensor([[node.value]])
+
+def run(node):
+    return walk(node)
+"""
+
+
+def test_equal_code_in_two_modules_runs_in_its_own_globals():
+    """Two imports of one file (a symlink) give equal code objects with different globals:
+    a family is per code object and globals, not per equal code."""
+    runs = []
+    for scale in (2.0, 3.0):
+        namespace = {"SCALE": scale, "__name__": f"walk_{scale}"}
+        exec(compile(_WALK, "walk_module.py", "exec"), namespace)
+        runs.append(namespace["run"])
+    assert runs[0].__code__ == runs[1].__code__
+    gen = torch.Generator().manual_seed(9)
+    trees = [_binary(gen, 3) for _ in range(3)]
+    for run in runs:
+        report = check(run, lambda i: A(trees[i]), calls=3, expect="graph")
+        assert "template walk" in "\n".join(report.templates), str(report)
+
+
+def _binary(gen, depth):
+    if depth == 0 or torch.rand(1, generator=gen).item() < 0.3:
+        return Node(value=float(torch.randn(1, generator=gen)))
+    return Node(children=[_binary(gen, depth - 1), _binary(gen, depth - 1)])

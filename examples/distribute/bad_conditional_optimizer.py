@@ -1,4 +1,4 @@
-"""Refused by `python -m specularch.distribute`: the optimizer is created conditionally."""
+"""Refused by `python -m specularch.ddp_convert`: the optimizer is created conditionally."""
 import torch
 from torch import nn
 

@@ -1,4 +1,4 @@
-"""A plain single-process training script (input for `python -m specularch.distribute`)."""
+"""A plain single-process training script (input for `python -m specularch.ddp_convert`)."""
 import os
 import sys
 

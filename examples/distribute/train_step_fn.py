@@ -1,5 +1,5 @@
 """A single-process training script whose step is a function (input for
-`python -m specularch.distribute --no-ddp`: specularch then averages the gradients inside the
+`python -m specularch.ddp_convert --no-ddp`: specularch then averages the gradients inside the
 optimized step instead of DistributedDataParallel)."""
 import os
 import sys

@@ -10,6 +10,10 @@ Medians over rounds and ratios to eager are printed as a markdown table, with th
 actually ran each specularch graph (a backend that refuses a graph leaves it to ``fx`` with a
 note, printed below the table); everything is written to JSON. Progress goes to stderr.
 ``--profile DIR`` writes PyTorch profiler traces (TensorBoard, torch-tb-profiler).
+
+That cycle regime measures only the cache for workloads whose structure varies per batch.
+Those (tree_rnn, tree_lstm, lstm_lm) run in the never-seen regime (``never_seen.py``) unless
+``--regime cycle`` says otherwise: every timed step a structure no earlier step had.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import argparse
 import collections
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -25,25 +30,8 @@ import torch
 
 import specularch
 
-
-def make_step(workload, model, device):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def train_step(batch):
-        opt.zero_grad()
-        loss = workload.loss(model, batch)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return train_step
-
-
-def to_device(batch, device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    return batch
+from . import never_seen
+from .steps import make_step, sync, to_device
 
 
 def build_modes(workload, preset, device, backends, with_compile, with_script):
@@ -126,7 +114,7 @@ def bench_workload(name, workload, args, log):
         try:
             start = time.perf_counter()
             cycles[mode] = warm_up(step, batches, mode)
-            _sync(args.device)
+            sync(args.device)
             first[mode] = time.perf_counter() - start
             alive[mode] = step
         except Exception as e:
@@ -144,7 +132,7 @@ def bench_workload(name, workload, args, log):
                 batch = batches[i % len(batches)]
                 step(batch)
                 items += workload.items(batch)
-            _sync(args.device)
+            sync(args.device)
             rates[mode].append(items / (time.perf_counter() - start))
     for mode in modes:  # rows in the order of the modes
         if mode in failed:
@@ -168,11 +156,6 @@ def bench_workload(name, workload, args, log):
     if args.profile:
         profile(name, alive, batches, args.profile, log)
     return result
-
-
-def _sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def profile(name, modes, batches, directory, log):
@@ -216,15 +199,20 @@ def table(results) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
-def main(argv=None) -> int:
-    from specularch.workloads import WORKLOADS
+def _parser(workloads) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specularch.bench", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
-    parser.add_argument("--preset", default="cpu", choices=("tiny", "cpu", "paper"),
-                        help="workload sizes (tiny: a smoke run)")
+    parser.add_argument("--workloads", default=",".join(workloads), help="comma-separated names")
+    parser.add_argument("--regime", default="auto", choices=("auto", "cycle", "never-seen"),
+                        help="cycle: the same few batches repeated (measures the cache); "
+                             "never-seen: every step a new tree / BPTT length (tree_rnn, "
+                             "tree_lstm, lstm_lm); auto: never-seen where a workload has it")
+    parser.add_argument("--preset", default=None, choices=("tiny", "cpu", "paper", never_seen.PRESET),
+                        help="workload sizes (tiny: a smoke run); default: cpu for the cycle "
+                             f"regime, {never_seen.PRESET} for the never-seen one")
     parser.add_argument("--backends", default="fx", help="specularch backends, comma-separated")
-    parser.add_argument("--torch-compile", action="store_true", help="also run torch.compile")
+    parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run torch.compile (default: in the never-seen regime only)")
     parser.add_argument("--torchscript", action="store_true",
                         help="also run torch.jit.script(model) where the model is scriptable")
     parser.add_argument("--device", default="cpu", help="torch device")
@@ -232,29 +220,68 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="training steps per round")
     parser.add_argument("--batches", type=int, default=4,
                         help="distinct full batches cycled through (plus the short last batch)")
+    parser.add_argument("--structures", type=int, default=100,
+                        help="never-seen regime: timed steps, each on a new structure")
+    parser.add_argument("--mode-budget-s", type=float, default=900.0,
+                        help="never-seen regime: stop a mode whose steps took longer in all")
+    parser.add_argument("--progress-every", type=int, default=10,
+                        help="never-seen regime: log medians every this many steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", default="bench-results/results.json", help="results file")
     parser.add_argument("--profile", default=None, help="write profiler traces to this folder")
+    return parser
+
+
+def _split_regimes(args, parser, workloads):
+    """(cycle workloads and their args, never-seen workloads and theirs); each regime's own
+    default preset and torch.compile default."""
+    names = args.workloads.split(",")
+    unknown = [w for w in names if w not in workloads]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; available: {sorted(workloads)}")
+    fresh = [n for n in names if args.regime == "never-seen" or
+             (args.regime == "auto" and never_seen.supports(workloads[n]))]
+    lacking = [n for n in names if (args.preset or (never_seen.PRESET if n in fresh else "cpu"))
+               not in workloads[n].presets]
+    if lacking:
+        parser.error(f"workloads {lacking} have no preset {args.preset or never_seen.PRESET!r}")
+    cycle_args = argparse.Namespace(**{**vars(args), "preset": args.preset or "cpu",
+                                       "torch_compile": bool(args.torch_compile)})
+    fresh_args = argparse.Namespace(**{**vars(args), "torch_compile": args.torch_compile is not False})
+    return [n for n in names if n not in fresh], cycle_args, fresh, fresh_args
+
+
+def main(argv=None) -> int:
+    from specularch.workloads import WORKLOADS
+    parser = _parser(WORKLOADS)
     args = parser.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
-    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
-    if unknown:
-        parser.error(f"unknown workloads {unknown}; available: {sorted(WORKLOADS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda requested but CUDA is not available on this machine")
+    cycle, cycle_args, fresh, fresh_args = _split_regimes(args, parser, WORKLOADS)
     torch.set_num_threads(args.threads)
 
     def log(message):
         print(f"[bench] {message}", file=sys.stderr, flush=True)
 
-    results = [bench_workload(name, WORKLOADS[name], args, log) for name in args.workloads.split(",")]
-    header = (f"preset={args.preset} device={args.device} threads={torch.get_num_threads()} "
+    results = [bench_workload(n, WORKLOADS[n], cycle_args, log) for n in cycle]
+    fresh_results = [never_seen.bench_workload(n, WORKLOADS[n], fresh_args, log) for n in fresh]
+    machine = f"{platform.machine()} {os.cpu_count()} cores, {platform.node()}"
+    print(f"torch={torch.__version__} device={args.device} threads={torch.get_num_threads()} "
+          f"machine={machine} date={time.strftime('%Y-%m-%d %H:%M %Z')}")
+    header = (f"preset={cycle_args.preset} device={args.device} threads={torch.get_num_threads()} "
               f"rounds={args.rounds} steps/round={args.steps} torch={torch.__version__} (medians)")
-    print(header)
-    print(table(results))
+    if results:
+        print(header)
+        print(table(results))
+    if fresh_results:
+        print(f"\nnever-seen structures: each step a new tree / BPTT length, modes interleaved, "
+              f"threads={torch.get_num_threads()}, medians over all {args.structures} steps")
+        print(never_seen.table(fresh_results))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"header": header, "results": results}, f, indent=2)
+        json.dump({"header": header, "results": results, "never_seen": fresh_results,
+                   "threads": torch.get_num_threads(), "machine": machine}, f, indent=2)
     log(f"wrote {args.json}")
     return 0
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from .. import frames
 from ..config import config
 from ..eager_run import EagerRun
-from ..entry import MISS, AssumptionFailed
+from ..entry_function import MISS, AssumptionFailed
 from . import fallback, hooks, misses
 from .state import _STATES, CodeState, GraphEntry, state_for
 
@@ -68,33 +68,33 @@ def run_unwrapped(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
 
 def _start(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
     state.stats.calls += 1
-    G = state.target.globals
-    B = state.builtins
+    globals_ = state.target.globals
+    builtins_ = state.builtins
     for entry in state.entries:
-        result = try_entry(state, entry, slots, cells, G, B)
+        result = try_entry(state, entry, slots, cells, globals_, builtins_)
         if result is not MISS:
             return result
     if state.disabled is not None:  # cache_limit reached
         return fallback.defer_eager(state, slots, cells, state.disabled)
     for eager in state.eager:
-        if eager.check(slots, cells, G, B):
+        if eager.check(slots, cells, globals_, builtins_):
             return fallback.defer_eager(state, slots, cells, eager.record, eager.reaches_backward)
     if not state.entries and state.stats.profiled_calls < config.profile_calls \
             and not hooks.distributed.active():  # ranks must not run unaveraged eager steps
         return misses.profile_call(state, slots, cells)
-    return misses.miss(state, slots, cells, G, B, try_entry)
+    return misses.miss(state, slots, cells, globals_, builtins_, try_entry)
 
 
-def try_entry(state: CodeState, entry: GraphEntry, slots, cells, G, B,
+def try_entry(state: CodeState, entry: GraphEntry, slots, cells, globals_, builtins_,
               count_hit: bool = True) -> Any:
     """The call's result through ``entry``, or MISS when its guards do not pass. A graph that
     raises, or whose assumption fails, leads to the original Python (nothing committed)."""
     try:
-        result = entry.fn(slots, cells, G, B)
-    except Exception as e:  # (the entry put the grad mode back: see entry.py)
+        result = entry.fn(slots, cells, globals_, builtins_)
+    except Exception as e:  # (the entry function put the grad mode back: see entry_function.py)
         replacement = misses.fx_instead(state, entry, e)  # a compiling backend failed
         if replacement is not None:
-            return try_entry(state, replacement, slots, cells, G, B, count_hit)
+            return try_entry(state, replacement, slots, cells, globals_, builtins_, count_hit)
         return fallback.graph_raised(state, entry, e, slots, cells)
     if result is MISS:
         return MISS

@@ -15,9 +15,10 @@ import torch
 from .. import frames, log
 from ..config import config
 from ..eager_run import EagerRun
-from ..entry import AssumptionFailed
+from ..entry_function import AssumptionFailed
 from ..records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError, Unsupported
-from ..symbolic import branch_merge, exceptions
+from ..symbolic.speculation import branch_merge
+from ..symbolic import exceptions
 from . import hooks
 from ..templates.family import TemplateMiss
 from .state import LOCK, CodeState, EagerEntry, GraphEntry

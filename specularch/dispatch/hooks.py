@@ -27,7 +27,7 @@ class SingleProcess:
         averaged exchange? (The path is then a distributed step even though it runs eagerly.)"""
         return False
 
-    def step_state(self, cap, slots, cells, G, B) -> list:
+    def step_state(self, cap, slots, cells, globals_, builtins_) -> list:
         """A fresh capture of a distributed step (``cap.distributed_leaves``): the
         ``(path, tensor)`` parameters and buffers the step reads."""
         return []

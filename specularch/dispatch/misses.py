@@ -17,12 +17,13 @@ import torch
 from .. import frames, log
 from ..config import config
 from ..eager_run import locked_entry
-from ..entry import MISS, build_entry, graph_uses_randomness
+from ..entry_function import MISS, build_entry_function
+from ..fx_lower.randomness import graph_uses_randomness
 from ..fx_lower import get_backend
 from ..guards.guard import refers_to_dead
 from ..records import RecompileRecord, SpecularchStrictError, Unsupported
-from ..relax import fact
-from ..symbolic import budget
+from ..guards.relax import argument_fact
+from ..symbolic.speculation import budget
 from ..symbolic.assumptions import Assumptions
 from ..symbolic.capture import Capture, capture
 from ..symbolic.values import RelaxationRefused
@@ -34,7 +35,7 @@ from .state import LOCK, CodeState, GraphEntry
 def profile_call(state: CodeState, slots, cells) -> Any:
     """One of the first calls: run eagerly, remember what the arguments looked like."""
     state.stats.profiled_calls += 1
-    state.profile.append(tuple(fact(v) for v in slots))
+    state.profile.append(tuple(argument_fact(v) for v in slots))
     start = time.perf_counter()
     with frames.hook_active():
         result = state.target.call_original(slots, cells)
@@ -42,28 +43,28 @@ def profile_call(state: CodeState, slots, cells) -> Any:
     return result
 
 
-def miss(state: CodeState, slots, cells, G, B, try_entry: Callable) -> Any:
+def miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callable) -> Any:
     """The call's result after no graph's guards passed: a new graph's, or the original's.
     ``try_entry`` is the hot path's (``cache.try_entry``), handed in so that this module
     does not import the one that imports it."""
     with LOCK:
         drop_dead(state)
         for entry in state.entries:  # another thread may have captured while we waited
-            result = try_entry(state, entry, slots, cells, G, B)
+            result = try_entry(state, entry, slots, cells, globals_, builtins_)
             if result is not MISS:
                 return result
         if state.profile:  # first capture after profiling: generalise what varied
             state.general.from_profile(state.target.argnames,
-                                       state.profile + [tuple(fact(v) for v in slots)])
+                                       state.profile + [tuple(argument_fact(v) for v in slots)])
             state.profile = []
         if state.entries:
-            full = _recompile(state, slots, cells, G, B)
+            full = _recompile(state, slots, cells, globals_, builtins_)
             if full is not None:
                 return fallback(state, slots, cells, full, at_def=True)
         hooks.distributed.start_capture()
         try:
             with budget.eager_cost(state.eager_seconds):  # gives up on long loops early
-                cap = capture_with_relaxations(state, slots, cells, G)
+                cap = capture_with_relaxations(state, slots, cells, globals_)
         except Unsupported as e:
             return fallback(state, slots, cells, e,
                             reaches_backward=hooks.distributed.capture_reached_backward())
@@ -75,7 +76,7 @@ def miss(state: CodeState, slots, cells, G, B, try_entry: Callable) -> Any:
                 reaches_backward=hooks.distributed.capture_reached_backward())
         state.stats.captures += 1
         state.stats.capture_seconds += cap.seconds
-        named = (hooks.distributed.step_state(cap, slots, cells, G, B)
+        named = (hooks.distributed.step_state(cap, slots, cells, globals_, builtins_)
                  if cap.distributed_leaves else [])
         buffers = [t for _, t in named if not isinstance(t, torch.nn.Parameter)
                    and not any(t is leaf for leaf in cap.distributed_leaves)]
@@ -88,14 +89,14 @@ def miss(state: CodeState, slots, cells, G, B, try_entry: Callable) -> Any:
         if named:
             hooks.distributed.start_from_rank0(state, named)
         state.entries.insert(0, entry)
-    return _first_run(state, entry, buffers, slots, cells, G, B, try_entry)
+    return _first_run(state, entry, buffers, slots, cells, globals_, builtins_, try_entry)
 
 
-def _recompile(state: CodeState, slots, cells, G, B) -> Unsupported | None:
+def _recompile(state: CodeState, slots, cells, globals_, builtins_) -> Unsupported | None:
     """Before capturing next to existing graphs: relax, then record the recompile, or return
     the ``cache_limit`` failure when the object has as many graphs as it may."""
     target = state.target
-    why = relax(state, slots, cells, G, B)
+    why = relax(state, slots, cells, globals_, builtins_)
     if len(state.entries) >= config.cache_limit:
         return Unsupported("cache_limit", f"{target.name} already has {len(state.entries)} "
                            f"graphs (config.cache_limit); last guard failure: {why}")
@@ -108,16 +109,16 @@ def _recompile(state: CodeState, slots, cells, G, B) -> Unsupported | None:
     return None
 
 
-def _first_run(state: CodeState, entry: GraphEntry, buffers: list, slots, cells, G, B,
+def _first_run(state: CodeState, entry: GraphEntry, buffers: list, slots, cells, globals_, builtins_,
                try_entry: Callable) -> Any:
     """A fresh graph's first call: the one it was captured from, so its guards must pass."""
     cap = entry.capture
-    result = try_entry(state, entry, slots, cells, G, B, count_hit=False)
+    result = try_entry(state, entry, slots, cells, globals_, builtins_, count_hit=False)
     if result is MISS:  # the fast C++ tensor check disagrees with torch's own: use Python's
         state.entries.remove(entry)
         entry = compile_entry(state, cap, fast_tensors=False, buffers=buffers)
         state.entries.insert(0, entry)
-        result = try_entry(state, entry, slots, cells, G, B, count_hit=False)
+        result = try_entry(state, entry, slots, cells, globals_, builtins_, count_hit=False)
     if result is MISS:  # the guards we just built reject the call they came from: a bug
         state.entries.remove(entry)
         return fallback(state, slots, cells, Unsupported(
@@ -133,12 +134,12 @@ def drop_dead(state: CodeState) -> None:
     state.eager[:] = [e for e in state.eager if not refers_to_dead(e.guards)]
 
 
-def relax(state: CodeState, slots, cells, G, B) -> str:
+def relax(state: CodeState, slots, cells, globals_, builtins_) -> str:
     """No graph fits this call: relax every assumption of the newest graph that this call
     breaks and that can be generalised (not only the first: a call that changes a key *and*
     a counter must not cost one graph per counter value). Graphs that specialised on what was
     relaxed are dropped; the next capture covers them. Returns the recompile reason."""
-    failing = list(state.entries[0].capture.guards.failing(slots, cells, G, B))
+    failing = list(state.entries[0].capture.guards.failing(slots, cells, globals_, builtins_))
     if not failing:
         return "no cached graph's guards passed"
     general = state.general
@@ -152,7 +153,7 @@ def relax(state: CodeState, slots, cells, G, B) -> str:
     return why
 
 
-def capture_with_relaxations(state: CodeState, slots, cells, G) -> Capture:
+def capture_with_relaxations(state: CodeState, slots, cells, globals_) -> Capture:
     """Capture with what profiling/relaxation generalised; if the code turns out to read
     something a relaxation stopped tracking, undo that relaxation and capture again."""
     general = state.general
@@ -160,10 +161,11 @@ def capture_with_relaxations(state: CodeState, slots, cells, G) -> Capture:
         try:
             assumptions = Assumptions(  # a snapshot: a refused relaxation changes `general`
                 unstable_sites=state.unstable_sites, dynamic_dims=general.dynamic_dims,
+                dynamic_sources=general.dynamic_sources,
                 symbolic_scalars=general.symbolic_scalars,
                 symbolic_sources=general.symbolic_sources,
                 append_only=general.append_only, keyed_dicts=general.keyed_dicts)
-            return capture(state.target.code, G, state.target.argnames, slots, cells, assumptions,
+            return capture(state.target.code, globals_, state.target.argnames, slots, cells, assumptions,
                            max_instructions=config.max_instructions,
                            inline_depth=config.inline_depth)
         except RelaxationRefused as refused:
@@ -196,7 +198,7 @@ def compile_entry(state: CodeState, cap: Capture, fast_tensors: bool = True,
     wrap it in its generated entry: guards, graph call, assertions, commit, rebuild."""
     start = time.perf_counter()
     graph_fn, backend, note = _backend_compile(state, cap.graph_module, backend_name, note)
-    fn, text = build_entry(cap.guards, cap.input_sources, cap.output, graph_fn, fast_tensors,
+    fn, text = build_entry_function(cap.guards, cap.input_sources, cap.output, graph_fn, fast_tensors,
                            cap.writes, cap.assertions, graph_uses_randomness(cap.graph_module))
     if cap.distributed_leaves:
         fn = hooks.distributed.wrap_entry(fn, list(buffers))

@@ -18,7 +18,7 @@ from ..config import config
 from ..fx_lower import get_backend
 from ..guards import GuardSet
 from ..records import FallbackRecord
-from ..relax import Generalisation
+from ..guards.relax import Generalisation
 from ..symbolic.capture import Capture
 
 

@@ -23,12 +23,12 @@ from torch import nn
 from ..guards.sources import PINNED
 
 
-def step_state(cap, slots, cells, G, B) -> list[tuple[str, torch.Tensor]]:
+def step_state(cap, slots, cells, globals_, builtins_) -> list[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` to broadcast for capture ``cap``: the parameters and buffers of the
     modules it read (the outermost module on the path of each guarded or input source), then
     the other parameters and leaves it reads; in the same order on every rank that captured
     the same step."""
-    roots = {"L": slots, "C": cells, "G": G, "B": B, "O": PINNED}
+    roots = {"L": slots, "C": cells, "G": globals_, "B": builtins_, "O": PINNED}
     values: dict = {}
 
     def value(source):

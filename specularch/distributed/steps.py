@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from .. import frames
 from ..dispatch import hooks
-from ..entry import MISS
+from ..entry_function import MISS
 from ..records import Unsupported
 from . import agreement, broadcast, eager
 from .allreduce import active
@@ -32,8 +32,8 @@ class DistributedSteps(hooks.SingleProcess):
     def capture_reached_backward(self) -> bool:
         return eager.capture_reached_backward()
 
-    def step_state(self, cap, slots, cells, G, B) -> list:
-        return broadcast.step_state(cap, slots, cells, G, B)
+    def step_state(self, cap, slots, cells, globals_, builtins_) -> list:
+        return broadcast.step_state(cap, slots, cells, globals_, builtins_)
 
     def start_from_rank0(self, state, named: list) -> None:
         _start_from_rank0(state, named)
@@ -63,9 +63,9 @@ def _step_entry(fn: Callable, buffers: list) -> Callable:
     sync = broadcast.sync_buffers
     digest = agreement.layout_hash([(tuple(b.shape), str(b.dtype)) for b in buffers])
 
-    def entry(slots, cells, G, B):
+    def entry(slots, cells, globals_, builtins_):
         reset(digest)
-        result = fn(slots, cells, G, B)
+        result = fn(slots, cells, globals_, builtins_)
         if buffers and result is not MISS:
             sync(buffers)
         return result

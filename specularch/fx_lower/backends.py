@@ -146,6 +146,8 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
     compiled at all, for what every compiling backend refuses); None when it can."""
     if gm.meta.get("opaque_inputs"):
         return _OPAQUE
+    if gm.meta.get("rolled_loops"):
+        return f"it runs a rolled loop ({compiler} would unroll it at one trip count)"
     # Dynamic sizes first: a dynamic graph also checks sizes inside the graph (e.g. the
     # gradients' in a clipped training step), and the sizes are what the user can change.
     if gm.meta.get("dynamic_dims"):

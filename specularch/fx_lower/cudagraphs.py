@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from .backends import flattening_reason
+from .randomness import graph_uses_randomness
 
 
 def supports(gm: torch.fx.GraphModule) -> str | None:
@@ -39,7 +40,6 @@ def supports(gm: torch.fx.GraphModule) -> str | None:
 def reason_without_device(gm: torch.fx.GraphModule) -> str | None:
     """Everything ``supports`` checks except the device: why the graph cannot be captured
     and replayed as one static CUDA graph, or None."""
-    from ..entry import graph_uses_randomness  # lazy: entry is above fx_lower
     reason = flattening_reason(gm, "a CUDA graph")
     if reason:
         return reason

@@ -53,6 +53,11 @@ class ShadowHeap:
         self._log.append(DelAttr(owner, name, where))
 
     # ---- globals and cells --------------------------------------------------------------
+    def overlay_values(self) -> list:
+        """Every value written to an attribute or a global so far (what later reads see)."""
+        return [v for table in (*self._attrs.values(), *self._globals.values())
+                for v in table.values()]
+
     def read_global(self, globals_: dict, name: str) -> Any:
         return self._globals.get(id(globals_), {}).get(name)
 

@@ -341,7 +341,7 @@ class Print(Write):
 @dataclass(frozen=True, eq=False)
 class Effect(Write):
     """``fn(*args)`` at commit, in program order: an effect with no target (the replay of
-    ``warnings.warn``: symbolic/warnings_model.py). ``fn`` is a Python callable."""
+    ``warnings.warn``: symbolic/library/warnings.py). ``fn`` is a Python callable."""
 
     kind: ClassVar[str] = "effect"
     fn: Any

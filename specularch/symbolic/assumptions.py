@@ -19,6 +19,8 @@ class Assumptions:
     unstable_sites: frozenset = frozenset()
     # argument slot -> the dims whose size varies between calls (sizes become SymV)
     dynamic_dims: Mapping[int, frozenset] = field(default_factory=dict)
+    # tensors inside tuple/list arguments (their source) -> the dims whose size varies
+    dynamic_sources: Mapping = field(default_factory=dict)
     # argument slots whose int/float is a graph input instead of a guarded constant
     symbolic_scalars: frozenset = frozenset()
     # other int/float sources read as graph inputs (``self.count``)
@@ -27,12 +29,14 @@ class Assumptions:
     append_only: frozenset = frozenset()
     # dict sources used through single keys (``self.cache[k] = v``): keys not guarded
     keyed_dicts: frozenset = frozenset()
+    # (id(code), offset of FOR_ITER) of loops that could not be rolled: unrolled
+    unrolled_loops: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         # Callers pass their live sets; the capture keeps a snapshot no later relaxation
         # can change under it.
         for name in ("unstable_sites", "symbolic_scalars", "symbolic_sources", "append_only",
-                     "keyed_dicts"):
+                     "keyed_dicts", "unrolled_loops"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         dims = {}
         for slot, slot_dims in dict(self.dynamic_dims).items():
@@ -41,3 +45,5 @@ class Assumptions:
                                 f"{slot!r}: {slot_dims!r}")
             dims[slot] = frozenset(slot_dims)
         object.__setattr__(self, "dynamic_dims", MappingProxyType(dims))
+        object.__setattr__(self, "dynamic_sources", MappingProxyType(
+            {source: frozenset(d) for source, d in dict(self.dynamic_sources).items()}))

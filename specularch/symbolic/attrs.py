@@ -15,12 +15,11 @@ import torch.nn as nn
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
-from .deque_model import DequeV
-from .exit_stack import ExitStackV
-from .leaf_writes import metadata_of
-from .stdlib_objects import refuse_frozen_write
+from .values.deque import DequeV
+from .speculation.leaf_writes import metadata_of
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
-from .values import Const, DictV, DictViewV, MethodV, NewObjV, Obj, SuperV, TensorV, TupleV, UntrackedContainer, Value
+from .models import MODELS
+from .values import ConstV, DictV, DictViewV, MethodV, NewObjV, ObjV, SuperV, TensorV, TupleV, UntrackedContainerV, Value
 
 _MISSING = object()
 
@@ -37,22 +36,22 @@ TENSOR_VIEWS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 def load_attr(tracer, frame, v: Value, name: str) -> Value:
     if isinstance(v, TensorV):
         return _tensor_attr(tracer, v, name)
-    if isinstance(v, Obj) and isinstance(v.obj, BaseException) and v.source is None:
+    if isinstance(v, ObjV) and isinstance(v.obj, BaseException) and v.source is None:
         from .exceptions import exception_attr
         return exception_attr(tracer, v, name)
-    if isinstance(v, Obj):
+    if isinstance(v, ObjV):
         return _object_attr(tracer, frame, v, name)
     if isinstance(v, SuperV):
         return _super_attr(tracer, v, name)
     if isinstance(v, NewObjV):
         return _new_object_attr(tracer, v, name)
-    if isinstance(v, (UntrackedContainer, DictViewV, ExitStackV)):
+    if isinstance(v, (UntrackedContainerV, DictViewV, MODELS.ExitStackV)):
         return MethodV(v, None, name)
     if name == "maxlen" and isinstance(v, DequeV):
-        return Const(v.maxlen)
+        return ConstV(v.maxlen)
     if isinstance(v, TupleV) and v.cls is not tuple and not callable(getattr(v.cls, name, None)):
         return _tuple_field(v, name)
-    if isinstance(v, Const):
+    if isinstance(v, ConstV):
         try:
             attr = getattr(v.value, name)
         except AttributeError as e:
@@ -71,10 +70,9 @@ def _tensor_attr(tracer, v: TensorV, name: str) -> Value:
     if name in TENSOR_META:
         return tracer.wrap_python(getattr(metadata_of(v), name))
     if name in TENSOR_VIEWS:
-        return tracer.call_op("call_function", getattr, [v, Const(name)], {}, name=name)
+        return tracer.call_op("call_function", getattr, [v, ConstV(name)], {}, name=name)
     if name == "grad":
-        from .training import read_grad
-        return read_grad(tracer, v)
+        return MODELS.read_grad(tracer, v)
     attr = getattr(v.example, name, _MISSING)
     if attr is _MISSING:
         raise Unsupported("exception_handling", f"Tensor has no attribute {name!r}")
@@ -92,7 +90,7 @@ def _tuple_field(v: TupleV, name: str) -> Value:
     raise Unsupported("exception_handling", f"{v.cls.__name__} has no field {name!r}")
 
 
-def _object_attr(tracer, frame, v: Obj, name: str) -> Value:
+def _object_attr(tracer, frame, v: ObjV, name: str) -> Value:
     obj = v.obj
     written = tracer.heap.read_attr(obj, name)
     if written is DELETED:
@@ -119,7 +117,7 @@ def _object_attr(tracer, frame, v: Obj, name: str) -> Value:
         return tracer.wrap(attr, source)
     if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
         if name in ("__name__", "__qualname__", "__module__", "__doc__"):
-            return Const(getattr(obj, name))
+            return ConstV(getattr(obj, name))
         raise Unsupported("unsupported_call", f"reading {name!r} of a function")
     return _instance_attr(tracer, v, name)
 
@@ -129,7 +127,7 @@ def _root(owner) -> str:
     return (name or "").split(".")[0]
 
 
-def _source(v: Obj, name: str, trusted_owner=None):
+def _source(v: ObjV, name: str, trusted_owner=None):
     if v.source is None:
         return None
     if trusted_owner is not None and getattr(trusted_owner, "__module__", "").split(".")[0] == "torch":
@@ -137,12 +135,11 @@ def _source(v: Obj, name: str, trusted_owner=None):
     return AttrSource(v.source, name)
 
 
-def _instance_attr(tracer, v: Obj, name: str) -> Value:
+def _instance_attr(tracer, v: ObjV, name: str) -> Value:
     obj = v.obj
     cls = type(obj)
     if name in ("step", "zero_grad"):
-        from .optim_model import captured_names, is_modelled
-        if is_modelled(obj):
+        if MODELS.optim_is_modelled(obj):
             return MethodV(v, None, name)  # captured by optim_model, not inlined
         if isinstance(obj, torch.optim.LBFGS) and name == "step":
             raise Unsupported("unsupported_call", "LBFGS.step(closure) is not captured: it calls "
@@ -150,7 +147,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
                               "on the loss values (line search, convergence tests)")
         if isinstance(obj, torch.optim.Optimizer):
             raise Unsupported("unsupported_call", f"{cls.__name__}.{name}() is not captured "
-                              f"(captured optimizers: {captured_names()})")
+                              f"(captured optimizers: {MODELS.captured_optimizer_names()})")
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and name == "step":
             raise Unsupported("unsupported_call", "an LR scheduler's step() inside the optimized "
                               "function is not captured; call it between calls (the learning "
@@ -160,8 +157,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
         raise Unsupported("unsupported_call", f"{cls.__name__} defines __getattribute__")
     static = inspect.getattr_static(cls, name, _MISSING)
     if isinstance(obj, nn.Module) and name not in obj.__dict__:
-        from . import module_model
-        if module_model.is_modelled(obj, name):
+        if MODELS.module_method_is_modelled(obj, name):
             return MethodV(v, None, name)
     if static is not _MISSING and _is_data_descriptor(static):
         if isinstance(static, property) and static.fget is not None:
@@ -178,7 +174,7 @@ def _instance_attr(tracer, v: Obj, name: str) -> Value:
         if isinstance(static, staticmethod):
             return tracer.wrap(static.__func__, None)
         if isinstance(static, classmethod):
-            return MethodV(Obj(cls), tracer.wrap(static.__func__, None), name)
+            return MethodV(ObjV(cls), tracer.wrap(static.__func__, None), name)
         if isinstance(static, types.FunctionType):
             # with its source, the method's code and defaults are guarded like a helper's
             return MethodV(v, tracer.wrap(static, guard_method_lookup(tracer, v, name)), name)
@@ -201,9 +197,8 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     """``owner.name = value`` (``value`` None: ``del owner.name``). Objects created in this
     call are plain values; writes to objects that existed before go to the shadow heap."""
     if isinstance(owner, NewObjV):
-        refuse_frozen_write(owner, name)
-        from .builtins_model import slot_write_problem
-        problem = slot_write_problem(owner.cls, name)
+        MODELS.refuse_frozen_write(owner, name)
+        problem = MODELS.slot_write_problem(owner.cls, name)
         if problem:
             raise Unsupported("exception_handling", problem)
         if value is not None:
@@ -212,15 +207,14 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
             raise Unsupported("exception_handling", f"AttributeError: {name}")
         return
     if isinstance(owner, TensorV) and name == "grad":
-        from .training import write_grad
-        write_grad(tracer, owner, value)
+        MODELS.write_grad(tracer, owner, value)
         return
     if isinstance(owner, TensorV):
         raise Unsupported("side_effect", f"assigning tensor attribute `.{name}` (e.g. "
                           f"`x.{name} = ...`) is not captured",
                           "Use the method form (x.requires_grad_()) or assign it outside the "
                           "optimized function." if name == "requires_grad" else None)
-    if not isinstance(owner, Obj) or owner.source is None:
+    if not isinstance(owner, ObjV) or owner.source is None:
         raise Unsupported("side_effect", f"assigning attribute {name!r} on a "
                           f"{owner.python_type().__name__} object that cannot be addressed after "
                           "the call")
@@ -228,8 +222,7 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     cls = type(obj)
     static = inspect.getattr_static(cls, name, _MISSING)
     if isinstance(obj, nn.Module) and name not in obj.__dict__:
-        from . import module_model
-        if module_model.is_modelled(obj, name):
+        if MODELS.module_method_is_modelled(obj, name):
             raise Unsupported("side_effect", f"assigning {name!r} on a {cls.__name__} hides "
                               f"nn.Module.{name}, which calls inside the optimized function "
                               "are modelled on", "Assign it outside the optimized function.")
@@ -237,11 +230,11 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
         raise Unsupported("side_effect", f"{cls.__name__}.{name} is a property/descriptor; "
                           "assigning it runs code")
     if isinstance(obj, nn.Module):
-        if name in obj._modules or (isinstance(value, Obj) and isinstance(value.obj, nn.Module)):
+        if name in obj._modules or (isinstance(value, ObjV) and isinstance(value.obj, nn.Module)):
             raise Unsupported("side_effect", f"assigning submodule {name!r} inside forward")
         if name in obj._parameters and not (
-                (isinstance(value, Const) and value.value is None)
-                or (isinstance(value, (Obj, TensorV)) and isinstance(value.concrete(), nn.Parameter))):
+                (isinstance(value, ConstV) and value.value is None)
+                or (isinstance(value, (ObjV, TensorV)) and isinstance(value.concrete(), nn.Parameter))):
             raise Unsupported("exception_handling",
                               f"TypeError: cannot assign a non-Parameter to parameter {name!r}")
     elif cls.__setattr__ is not object.__setattr__ and not isinstance(obj, (type, types.ModuleType)):
@@ -266,11 +259,11 @@ def _super_attr(tracer, v: SuperV, name: str) -> Value:
             if isinstance(attr, staticmethod):
                 return tracer.wrap(attr.__func__, None)
             if isinstance(attr, classmethod):
-                return MethodV(Obj(v.self_value.python_type()), tracer.wrap(attr.__func__, None), name)
+                return MethodV(ObjV(v.self_value.python_type()), tracer.wrap(attr.__func__, None), name)
             if isinstance(attr, types.FunctionType):
                 return MethodV(v.self_value, tracer.wrap(attr, None), name)
             if callable(attr):
-                return MethodV(v.self_value, Obj(attr), name)
+                return MethodV(v.self_value, ObjV(attr), name)
             return tracer.wrap(attr, None)
     raise Unsupported("exception_handling", f"super() has no attribute {name!r}")
 
@@ -278,7 +271,7 @@ def _super_attr(tracer, v: SuperV, name: str) -> Value:
 def _new_object_attr(tracer, v: NewObjV, name: str) -> Value:
     static = inspect.getattr_static(v.cls, name, _MISSING)
     if name == "__class__":
-        return Obj(v.cls)
+        return ObjV(v.cls)
     if name == "__dict__" and "__dict__" not in v.attrs:  # the very attribute table
         return DictV(v.attrs)
     if isinstance(static, types.MemberDescriptorType) and name not in v.attrs:
@@ -296,13 +289,13 @@ def _new_object_attr(tracer, v: NewObjV, name: str) -> Value:
     if isinstance(static, staticmethod):
         return tracer.wrap(static.__func__, None)
     if isinstance(static, classmethod):
-        return MethodV(Obj(v.cls), tracer.wrap(static.__func__, None), name)
+        return MethodV(ObjV(v.cls), tracer.wrap(static.__func__, None), name)
     if isinstance(static, types.FunctionType):
         return MethodV(v, tracer.wrap(static, None), name)
     getter = getattr(type(static), "__get__", None)
     if isinstance(getter, types.FunctionType):  # a Python descriptor (torch's lazy_property)
         from .calls import call
-        return call(tracer, tracer.wrap(getter, None), [Obj(static), v, Obj(v.cls)], {})
+        return call(tracer, tracer.wrap(getter, None), [ObjV(static), v, ObjV(v.cls)], {})
     if v.cls_source is None and _root(v.cls) == "torch":  # Distribution._validate_args
         guard_lookup(tracer, v.cls, name)
     source = None if v.cls_source is None else AttrSource(v.cls_source, name)

@@ -19,13 +19,15 @@ import torch.nn as nn
 from ..guards import DictKeysGuard, IdGuard, LenGuard, ValueGuard
 from ..guards.sources import AttrSource, ClosureSource, DerefSource, ItemSource
 from ..records import Unsupported
+from . import hooks
 from .bytecode import CO_VARARGS, CO_VARKEYWORDS
 from ._torch_dispatch import is_tensor_class
 from .exceptions import PyRaise, leaving_generator
 from .library_files import is_torch_file
 from .lookup_guards import guard_lookup, guard_method_lookup, guard_module_call
+from .models import MODELS
 from .tracer import FORBIDDEN_TENSOR_METHODS
-from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, Obj, PartialV, TupleV,
+from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, ObjV, PartialV, TupleV,
                      Value)
 
 # Set on wrappers made by specularch.optimize: the function they stand for.
@@ -40,8 +42,7 @@ def call(tracer, fn: Value, args: list[Value], kwargs: dict[str, Value]) -> Valu
     if isinstance(fn, MethodV):
         if fn.func is not None:
             return call(tracer, fn.func, [fn.self_value, *args], kwargs)
-        from .methods import call_method
-        return call_method(tracer, fn.self_value, fn.name, args, kwargs)
+        return MODELS.call_method(tracer, fn.self_value, fn.name, args, kwargs)
     if isinstance(fn, FuncV):
         return inline(tracer, fn.code, fn.globals, args, kwargs, defaults=fn.defaults,
                       kwdefaults=fn.kwdefaults, closure=fn.closure, name=fn.name)
@@ -56,22 +57,20 @@ def call(tracer, fn: Value, args: list[Value], kwargs: dict[str, Value]) -> Valu
         from .attrs import load_attr
         return call(tracer, load_attr(tracer, None, fn, "__call__"), args, kwargs)
     if isinstance(fn, CtxExitV):
-        from .methods import exit_context
-        return exit_context(tracer, fn.ctx)
-    if isinstance(fn, Obj):
+        return MODELS.exit_context(tracer, fn.ctx)
+    if isinstance(fn, ObjV):
         return _call_object(tracer, fn, args, kwargs)
     raise Unsupported("unsupported_call", f"calling {fn!r}")
 
 
-def _call_object(tracer, fn: Obj, args, kwargs) -> Value:
+def _call_object(tracer, fn: ObjV, args, kwargs) -> Value:
     obj = fn.obj
     original = getattr(obj, ORIGINAL_ATTR, None)
     if original is not None:
         return call(tracer, tracer.wrap(original, None), args, kwargs)
     if isinstance(obj, nn.Module):
         return call_module(tracer, fn, args, kwargs)
-    from .builtins_model import BUILTINS, call_builtin_like
-    handler = BUILTINS.get(obj) if _hashable(obj) else None
+    handler = MODELS.BUILTINS.get(obj) if _hashable(obj) else None
     if handler is not None:
         return handler(tracer, obj, args, kwargs)
     if obj in _AUTOGRAD_ENTRY if _hashable(obj) else False:
@@ -100,7 +99,7 @@ def _call_object(tracer, fn: Obj, args, kwargs) -> Value:
         return torch_call(tracer, obj, args, kwargs)
     if not isinstance(obj, type) and isinstance(getattr(type(obj), "__call__", None), types.FunctionType):
         return call(tracer, MethodV(fn, tracer.wrap(type(obj).__call__, None), "__call__"), args, kwargs)
-    return call_builtin_like(tracer, fn, args, kwargs)
+    return MODELS.call_builtin_like(tracer, fn, args, kwargs)
 
 
 _NN_MODULES_DIR = os.path.join(os.path.dirname(torch.__file__), "nn", "modules") + os.sep
@@ -110,9 +109,8 @@ def _is_module_code(func) -> bool:
     """Methods of torch.nn modules (forward, _conv_forward, ModuleDict.items, ...) and the
     code of torch.distributions are inlined like user code; other torch Python functions
     are graph nodes."""
-    from .torch_objects import is_distributions_code
     filename = func.__code__.co_filename
-    return filename.startswith(_NN_MODULES_DIR) or is_distributions_code(filename)
+    return filename.startswith(_NN_MODULES_DIR) or MODELS.is_distributions_code(filename)
 
 
 def _hashable(obj) -> bool:
@@ -134,8 +132,7 @@ def _is_torch_callable(obj) -> bool:
 def torch_call(tracer, obj, args, kwargs) -> Value:
     """A torch function (C or Python) applied to values: one graph node."""
     if isinstance(obj, type):
-        from .builtins_model import construct_torch_class
-        return construct_torch_class(tracer, obj, args, kwargs)
+        return MODELS.construct_torch_class(tracer, obj, args, kwargs)
     name = getattr(obj, "__name__", "")
     if name in FORBIDDEN_TENSOR_METHODS:
         raise Unsupported("data_dependent_value" if name != "backward" else "unsupported_call",
@@ -187,16 +184,14 @@ def _grad_mode_decorator(obj):
         return None
     factory = obj.__closure__[obj.__code__.co_freevars.index("ctx_factory")].cell_contents
     owner = getattr(factory, "__self__", None)  # ``no_grad().clone``: not called (no effects)
-    from .grad_mode import decorator_context
-    return decorator_context(owner)
+    return MODELS.grad_decorator_context(owner)
 
 
-def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
+def _torch_python_function(tracer, fn: ObjV, args, kwargs) -> Value:
     obj = fn.obj
     ctx = _grad_mode_decorator(obj) if hasattr(obj, "__wrapped__") else None
     if ctx is not None:
-        from . import grad_mode
-        grad_mode.enter(tracer, ctx)
+        MODELS.grad_mode_enter(tracer, ctx)
         inner = tracer.wrap(obj.__wrapped__, None if fn.source is None
                             else AttrSource(fn.source, "__wrapped__"))
         try:
@@ -205,9 +200,9 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
             # an inference block is left by the capture's own unwinding, unless the code
             # catches this exception (a Python-level raise) and goes on
             if not ctx.inference or isinstance(e, PyRaise):
-                grad_mode.exit(tracer, ctx)
+                MODELS.grad_mode_exit(tracer, ctx)
             raise
-        grad_mode.exit(tracer, ctx)
+        MODELS.grad_mode_exit(tracer, ctx)
         return result
     if hasattr(obj, "__wrapped__"):
         raise Unsupported("unsupported_call",
@@ -222,18 +217,17 @@ def _torch_python_function(tracer, fn: Obj, args, kwargs) -> Value:
         # options object) the function runs as Python instead, like user code: the object's
         # attribute reads are guarded and what it calls is captured or refused one by one
         return inline_function(tracer, fn, args, kwargs)
-    from .torch_objects import returns_metadata
-    if returns_metadata(tracer, obj, args, kwargs):
+    if MODELS.returns_metadata(tracer, obj, args, kwargs):
         return inline_function(tracer, fn, args, kwargs)
     return torch_call(tracer, obj, args, kwargs)
 
 
 def _graph_cannot_hold(value: Value) -> bool:
-    return (isinstance(value, (Obj, FuncV, MethodV))
+    return (isinstance(value, (ObjV, FuncV, MethodV))
             and not isinstance(getattr(value, "obj", None), torch.Generator))
 
 
-def call_module(tracer, mod: Obj, args, kwargs) -> Value:
+def call_module(tracer, mod: ObjV, args, kwargs) -> Value:
     m = mod.obj
     guard_module_call(tracer, mod)
     _guard_call_path(tracer, type(m))
@@ -243,11 +237,11 @@ def call_module(tracer, mod: Obj, args, kwargs) -> Value:
     func = type(m).forward
     if not isinstance(func, types.FunctionType):
         raise Unsupported("unsupported_call", f"{type(m).__name__}.forward is not a Python function")
-    fn = Obj(func)
+    fn = ObjV(func)
     if forward is None:  # an instance-level forward patched in later must be seen
         source = guard_method_lookup(tracer, mod, "forward")
         if source is not None:  # its code and defaults are guarded too
-            fn = Obj(func, source)
+            fn = ObjV(func, source)
     return inline_function(tracer, fn, [mod, *args], kwargs)
 
 
@@ -266,7 +260,7 @@ def _guard_call_path(tracer, cls: type) -> None:
         guard_lookup(tracer, cls, name)
 
 
-def inline_function(tracer, fn: Obj, args, kwargs, *, frame_only: bool = False) -> Value:
+def inline_function(tracer, fn: ObjV, args, kwargs, *, frame_only: bool = False) -> Value:
     func = fn.obj
     closure = ()
     if func.__closure__:
@@ -302,7 +296,7 @@ def _check_trusted_closure(func) -> None:
                               f"{func.__qualname__} is a closure over values that cannot be guarded")
 
 
-def _guard_code_and_signature(tracer, fn: Obj) -> None:
+def _guard_code_and_signature(tracer, fn: ObjV) -> None:
     """Python reads a function's code and defaults at each call: a ``__code__``,
     ``__defaults__`` or ``__kwdefaults__`` assigned after capture must fail a guard (the
     default values themselves are guarded where they are read, by ``_default_source``)."""
@@ -320,7 +314,7 @@ def _guard_code_and_signature(tracer, fn: Obj) -> None:
                          tuple(kwdefaults))
 
 
-def _default_source(fn: Obj, table: str, key):
+def _default_source(fn: ObjV, table: str, key):
     return None if fn.source is None else ItemSource(AttrSource(fn.source, table), key)
 
 
@@ -331,9 +325,8 @@ def inline(tracer, code: types.CodeType, globals_: dict, args: list[Value], kwar
     from .frame import Frame
     from .bytecode import analyse
     bound = bind_arguments(code, args, kwargs, defaults, kwdefaults or {}, name)
-    if not frame_only:
-        from ..templates.callsite import recursive_call
-        templated = recursive_call(tracer, code, globals_, bound)
+    if not frame_only and hooks.recursion is not None:
+        templated = hooks.recursion(tracer, code, globals_, bound)
         if templated is not None:
             return templated
     cells = {n: c for n, c in zip(code.co_freevars, closure)}

@@ -11,32 +11,37 @@ import collections
 import functools
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
 
-from ..entry import is_random_node
+from ..fx_lower.randomness import is_random_node
 from ..fx_lower import _torch_fx_sources as fx_sources
 from ..guards import GuardSet
 from ..guards.sources import CellSource, Source
 from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
-from . import alias_guards, branch_merge, commit_inplace, deferred, grad_mode, saved_versions, view_writes
+from . import alias_guards, commit_inplace, hooks
+from .speculation import branch_merge, deferred, saved_versions, view_writes
+from .library import grad_mode
 from ._torch_dispatch import version_bumps
-from . import deque_model
+from .library import deque as deque_model
 from .assumptions import Assumptions
-from .deque_model import DequeV
+from .values.deque import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
-from .printing import StrV
-from .stdlib_objects import counter_from_pairs
-from .symint import SymV
+from .library.printing import StrV
+from .speculation.rolled_loops import LoopReport
+from .values.rolled import RollRefused
+from .library.stdlib_objects import counter_from_pairs
+from .values.symint import SymV
 from .tracer import Tracer
-from .training import ScalarV, item_snapshot
-from .values import (CellV, Const, DictV, DictViewV, FreshObj, ListV, NewObjV, Obj, SetV, TensorV, TupleV,
-                     UntrackedContainer, Value)
+from .library.training import item_snapshot
+from .values.scalar import ScalarV
+from .values import (CellV, ConstV, DictV, DictViewV, FreshObjV, ListV, NewObjV, ObjV, SetV, TensorV, TupleV,
+                     UntrackedContainerV, Value)
 
 
 # Failures that speculation itself decided on: their eager entries are meant to stay.
@@ -53,6 +58,7 @@ class Capture:
     writes: list = field(default_factory=list)       # lowered shadow-heap writes, in program order
     distributed_leaves: list = field(default_factory=list)  # broadcast from rank 0 once
     assertions: list = field(default_factory=list)   # (output index, expected, where, site)
+    loops: list = field(default_factory=list)        # rolled_loops.LoopReport per loop
 
     @property
     def code(self) -> str:
@@ -63,11 +69,48 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             cells: tuple | None, assumptions: Assumptions = Assumptions(), *,
             max_instructions: int, inline_depth: int) -> Capture:
     """``assumptions`` say which argument sizes, Python numbers, containers and tensor
-    branches the graph must not specialise on (profiling/relaxation)."""
+    branches the graph must not specialise on (profiling/relaxation).
+
+    A loop rolled by ``rolled_loops.py`` that is not regular (``RollRefused``), or an attempt
+    with rolled loops that fails in any other way, is captured again with those loops
+    unrolled, as they were before loops were rolled; ``Capture.loops`` says why."""
+    unrolled: list[LoopReport] = []
+    while True:
+        attempt: list[Tracer] = []
+        try:
+            cap = _capture_once(code, globals_, argnames, slots, cells, assumptions, attempt,
+                                max_instructions=max_instructions, inline_depth=inline_depth)
+        except Exception as e:
+            refused = _refused_loops(e, attempt)
+            if not refused or refused.keys() <= assumptions.unrolled_loops:
+                raise
+            unrolled += refused.values()
+            assumptions = replace(assumptions,
+                                  unrolled_loops=assumptions.unrolled_loops | refused.keys())
+            continue
+        cap.loops = unrolled + cap.loops
+        return cap
+
+
+def _refused_loops(error: Exception, attempt: list) -> dict:
+    """site -> report of the loops to unroll after ``error``: the loop refused, or every
+    loop this attempt rolled (what followed may not support the rolled form)."""
+    if isinstance(error, RollRefused):
+        return {error.site: LoopReport(error.where, False, error.why, site=error.site)}
+    rolled = [r for r in attempt[0].loops if r.rolled] if attempt else []
+    why = getattr(error, "explanation", None) or f"{type(error).__name__}: {error}"
+    return {r.site: LoopReport(r.where, False, f"capture failed with it rolled ({why})",
+                               site=r.site) for r in rolled}
+
+
+def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
+                  cells: tuple | None, assumptions: Assumptions, attempt: list, *,
+                  max_instructions: int, inline_depth: int) -> Capture:
     start = time.perf_counter()
     since = fx_sources.mark()
     tracer = Tracer(code, globals_, assumptions, max_instructions=max_instructions,
                     inline_depth=inline_depth)
+    attempt.append(tracer)
     try:
         locals_ = wrap_arguments(tracer, argnames, slots)
     except Unsupported as e:
@@ -106,9 +149,8 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
             e.value_dependent = True  # reached under a speculated tensor branch
         raise
     tracer.graph.output(tuple(specs.outputs))
-    if tracer.template_calls:
-        from ..templates.merge import merge_family_calls
-        merge_family_calls(tracer.graph)  # the trees of a batch: one wavefront
+    if tracer.template_calls and hooks.after_graph is not None:
+        hooks.after_graph(tracer)  # the trees of a batch: one wavefront (templates/merge.py)
     _eliminate_dead_code(tracer.graph)
     inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
     tracer.graph.lint()
@@ -123,6 +165,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
     gm.meta["dynamic_dims"] = bool(tracer._sizes) or any(
         getattr(n.meta.get("value"), "dynamic", False) for n in placeholders)
     gm.meta["dynamic"] = gm.meta["scalar_inputs"] or gm.meta["dynamic_dims"]
+    gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
                                    for n in placeholders)
     gm.meta["non_tensor_outputs"] = bool(assertions) or any(
@@ -136,7 +179,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
     fx_sources.release_with(gm, since)  # torch.fx keeps generated code's text for good
     return Capture(gm, tracer.guards, inputs, spec, time.perf_counter() - start,
                    writes=writes, assertions=assertions,
-                   distributed_leaves=tracer.distributed_leaves)
+                   distributed_leaves=tracer.distributed_leaves, loops=list(tracer.loops))
 
 
 class _restore_process_state:
@@ -193,7 +236,7 @@ class SpecBuilder:
             return grad_mode.output_spec(v, self.out(v.node))
         if isinstance(v, StrV):  # a string formatted by the commit from the graph's values
             return v.spec(self.build)
-        if isinstance(v, Const):
+        if isinstance(v, ConstV):
             return rb.Constant(v.value)
         if isinstance(v, SymV):  # a number computed by the graph (kept symbolic)
             return self.out(v.node)
@@ -201,12 +244,12 @@ class SpecBuilder:
             return deferred.spec(v, self.build)
         if isinstance(v, ScalarV):  # `t.item()`: read from the graph's output afterwards
             return rb.GraphItem(self.out(item_snapshot(v.node, v.read_after), as_value=False).index)
-        if isinstance(v, (ListV, DictV, UntrackedContainer)) and v.source is not None:
+        if isinstance(v, (ListV, DictV, UntrackedContainerV)) and v.source is not None:
             return rb.FromSource(v.source)
-        if isinstance(v, FreshObj):
+        if isinstance(v, FreshObjV):
             raise Unsupported("unsupported_call", f"a {type(v.obj).__name__} made in the call is "
                               "returned or stored: eager makes a new one on every call")
-        if isinstance(v, Obj):
+        if isinstance(v, ObjV):
             return rb.FromSource(v.source) if v.source is not None else rb.Pinned(v.obj)
         if isinstance(v, SetV):
             return rb.SetOf(frozenset(v.items))
@@ -247,7 +290,7 @@ class SpecBuilder:
         self._rebuilt.add(id(v))
         maker = counter_from_pairs if v.cls is collections.Counter else v.cls
         if v.cls is collections.defaultdict:
-            if v.factory is not None and not isinstance(v.factory, (Obj, Const)):
+            if v.factory is not None and not isinstance(v.factory, (ObjV, ConstV)):
                 raise Unsupported("unsupported_call", "a defaultdict whose default_factory was "
                                   "made in the call is returned or stored")
             maker = functools.partial(collections.defaultdict,

@@ -23,7 +23,7 @@ import torch.fx
 
 from ..guards import HasAttrGuard
 from ..records import Unsupported
-from .values import Const, MethodV, Obj, Value
+from .values import ConstV, MethodV, ObjV, Value
 
 IN_TRY = "in_try"  # node meta: the op ran where a try/with handler covers it
 
@@ -36,7 +36,7 @@ class PyRaise(Unsupported):
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         super().__init__("exception_handling", explanation or text)
         self.exc = exc
-        self.value = value if value is not None else Obj(exc)
+        self.value = value if value is not None else ObjV(exc)
 
 
 def python_error(exc: BaseException, explanation: str | None = None) -> PyRaise:
@@ -84,7 +84,7 @@ def unwind(frame, ins, error: PyRaise) -> int:
     del frame.stack[entry.depth:]
     frame.kw_names = ()
     if entry.lasti:
-        frame.push(Const(ins.offset))
+        frame.push(ConstV(ins.offset))
     frame.push(error.value)
     return entry.target
 
@@ -102,10 +102,10 @@ def raise_value(tracer, exc_v: Value, cause: Value | None = None) -> PyRaise:
     """The ``PyRaise`` for ``raise exc_v [from cause]``; ``Unsupported`` for an exception
     this executor cannot model (made from tensor values, an object from outside the call)."""
     from .calls import call
-    exc = exc_v.obj if isinstance(exc_v, Obj) else None
+    exc = exc_v.obj if isinstance(exc_v, ObjV) else None
     if isinstance(exc, type) and issubclass(exc, BaseException):
         exc_v = call(tracer, exc_v, [], {})  # `raise ValueError`: the class is instantiated
-        exc = exc_v.obj if isinstance(exc_v, Obj) else None
+        exc = exc_v.obj if isinstance(exc_v, ObjV) else None
     if not isinstance(exc, BaseException) or exc_v.source is not None:
         raise Unsupported("exception_handling", f"the function raises {exc_v!r} here; the call "
                           "runs eagerly so the real exception is raised")
@@ -118,17 +118,17 @@ def raise_value(tracer, exc_v: Value, cause: Value | None = None) -> PyRaise:
 
 
 def _cause(tracer, cause: Value) -> BaseException | None:
-    if isinstance(cause, Const) and cause.value is None:
+    if isinstance(cause, ConstV) and cause.value is None:
         return None
-    if isinstance(cause, Obj) and isinstance(cause.obj, type) and issubclass(cause.obj, BaseException):
+    if isinstance(cause, ObjV) and isinstance(cause.obj, type) and issubclass(cause.obj, BaseException):
         from .calls import call
         cause = call(tracer, cause, [], {})
-    if isinstance(cause, Obj) and isinstance(cause.obj, BaseException):
+    if isinstance(cause, ObjV) and isinstance(cause.obj, BaseException):
         return cause.obj
     raise Unsupported("exception_handling", f"`raise ... from {cause!r}`")
 
 
-def exception_attr(tracer, exc_v: Obj, name: str) -> Value:
+def exception_attr(tracer, exc_v: ObjV, name: str) -> Value:
     """``e.name`` of an exception raised in the call: its data (``args``, ``__cause__``, what
     its class's ``__init__`` stored), or a method of its class."""
     exc = exc_v.obj
@@ -142,11 +142,11 @@ def exception_attr(tracer, exc_v: Obj, name: str) -> Value:
     if callable(attr) and not isinstance(attr, (type, BaseException)):
         raise Unsupported("unsupported_call", f"method {name!r} of an exception")
     if isinstance(attr, BaseException):
-        return Obj(attr)
+        return ObjV(attr)
     return tracer.wrap_python(attr)
 
 
-def missing_attribute(tracer, v: Obj, name: str) -> Unsupported:
+def missing_attribute(tracer, v: ObjV, name: str) -> Unsupported:
     """``v.name`` where the object from outside has no such attribute: eager's AttributeError,
     catchable when the absence is guarded (the object has a source)."""
     text = f"{type(v.obj).__name__!r} object has no attribute {name!r}"

@@ -9,7 +9,7 @@ from ..guards import NotShadowedGuard
 from ..records import Unsupported
 from .bytecode import analyse
 from .exceptions import PyRaise, step_in_try, unwind
-from .registry import HANDLERS, _load_families
+from .ops.registry import HANDLERS, _load_families
 from .values import CellV, Value
 
 

@@ -16,7 +16,7 @@ from ..guards import AliasGuard, InferenceGuard, TensorGuard, TypeGuard
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
-from .symint import SymV
+from .values.symint import SymV
 from .values import GeneratorV, TensorV, Value
 
 

@@ -13,7 +13,7 @@ from ..guards import (AttrSource, ContainsGuard, IdGuard, ItemSource, NoGlobalHo
 from ..guards.lookups import AttrIsGuard, stable
 from ..guards.sources import Source
 from ..records import Unsupported
-from .values import Obj
+from .values import ObjV
 
 # Attributes of these modules are trusted not to be rebound: reading ``torch.relu`` or
 # ``math.pi`` installs no guard (the global ``torch`` itself is id-guarded).
@@ -35,7 +35,7 @@ def guard_lookup(tracer, owner, name: str) -> None:
                                       expected=getattr(owner, name), where=tracer.where()))
 
 
-def guard_module_call(tracer, module_value: Obj) -> None:
+def guard_module_call(tracer, module_value: ObjV) -> None:
     """``module(...)`` is captured as its ``forward``: a hook (the module's own or a global
     one) would run around it in eager, so none may be set now or at a later call."""
     m = module_value.obj
@@ -46,7 +46,7 @@ def guard_module_call(tracer, module_value: Obj) -> None:
         tracer.add_guard(NoHooksGuard, module_value.source)
 
 
-def guard_method_lookup(tracer, v: Obj, name: str) -> Source | None:
+def guard_method_lookup(tracer, v: ObjV, name: str) -> Source | None:
     """``v.name`` found a function on ``v``'s class (or nothing on the instance): guard
     that the instance still does not shadow it and, for classes outside torch, that the
     class attribute is still that function (a method swapped after capture is seen).

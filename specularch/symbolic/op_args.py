@@ -9,14 +9,15 @@ from typing import Any
 import torch
 
 from ..records import Unsupported
-from . import item_args
-from .symint import SymV
-from .values import (Const, DictV, GeneratorV, ListV, Obj, SetV, TensorV, TupleV,
-                     UntrackedContainer, Value, leaves)
+from .speculation import item_args
+from .values.rolled import RolledListV
+from .values.symint import SymV
+from .values import (ConstV, DictV, GeneratorV, ListV, ObjV, SetV, TensorV, TupleV,
+                     UntrackedContainerV, Value, leaves)
 
 
 def is_dynamic(v: Value) -> bool:
-    return any(isinstance(leaf, SymV) or (isinstance(leaf, TensorV) and leaf.dynamic)
+    return any(isinstance(leaf, (SymV, RolledListV)) or (isinstance(leaf, TensorV) and leaf.dynamic)
                for leaf in leaves(v))
 
 
@@ -41,7 +42,7 @@ def holds_tensor(x: Any) -> bool:
 
 
 def concrete(v: Value) -> Any:
-    if isinstance(v, (Const, TensorV)):
+    if isinstance(v, (ConstV, TensorV, RolledListV)):
         return v.concrete()
     if isinstance(v, (SymV, item_args.ItemNumV)):
         return v.value  # the op stays symbolic: no specialisation
@@ -53,18 +54,18 @@ def concrete(v: Value) -> Any:
         return {k: concrete(i) for k, i in v.items.items()}
     if isinstance(v, SetV):
         return set(v.items)
-    if isinstance(v, Obj) and isinstance(v.obj, (torch.Generator,)):
+    if isinstance(v, ObjV) and isinstance(v.obj, (torch.Generator,)):
         return v.obj
-    if type(v).__name__ in ("ScalarV", "NumV", "ClockV") or isinstance(v, UntrackedContainer):
+    if type(v).__name__ in ("ScalarV", "NumV", "ClockV") or isinstance(v, UntrackedContainerV):
         return v.concrete()  # raises data_dependent_value / RelaxationRefused
     raise Unsupported("unsupported_call", f"passing {v!r} to a torch operation is not supported")
 
 
 def fx_arg(v: Value) -> Any:
     """The FX argument for a value: a node for tensors, the constant otherwise."""
-    if isinstance(v, (TensorV, SymV, GeneratorV, item_args.ItemNumV)):
+    if isinstance(v, (TensorV, SymV, GeneratorV, item_args.ItemNumV, RolledListV)):
         return v.node
-    if isinstance(v, Const):
+    if isinstance(v, ConstV):
         return v.value
     if isinstance(v, TupleV):
         return tuple(fx_arg(i) for i in v.items)

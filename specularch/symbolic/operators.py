@@ -16,12 +16,13 @@ from ..guards import DictKeysGuard
 from ..guards.sources import ModuleDictSource
 from ..records import Unsupported
 from .exceptions import python_error
-from . import symint, untracked
-from .symint import SymV
-from .training import ScalarV
-from . import deque_model
-from .values import (Const, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, Obj, SetV,
-                     TensorV, TupleV, UntrackedContainer, Value, contains_tensor, is_const)
+from .values import symint
+from .speculation import untracked
+from .values.symint import SymV
+from .values.scalar import ScalarV
+from .models import MODELS
+from .values import (ConstV, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, ObjV, SetV,
+                     TensorV, TupleV, UntrackedContainerV, Value, contains_tensor, is_const)
 
 # BINARY_OP's argument -> (operator, symbol); 13.. are the in-place forms (dis._nb_ops order).
 _NB = [(operator.add, "+"), (operator.and_, "&"), (operator.floordiv, "//"),
@@ -57,19 +58,16 @@ def _no_item_values(*values: Value) -> None:
 
 
 def binary(tracer, op, a: Value, b: Value) -> Value:
-    from . import printing
-    text = printing.binary(op, a, b)  # "%.4f" % loss.item(), "loss " + s: formatted at commit
+    text = MODELS.format_binary(op, a, b)  # "%.4f" % loss.item(), "loss " + s: formatted at commit
     if text is not None:
         return text
-    from . import deferred
-    number = deferred.binary(op, a, b)  # running = 0.9 * running + r.item(): computed at commit
+    number = MODELS.deferred_binary(op, a, b)  # running = 0.9 * running + r.item(): computed at commit
     if number is not None:
         return number
     if isinstance(a, TensorV) or isinstance(b, TensorV):  # `.item()` values: item_args.py
         return tracer.call_op("call_function", op, [a, b], {})
     _no_item_values(a, b)
-    from .stdlib_objects import binary as stdlib_binary
-    made = stdlib_binary(tracer, op, a, b)  # a deque or Counter operand
+    made = MODELS.stdlib_binary(tracer, op, a, b)  # a deque or Counter operand
     if made is not None:
         return made
     if (isinstance(a, SymV) or isinstance(b, SymV)) and op in symint.ARITHMETIC \
@@ -79,7 +77,7 @@ def binary(tracer, op, a: Value, b: Value) -> Value:
         if op in _INPLACE and isinstance(a, (ListV, DictV, SetV)):
             return _inplace_container(tracer, op, a, b)
         return concrete_op(tracer, op, a, b)
-    if isinstance(a, (TupleV, ListV)) and isinstance(b, (TupleV, ListV, Const)):
+    if isinstance(a, (TupleV, ListV)) and isinstance(b, (TupleV, ListV, ConstV)):
         return _sequence_op(tracer, op, a, b)
     if contains_tensor(a) or contains_tensor(b):
         if isinstance(a, (TupleV, ListV)) or isinstance(b, (TupleV, ListV)):
@@ -89,8 +87,8 @@ def binary(tracer, op, a: Value, b: Value) -> Value:
 
 
 def _sequence_op(tracer, op, a, b) -> Value:
-    if op in (operator.add, operator.iadd) and isinstance(b, (TupleV, ListV, Const)):
-        b_items = b.items if not isinstance(b, Const) else [tracer.wrap_python(x) for x in b.value]
+    if op in (operator.add, operator.iadd) and isinstance(b, (TupleV, ListV, ConstV)):
+        b_items = b.items if not isinstance(b, ConstV) else [tracer.wrap_python(x) for x in b.value]
         if op is operator.iadd and isinstance(a, ListV):
             ensure_local(tracer, a, "+=")
             a.items.extend(b_items)
@@ -98,7 +96,7 @@ def _sequence_op(tracer, op, a, b) -> Value:
         if isinstance(a, ListV):
             return ListV(a.items + list(b_items))
         return TupleV(a.items + list(b_items))
-    if op in (operator.mul, operator.imul) and isinstance(b, Const) and isinstance(b.value, int):
+    if op in (operator.mul, operator.imul) and isinstance(b, ConstV) and isinstance(b.value, int):
         items = a.items * b.value
         return ListV(items) if isinstance(a, ListV) else TupleV(items)
     raise Unsupported("unsupported_call", f"operator {op.__name__} on {_kind(a)} and {_kind(b)}")
@@ -140,12 +138,12 @@ def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
         return symint.compare(tracer, op, a, b)
     if symbol in ("==", "!=") and _values_view(a, b):  # dict_values compare by identity
         same = a is b
-        return Const(same if symbol == "==" else not same)
+        return ConstV(same if symbol == "==" else not same)
     if is_const(a) and is_const(b):
         return concrete_op(tracer, op, a, b)
     if symbol in ("==", "!=") and _identity_comparable(a) and _identity_comparable(b):
         same = identical(a, b)
-        return Const(same if symbol == "==" else not same)
+        return ConstV(same if symbol == "==" else not same)
     raise Unsupported("unsupported_call", f"comparison {symbol} of {_kind(a)} and {_kind(b)}")
 
 
@@ -154,9 +152,9 @@ def _values_view(*values: Value) -> bool:
 
 
 def _identity_comparable(v: Value) -> bool:
-    if isinstance(v, Const):
+    if isinstance(v, ConstV):
         return True
-    if isinstance(v, Obj):
+    if isinstance(v, ObjV):
         return type(v.obj).__eq__ is object.__eq__ or isinstance(v.obj, type)
     return isinstance(v, (FuncV,))
 
@@ -165,21 +163,21 @@ def identical(a: Value, b: Value) -> bool:
     """Python's ``a is b`` for values."""
     if a is b:
         return True
-    if isinstance(a, (Const, Obj, TensorV)) and isinstance(b, (Const, Obj, TensorV)):
+    if isinstance(a, (ConstV, ObjV, TensorV)) and isinstance(b, (ConstV, ObjV, TensorV)):
         return a.concrete() is b.concrete()
     return False
 
 
 def _untracked(*values: Value) -> None:
     for v in values:
-        if isinstance(v, UntrackedContainer):
+        if isinstance(v, UntrackedContainerV):
             v.concrete()  # raises RelaxationRefused: its whole contents are needed after all
 
 
 def truth(tracer, v: Value) -> bool:
     _no_item_values(v)
     _untracked(v)
-    if isinstance(v, Const):
+    if isinstance(v, ConstV):
         return bool(v.value)
     if isinstance(v, TensorV):
         return tracer.assume_truth(v)
@@ -191,7 +189,7 @@ def truth(tracer, v: Value) -> bool:
         return len(v.items) > 0
     if isinstance(v, DictViewV):
         return len(v.mapping.items) > 0
-    if isinstance(v, Obj):
+    if isinstance(v, ObjV):
         obj = v.obj
         if isinstance(obj, (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList)):
             return len(module_items(tracer, v)) > 0
@@ -214,15 +212,14 @@ def truth(tracer, v: Value) -> bool:
 
 
 def unary(tracer, op, v: Value) -> Value:
-    from . import deferred
-    number = deferred.unary(op, v)  # -v, abs(v) of a `.item()` value: computed at commit
+    number = MODELS.deferred_unary(op, v)  # -v, abs(v) of a `.item()` value: computed at commit
     if number is not None:
         return number
     _no_item_values(v)
     if isinstance(v, TensorV):
         return tracer.call_op("call_function", op, [v], {})
     if isinstance(v, SymV) and op is operator.neg:
-        return symint.arithmetic(tracer, operator.sub, Const(0), v)
+        return symint.arithmetic(tracer, operator.sub, ConstV(0), v)
     if is_const(v):
         return concrete_op(tracer, op, v)
     raise Unsupported("unsupported_call", f"{op.__name__} of {_kind(v)}")
@@ -230,7 +227,7 @@ def unary(tracer, op, v: Value) -> Value:
 
 # ---- subscripts --------------------------------------------------------------------------
 def getitem(tracer, container: Value, key: Value) -> Value:
-    if isinstance(container, UntrackedContainer):
+    if isinstance(container, UntrackedContainerV):
         return untracked.getitem(tracer, container, key)
     if isinstance(container, TensorV):
         return tracer.call_op("call_function", operator.getitem, [container, key], {})
@@ -238,7 +235,7 @@ def getitem(tracer, container: Value, key: Value) -> Value:
         raise Unsupported("data_dependent_value", "indexing a Python container with a tensor")
     if isinstance(container, (TupleV, ListV)):
         k = key.concrete()
-        deque_model.check_key(container, k)  # a deque takes no slices
+        MODELS.deque_check_key(container, k)  # a deque takes no slices
         try:
             picked = container.items[k]
         except Exception as e:
@@ -252,17 +249,16 @@ def getitem(tracer, container: Value, key: Value) -> Value:
     if isinstance(container, DictV):
         k = key.concrete()
         if k not in container.items:
-            from .stdlib_model import missing_item
-            return missing_item(tracer, container, k)  # defaultdict; KeyError otherwise
+            return MODELS.missing_item(tracer, container, k)  # defaultdict; KeyError otherwise
         return container.items[k]
-    if isinstance(container, Const) and is_const(key):
+    if isinstance(container, ConstV) and is_const(key):
         return concrete_op(tracer, operator.getitem, container, key)
-    if isinstance(container, Obj) and isinstance(container.obj, nn.Module):
+    if isinstance(container, ObjV) and isinstance(container.obj, nn.Module):
         return _module_getitem(tracer, container, key.concrete())
     raise Unsupported("unsupported_call", f"subscript of {_kind(container)}")
 
 
-def _module_getitem(tracer, mod: Obj, key) -> Value:
+def _module_getitem(tracer, mod: ObjV, key) -> Value:
     m = mod.obj
     if isinstance(m, nn.ModuleDict) and isinstance(key, str):
         _guard_keys(tracer, mod, "_modules")
@@ -278,18 +274,18 @@ def _module_getitem(tracer, mod: Obj, key) -> Value:
     raise Unsupported("unsupported_call", f"subscript {key!r} of {type(m).__name__}")
 
 
-def _table(mod: Obj, table: str, key: str):
+def _table(mod: ObjV, table: str, key: str):
     return None if mod.source is None else ModuleDictSource(mod.source, table, key)
 
 
-def _guard_keys(tracer, mod: Obj, table: str) -> None:
+def _guard_keys(tracer, mod: ObjV, table: str) -> None:
     if mod.source is not None:
         from ..guards.sources import AttrSource
         tracer.add_guard(DictKeysGuard, AttrSource(mod.source, table), dict,
                          tuple(getattr(mod.obj, table)))
 
 
-def module_items(tracer, mod: Obj) -> list[Value]:
+def module_items(tracer, mod: ObjV) -> list[Value]:
     """Children of a Sequential/ModuleList/ParameterList (guarding their names)."""
     m = mod.obj
     table = "_parameters" if isinstance(m, nn.ParameterList) else "_modules"
@@ -299,7 +295,7 @@ def module_items(tracer, mod: Obj) -> list[Value]:
 
 
 def setitem(tracer, container: Value, key: Value, value: Value) -> None:
-    if isinstance(container, UntrackedContainer):
+    if isinstance(container, UntrackedContainerV):
         untracked.setitem(tracer, container, key, value)
         return
     if isinstance(container, TensorV):
@@ -309,7 +305,7 @@ def setitem(tracer, container: Value, key: Value, value: Value) -> None:
     if isinstance(container, ListV):
         ensure_local(tracer, container, "item assignment")
         k = key.concrete()
-        deque_model.check_key(container, k)
+        MODELS.deque_check_key(container, k)
         if isinstance(k, slice):  # `l[1:3] = iterable`: assign its items
             value = consume(tracer, value)
         try:
@@ -330,7 +326,7 @@ def delitem(tracer, container: Value, key: Value) -> None:
     _untracked(container)
     if isinstance(container, (ListV, DictV)):
         ensure_local(tracer, container, "del")
-        deque_model.check_key(container, key.concrete())
+        MODELS.deque_check_key(container, key.concrete())
         try:
             del container.items[key.concrete()]
         except Exception as e:
@@ -340,7 +336,7 @@ def delitem(tracer, container: Value, key: Value) -> None:
 
 
 def contains(tracer, item: Value, container: Value) -> bool:
-    if isinstance(container, UntrackedContainer):
+    if isinstance(container, UntrackedContainerV):
         return untracked.contains(tracer, item, container)
     if isinstance(container, DictV):
         return item.concrete() in container.items
@@ -356,9 +352,9 @@ def contains(tracer, item: Value, container: Value) -> bool:
         if contains_tensor(item) or contains_tensor(container):
             raise Unsupported("data_dependent_branch", "`in` comparing tensors by value")
         return item.concrete() in [i.concrete() for i in container.items]
-    if isinstance(container, SetV) or (isinstance(container, Const) and is_const(item)):
+    if isinstance(container, SetV) or (isinstance(container, ConstV) and is_const(item)):
         return item.concrete() in container.concrete()
-    if isinstance(container, Obj) and isinstance(container.obj, nn.ModuleDict):
+    if isinstance(container, ObjV) and isinstance(container.obj, nn.ModuleDict):
         _guard_keys(tracer, container, "_modules")
         return item.concrete() in container.obj._modules
     raise Unsupported("unsupported_call", f"`in` on {_kind(container)}")
@@ -377,7 +373,7 @@ def iterate(tracer, v: Value) -> IterV:
         return IterV([], source=_keys(v))
     if isinstance(v, DictViewV):
         return IterV([], source=_view_items(v))
-    if isinstance(v, Const):
+    if isinstance(v, ConstV):
         try:
             return IterV([tracer.wrap_python(x) for x in v.value])
         except TypeError as e:
@@ -387,14 +383,14 @@ def iterate(tracer, v: Value) -> IterV:
             raise Unsupported("exception_handling", "iteration over a 0-d tensor")
         parts = tracer.call_op("call_method", "unbind", [v], {})
         return IterV(list(parts.items))
-    if isinstance(v, Obj):
+    if isinstance(v, ObjV):
         m = v.obj
         if isinstance(m, _SEQUENCE_MODULES):
             return IterV(module_items(tracer, v))
         if isinstance(m, (nn.ModuleDict, nn.ParameterDict)):
             table = "_modules" if isinstance(m, nn.ModuleDict) else "_parameters"
             _guard_keys(tracer, v, table)
-            return IterV([Const(k) for k in getattr(m, table)])
+            return IterV([ConstV(k) for k in getattr(m, table)])
     raise Unsupported("unsupported_call", f"iterating over {_kind(v)}")
 
 
@@ -419,7 +415,7 @@ def _keys(v: Value):
     def gen():
         for k in keys:
             check()
-            yield Const(k)
+            yield ConstV(k)
         check()
     return gen()
 
@@ -463,13 +459,13 @@ def length(tracer, v: Value) -> int:
         return len(v.items)
     if isinstance(v, DictViewV):
         return len(v.mapping.items)
-    if isinstance(v, Const):
+    if isinstance(v, ConstV):
         return len(v.value)
     if isinstance(v, TensorV):
         if v.example.dim() == 0:
             raise Unsupported("exception_handling", "len() of a 0-d tensor")
         return tracer.sym_size(v, 0).concrete()
-    if isinstance(v, Obj) and isinstance(v.obj, (nn.Sequential, nn.ModuleList, nn.ParameterList,
+    if isinstance(v, ObjV) and isinstance(v.obj, (nn.Sequential, nn.ModuleList, nn.ParameterList,
                                                   nn.ModuleDict, nn.ParameterDict)):
         if isinstance(v.obj, (nn.ModuleDict, nn.ParameterDict)):
             return len(iterate(tracer, v).items)
@@ -480,8 +476,8 @@ def length(tracer, v: Value) -> int:
 def _kind(v: Value) -> str:
     if isinstance(v, TensorV):
         return "a tensor"
-    if isinstance(v, Obj):
+    if isinstance(v, ObjV):
         return f"a {type(v.obj).__name__}"
-    if isinstance(v, Const):
+    if isinstance(v, ConstV):
         return f"a {type(v.value).__name__}"
     return type(v).__name__.replace("V", "").lower()

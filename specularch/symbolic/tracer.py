@@ -23,14 +23,15 @@ from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
-from . import budget, inputs, item_args, view_writes
+from .speculation import budget, item_args, view_writes
+from . import inputs
 from .assumptions import Assumptions
-from .leaf_writes import connect_reads
+from .speculation.leaf_writes import connect_reads
 from .library_files import is_library_file
-from .merge_aliases import MergedAliases
+from .speculation.merge_aliases import MergedAliases
 from .op_args import concrete, fx_arg, holds_tensor, is_dynamic, mark_dynamic, specialize_all
-from .symint import SymV
-from .values import (AppendOnlyListV, Const, DictV, KeyedDictV, ListV, MethodV, Obj, SetV, TensorV,
+from .values.symint import SymV
+from .values import (AppendOnlyListV, ConstV, DictV, KeyedDictV, ListV, MethodV, ObjV, SetV, TensorV,
                      TupleV, Value, contains_tensor, leaves)
 
 CONST_TYPES = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis),
@@ -105,6 +106,8 @@ class Tracer:
         self.inference_regions: list = []        # inference_mode blocks capture is in (grad_mode.py)
         self.handled_exception: Value | None = None  # sys.exc_info() in a handler (exceptions.py)
         self.clock_reads: list = []              # clock reads in program order (deferred.py)
+        self.loops: list = []                    # rolled / unrolled loops (rolled_loops.py)
+        self.rolling = 0                         # > 0 while a rolled loop's body is captured
         # recursion templates (specularch/templates): the path being captured, if any;
         # recursive functions left unrolled (code -> why); families called; object inputs
         self.template = None
@@ -150,19 +153,20 @@ class Tracer:
     def _wrap_new(self, obj: Any, source: Source | None) -> Value:
         t = type(obj)
         if isinstance(obj, torch.Tensor):
-            return inputs.wrap_tensor(self, obj, source)
+            dims = self.assumptions.dynamic_sources.get(source, ()) if source is not None else ()
+            return inputs.wrap_tensor(self, obj, source, frozenset(d for d in dims if d < obj.dim()))
         if t in CONST_TYPES:
             if source is not None and t in (int, float) and source in self.assumptions.symbolic_sources:
                 return inputs.wrap_argument(self, obj, source, frozenset(), True)
             if source is not None:
                 self.add_guard(ValueGuard, source, obj)
-            return Const(obj, source)
+            return ConstV(obj, source)
         if t is tuple or (isinstance(obj, tuple) and hasattr(t, "_fields")):
             if source is not None:
                 self.add_guard(LenGuard, source, t, len(obj))
             items = [self.wrap(x, _item(source, i)) for i, x in enumerate(obj)]
-            if all(isinstance(i, Const) for i in items) and t is tuple:
-                return Const(obj, source)
+            if all(isinstance(i, ConstV) for i in items) and t is tuple:
+                return ConstV(obj, source)
             return TupleV(items, t, source)
         # an OrderedDict read from outside (nn.Module's tables) is rebuilt as itself
         is_dict = t is dict or (t is collections.OrderedDict and source is not None)
@@ -209,20 +213,20 @@ class Tracer:
         if isinstance(obj, nn.Module):
             if source is not None:
                 self.add_guard(IdGuard, source, obj)
-            return Obj(obj, source)
+            return ObjV(obj, source)
         if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType,
                             functools.partial, types.MethodWrapperType, types.WrapperDescriptorType,
                             types.MethodDescriptorType, types.ClassMethodDescriptorType,
                             *OPERATOR_TYPES)):
             if source is not None:
                 self.add_guard(IdGuard, source, obj)
-            return Obj(obj, source)
+            return ObjV(obj, source)
         if isinstance(obj, torch.Generator):
             return inputs.wrap_generator(self, obj, source)
         if source is not None:
             guard, expected = _object_guard(obj)
             self.add_guard(guard, source, expected)
-        return Obj(obj, source)
+        return ObjV(obj, source)
 
     def graph_inputs(self) -> list[TensorV]:
         """Tensors read from outside the frame (placeholders), in the order first read."""
@@ -232,7 +236,7 @@ class Tracer:
         """``t.shape[dim]``: a constant unless the tensor's shape may vary between calls."""
         size = t.example.shape[dim]
         if not t.dynamic or (t.source is not None and dim % t.example.dim() not in t.dyn_dims):
-            return Const(size)
+            return ConstV(size)
         key = (t.node, dim)
         cached = self._sizes.get(key)
         if cached is None:
@@ -252,8 +256,8 @@ class Tracer:
 
     def sym_shape(self, t: TensorV) -> Value:
         dims = [self.sym_size(t, d) for d in range(t.example.dim())]
-        if all(isinstance(d, Const) for d in dims):
-            return Const(t.example.shape)
+        if all(isinstance(d, ConstV) for d in dims):
+            return ConstV(t.example.shape)
         return TupleV(dims, torch.Size)
 
     # ---- turning real calls into graph nodes --------------------------------------------
@@ -332,8 +336,8 @@ class Tracer:
             return self.sym_size(t, d)
         if label == "__len__":
             return self.sym_size(t, 0)
-        from .symint import arithmetic
-        total: Value = Const(1)
+        from .values.symint import arithmetic
+        total: Value = ConstV(1)
         for d in range(t.example.dim()):
             total = arithmetic(self, __import__("operator").mul, total, self.sym_size(t, d))
         return total
@@ -428,10 +432,10 @@ class Tracer:
         """A Python value computed during capture from constants (no source, no guard)."""
         t = type(value)
         if t in CONST_TYPES:
-            return Const(value)
+            return ConstV(value)
         if t is tuple:
             items = [self.wrap_python(x) for x in value]
-            return Const(value) if all(isinstance(i, Const) for i in items) else TupleV(items)
+            return ConstV(value) if all(isinstance(i, ConstV) for i in items) else TupleV(items)
         if t is list:
             return ListV([self.wrap_python(x) for x in value])
         if t in (dict, collections.OrderedDict, collections.defaultdict):
@@ -442,7 +446,7 @@ class Tracer:
             return SetV(set(value))
         if isinstance(value, torch.Tensor):
             return inputs.wrap_tensor(self, value, None)
-        return Obj(value)
+        return ObjV(value)
 
     def tick(self) -> None:
         self.instructions_left -= 1

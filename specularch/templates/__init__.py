@@ -11,3 +11,10 @@ equal to eager within float rounding).
 * ``rowwise.py`` — whether a path graph can run on many instances at once, and that form.
 * ``callsite.py`` — where capture meets recursion: the hook called by ``symbolic.calls``.
 """
+
+from ..symbolic import hooks as _hooks
+from .callsite import recursive_call as _recursive_call
+from .merge import merge_family_calls as _merge_family_calls
+
+_hooks.install(on_recursion=_recursive_call,
+               on_graph=lambda tracer: _merge_family_calls(tracer.graph))

@@ -18,7 +18,7 @@ from ..config import config
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ..symbolic.inputs import placeholder
-from ..symbolic.values import Const, DictV, ListV, Obj, TensorV, TupleV, Value
+from ..symbolic.values import ConstV, DictV, ListV, ObjV, TensorV, TupleV, Value
 from .family import TemplateMiss, family_for
 from .paths import check_signature
 
@@ -51,13 +51,19 @@ def _names_itself(code: types.CodeType) -> bool:
     """Whether the function may call itself (``self.encode(...)``, ``walk(...)``): then its
     first call is already a template call, so the root of the structure is a template
     instance too (one wavefront per structure, not one per child of the root)."""
-    return code.co_name in code.co_names
+    return _names(code, code.co_name)
+
+
+def _names(code: types.CodeType, name: str) -> bool:
+    # comprehensions and generator expressions are nested code objects in 3.11
+    return name in code.co_names or any(
+        isinstance(c, types.CodeType) and _names(c, name) for c in code.co_consts)
 
 
 def _looks_structural(bound: dict[str, Value]) -> bool:
     values = list(bound.values())
     return not any(isinstance(v, TensorV) for v in values) and any(
-        (isinstance(v, Obj) and not isinstance(v.obj, _CONTEXT_TYPES)) or isinstance(v, TupleV)
+        (isinstance(v, ObjV) and not isinstance(v.obj, _CONTEXT_TYPES)) or isinstance(v, TupleV)
         for v in values if getattr(v, "source", None) is not None)
 
 
@@ -73,9 +79,10 @@ def _family_call(tracer, code, globals_: dict, bound: dict[str, Value]) -> Value
     struct_nodes = tuple(_object_input(tracer, bound[params[i]]) for i in sorted(struct))
     ctx_nodes = tuple(_object_input(tracer, bound[params[i]]) for i in sorted(ctx))
     mapping = {i: bound[params[i]].source for i in ctx}
-    tensors = []
-    for source, value in zip(family.ctx_sources, family.ctx_values(L)):
-        tensors.append(tracer.wrap(value, rebase(source, mapping)).node)
+    tensors = []  # what this context's paths read (None: another context's tensor)
+    values = family.ctx_values(L, family.enabled_paths(L))
+    for source, value in zip(family.ctx_sources, values):
+        tensors.append(None if value is None else tracer.wrap(value, rebase(source, mapping)).node)
     node = tracer.graph.create_node("call_function", family.run,
                                     (struct_nodes, ctx_nodes, tuple(tensors)), {})
     node.meta["where"] = tracer.where()
@@ -93,9 +100,9 @@ def _classify(tracer, code, params, bound) -> tuple[list[int], list[int]]:
         if getattr(value, "source", None) is None:
             raise Unsupported("unsupported_call", f"{code.co_qualname} recurses on `{name}` "
                               "computed in the call (templates recurse on parts of arguments)")
-        if isinstance(value, Obj) and isinstance(value.obj, _CONTEXT_TYPES):
+        if isinstance(value, ObjV) and isinstance(value.obj, _CONTEXT_TYPES):
             ctx.append(i)
-        elif isinstance(value, (Obj, TupleV)) or (isinstance(value, Const) and value.value is None):
+        elif isinstance(value, (ObjV, TupleV)) or (isinstance(value, ConstV) and value.value is None):
             struct.append(i)
         elif isinstance(value, (ListV, DictV)) and not tracer.heap.pending():
             struct.append(i)
@@ -109,9 +116,9 @@ def _classify(tracer, code, params, bound) -> tuple[list[int], list[int]]:
 
 
 def _real(value: Value):
-    if isinstance(value, Obj):
+    if isinstance(value, ObjV):
         return value.obj
-    if isinstance(value, Const):
+    if isinstance(value, ConstV):
         return value.value
     return value.concrete()  # a tuple/list/dict rebuilt around the same leaf objects
 

@@ -4,7 +4,6 @@ running the instances one by one (exact) or by wavefront (``wavefront.py``)."""
 from __future__ import annotations
 
 import builtins
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -35,13 +34,6 @@ class Plan:
     heights: list = field(default_factory=list)    # per instance: 0 for a leaf of the walk
     roots: list = field(default_factory=list)      # instance id per root
 
-    def add(self, path: Path, nodes: tuple, kids: list) -> int:
-        self.paths.append(path)
-        self.nodes.append(nodes)
-        self.kids.append(kids)
-        self.heights.append(1 + max(self.heights[k] for k in kids) if kids else 0)
-        return len(self.paths) - 1
-
 
 class Family:
     def __init__(self, code, globals_: dict, params: tuple[str, ...], ctx_params: frozenset,
@@ -52,9 +44,10 @@ class Family:
         self.params = params
         self.ctx_params = ctx_params
         self.struct_params = struct_params
+        self._struct_order = tuple(sorted(struct_params))
         self.paths: list[Path] = []
         self.ctx_sources: list[Source] = []   # context tensors, over the template's locals
-        self._ctx_getter = None
+        self._ctx_getters: list = []          # one per ctx source
         self.last_call: dict = {}       # instances, levels, batch sizes of the latest run
         self.closed: str | None = None  # why paths are no longer captured at run time
         self.builtins = globals_.get("__builtins__", builtins)
@@ -67,14 +60,16 @@ class Family:
     def ctx_index(self, source: Source, example: torch.Tensor) -> int:
         if source not in self.ctx_sources:
             self.ctx_sources.append(source)
-            self._ctx_getter = None
         return self.ctx_sources.index(source)
 
-    def ctx_values(self, L: list) -> tuple:
-        """The context tensors read from the real context objects (during capture)."""
-        if self._ctx_getter is None:
-            self._ctx_getter = source_getter(self.ctx_sources)
-        return self._ctx_getter(L, self.globals)
+    def ctx_values(self, L: list, enabled: list[Path]) -> tuple:
+        """The context tensors read from the real context objects (during capture): those
+        the ``enabled`` paths read, None for the others (another model's, say)."""
+        needed = {inp.index for p in enabled for inp in p.inputs if inp.kind == "ctx"}
+        while len(self._ctx_getters) < len(self.ctx_sources):
+            self._ctx_getters.append(source_getter([self.ctx_sources[len(self._ctx_getters)]]))
+        return tuple(get(L, self.globals)[0] if i in needed else None
+                     for i, get in enumerate(self._ctx_getters))
 
     def enabled_paths(self, L: list) -> list[Path]:
         """The paths whose context guards hold for this call's context objects."""
@@ -116,33 +111,52 @@ class Family:
         return plan
 
     def _plan_one(self, plan: Plan, L: list, enabled: list[Path], capture: bool) -> int:
-        # an explicit stack: [locals, path, child locals, next child, child ids]
-        stack = [[L, None, None, 0, []]]
+        """Instances of the structure under ``L`` in post-order (eager's call order); an
+        explicit stack of [locals, path, children, next child, child ids] (no recursion
+        limit). The hot loop of a call: kept free of per-node allocations it can avoid."""
+        G, paths, nodes, kids_of, heights = self.globals, plan.paths, plan.nodes, plan.kids, plan.heights
+        stack: list = []
+        current = L
         while True:
-            top = stack[-1]
-            if top[1] is None:
-                top[1] = path = self.select(top[0], enabled, capture)
-                top[2] = self._children(path, top[0])
-            if top[3] < len(top[2]):
-                top[3] += 1
-                stack.append([top[2][top[3] - 1], None, None, 0, []])
-                if len(plan.paths) + len(stack) > MAX_INSTANCES:
+            path = self.select(current, enabled, capture)
+            children = self._children(path, current)
+            if children:
+                stack.append([current, path, children, 1, []])
+                current = children[0]
+                if len(stack) + len(paths) > MAX_INSTANCES:
                     raise TemplateMiss(f"{self.name}: the structure has more than "
                                        f"{MAX_INSTANCES} nodes (a cycle?)")
                 continue
-            stack.pop()
-            path, L_ = top[1], top[0]
-            index = plan.add(path, path.node_getter(L_, self.globals), top[4])
-            if not stack:
+            index = len(paths)
+            paths.append(path)
+            nodes.append(path.node_getter(current, G))
+            kids_of.append(())
+            heights.append(0)
+            while stack:  # climb while the parents are complete
+                top = stack[-1]
+                top[4].append(index)
+                if top[3] < len(top[2]):
+                    current = top[2][top[3]]
+                    top[3] += 1
+                    break
+                stack.pop()
+                kids = top[4]
+                index = len(paths)
+                paths.append(top[1])
+                nodes.append(top[1].node_getter(top[0], G))
+                kids_of.append(kids)
+                heights.append(1 + max(heights[k] for k in kids))
+            else:
                 return index
-            stack[-1][4].append(index)
 
-    def _children(self, path: Path, L: list) -> list[list]:
+    def _children(self, path: Path, L: list) -> list:
         values = path.hole_getter(L, self.globals)
-        children, i = [], 0
-        for hole in path.holes:
-            child = list(L)
-            for p in sorted(self.struct_params):
+        if not values:
+            return ()
+        children, order, i = [], self._struct_order, 0
+        for _ in path.holes:
+            child = L.copy()
+            for p in order:
                 child[p] = values[i]
                 i += 1
             children.append(child)
@@ -152,7 +166,7 @@ class Family:
     def run_exact(self, plan: Plan, ctx: tuple) -> list:
         outs: list = [None] * len(plan.paths)
         for i, path in enumerate(plan.paths):
-            outs[i] = path.gm(*_arguments(path, ctx, plan.nodes[i], plan.kids[i], outs))
+            outs[i] = path.gm.forward(*_arguments(path, ctx, plan.nodes[i], plan.kids[i], outs))
             path.runs += 1
         return [outs[r] for r in plan.roots]
 
@@ -161,7 +175,7 @@ class Family:
         paths the structure needs)."""
         enabled = self.enabled_paths(L)
         plan = self.plan([L], enabled, capture=True)
-        return self.run_exact(plan, self.ctx_values(L))[0]
+        return self.run_exact(plan, self.ctx_values(L, enabled))[0]
 
     def run(self, structs: tuple, ctx_objects: tuple, ctx: tuple):
         """The graph node: the value of the call on a new structure (``structs``: the
@@ -199,13 +213,20 @@ class Family:
         return L
 
 
+def ctx_tensor(ctx: tuple, index: int):
+    """Context tensor ``index`` as the graph passed it; a path captured after the graph (or
+    another context's path) may read one it did not pass: the call then runs eagerly."""
+    value = ctx[index] if index < len(ctx) else None
+    if value is None:
+        raise TemplateMiss("a template path reads a context tensor the graph did not pass")
+    return value
+
+
 def _arguments(path: Path, ctx: tuple, nodes: tuple, kids: list, outs: list) -> list:
     args = []
     for inp in path.inputs:
         if inp.kind == "ctx":
-            if inp.index >= len(ctx):
-                raise TemplateMiss("a template path reads a context tensor the graph did not pass")
-            args.append(ctx[inp.index])
+            args.append(ctx_tensor(ctx, inp.index))
         elif inp.kind == "node":
             args.append(nodes[inp.index])
         else:
@@ -214,18 +235,27 @@ def _arguments(path: Path, ctx: tuple, nodes: tuple, kids: list, outs: list) -> 
     return args
 
 
-_FAMILIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Families by the identity of their code object and globals: equal code objects compare
+# equal (two imports of one file, e.g. through a symlink) but run in different globals.
+_FAMILIES: dict[tuple[int, int], Family] = {}
 
 
 def family_for(code, globals_: dict, params: tuple, ctx_params: frozenset,
                struct_params: frozenset) -> Family:
-    key = _FAMILIES.get(code)
-    if key is not None and key.ctx_params == ctx_params and key.struct_params == struct_params:
-        return key
+    key = (id(code), id(globals_))
+    found = _FAMILIES.get(key)
+    if found is not None and found.code is code and found.globals is globals_ \
+            and found.ctx_params == ctx_params and found.struct_params == struct_params:
+        return found
     family = Family(code, globals_, params, ctx_params, struct_params)
-    _FAMILIES[code] = family
+    _FAMILIES[key] = family  # (holds the code and globals: ids are not reused while here)
     return family
 
 
 def families() -> list[Family]:
     return list(_FAMILIES.values())
+
+
+def reset() -> None:
+    """Forget every family (``specularch.reset()``)."""
+    _FAMILIES.clear()

@@ -11,7 +11,7 @@ import operator
 
 import torch.fx
 
-from ..entry import is_random_node
+from ..fx_lower.randomness import is_random_node
 
 
 def merge_family_calls(graph: torch.fx.Graph) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from ..config import config
-from ..entry import is_random_node
+from ..fx_lower.randomness import is_random_node
 from ..guards import GuardSet, ValueGuard
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
@@ -27,7 +27,7 @@ from ..symbolic.capture import _restore_process_state
 from ..symbolic.inputs import placeholder
 from ..symbolic.frame import Frame
 from ..symbolic.tracer import Tracer
-from ..symbolic.values import Const, TensorV, TupleV, Value
+from ..symbolic.values import ConstV, TensorV, TupleV, Value
 
 _UNSUPPORTED_FLAGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS | inspect.CO_GENERATOR
 
@@ -198,7 +198,7 @@ def _outputs(family, result: Value) -> tuple[list[TensorV], int | None]:
     if isinstance(result, TupleV) and result.cls is tuple and result.items and all(
             isinstance(i, TensorV) for i in result.items):
         return list(result.items), len(result.items)
-    kind = "a constant" if isinstance(result, Const) else type(result).__name__
+    kind = "a constant" if isinstance(result, ConstV) else type(result).__name__
     raise Unsupported("unsupported_call", f"{family.name} returns {kind}; templates need a "
                       "tensor or a tuple of tensors")
 

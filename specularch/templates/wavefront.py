@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .family import Plan, TemplateMiss, _arguments
+from .family import Plan, _arguments, ctx_tensor
 from .rowwise import batched_form
 
 
@@ -31,10 +31,18 @@ class _Store:
 
     def gather(self, instances: list[int], slot: int) -> torch.Tensor:
         """Rows of output ``slot`` of ``instances``, in that order, as one tensor."""
+        where = self.where
+        first = where[instances[0]][0]
+        rows = []
+        for i in instances:
+            b, r = where[i]
+            if b != first:
+                return self._from_batches(instances, slot)
+            rows.append(r)
+        return self._rows(first, slot, rows)
+
+    def _from_batches(self, instances: list[int], slot: int) -> torch.Tensor:
         places = [self.where[i] for i in instances]
-        first = places[0][0]
-        if all(b == first for b, _ in places):
-            return self._rows(first, slot, [r for _, r in places])
         order: dict[int, list[int]] = {}
         for b, r in places:
             order.setdefault(b, []).append(r)
@@ -52,10 +60,9 @@ class _Store:
 
     def _rows(self, b: int, slot: int, rows: list[int]) -> torch.Tensor:
         out = self.batches[b][slot]
-        if rows == list(range(out.shape[0])):
-            return out
-        if len(rows) == 1:
-            return out.narrow(0, rows[0], 1)
+        n, start = len(rows), rows[0]
+        if rows[-1] - start == n - 1 and rows == list(range(start, start + n)):
+            return out if n == out.shape[0] else out.narrow(0, start, n)
         return out.index_select(0, torch.tensor(rows, device=out.device))
 
     def result(self, i: int, arity):
@@ -71,9 +78,9 @@ def run_batched(family, plan: Plan, ctx: tuple) -> list:
         form = _form(path)
         if isinstance(form, str) or len(instances) == 1:
             for i in instances:
-                store.add([i], path.gm(*_one(path, ctx, plan, i, store)))
+                store.add([i], path.gm.forward(*_one(path, ctx, plan, i, store)))
         else:
-            store.add(instances, form.gm(*_many(path, form, ctx, plan, instances, store)))
+            store.add(instances, form.gm.forward(*_many(path, form, ctx, plan, instances, store)))
             family.stats["batches"] += 1
             family.stats["batched_instances"] += len(instances)
             family.stats["largest_batch"] = max(family.stats["largest_batch"], len(instances))
@@ -111,9 +118,7 @@ def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Stor
     args = []
     for position, inp in enumerate(path.inputs):
         if inp.kind == "ctx":
-            if inp.index >= len(ctx):
-                raise TemplateMiss("a template path reads a context tensor the graph did not pass")
-            args.append(ctx[inp.index])
+            args.append(ctx_tensor(ctx, inp.index))
         elif inp.kind == "node":
             values = [plan.nodes[i][inp.index] for i in instances]
             if position in form.number_dtypes:

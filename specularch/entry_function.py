@@ -1,0 +1,127 @@
+"""One cache entry = one generated Python function doing the whole fast path of a call:
+
+    def entry(L, C, G, B):
+        try:
+            <guards, each source evaluated once>        # return MISS on the first failure
+            <graph inputs and every object the commit will touch, read from their sources>
+        except Exception:
+            return MISS
+        c0 = CLOCK()                                # clock reads made before any tensor op
+        try:
+            R = GRAPH(s0, s3, ...)
+        except BaseException:                       # also KeyboardInterrupt
+            SET_GRAD(GRAD)                            # the guarded grad mode, as before the graph
+            raise
+        if bool(R[4]) is not True: return FAILED[0]    # in-graph assumptions
+        c1 = CLOCK(); n0 = ...                      # clocks after the graph; numbers computed
+                                                    # from .item() values (symbolic/speculation/deferred.py)
+        <objects created in the call, built from R and constants>  # shadow_heap/rebuild.py
+        <shadow-heap commit: the deferred writes, in program order> # shadow_heap/writes.py
+        return <the Python return value>
+
+Every source is read before the graph runs, so the commit writes into the objects as they
+were before the call, and nothing is written unless every guard and assertion passed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .guards import GlobalStateGuard, GuardSet, SourceNamer, TensorGuard, guard_lines
+from .guards.sources import PINNED
+from .shadow_heap import Rebuild
+from .shadow_heap.render import COMMIT_NAMESPACE, Renderer, commit_lines
+
+MISS = object()
+
+@dataclass(frozen=True)
+class AssumptionFailed:
+    """Returned by an entry whose in-graph assumption did not hold (nothing committed)."""
+
+    where: str
+    site: tuple
+    expected: bool
+
+    def explanation(self) -> str:
+        if self.site[0] == "rolled_loop":
+            return ("an assumption inside a rolled loop's body (a size or a tensor branch) did "
+                    "not hold in a later iteration")
+        if self.site[0] in ("specialize", "compare"):
+            return ("the graph assumed a size computed inside the function keeps the value it "
+                    "had at capture (it steers Python control flow), but it changed")
+        return (f"the graph assumed this branch on a tensor value is {self.expected}, "
+                f"but it was {not self.expected}")
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _only_plain_tensors(guards: GuardSet) -> bool:
+    return all(g.tensor_type in _PLAIN_TENSORS for g in guards if isinstance(g, TensorGuard))
+
+
+def _clock_reads(render: Renderer, phase: str) -> list[str]:
+    """The clock reads of one side of the graph, in program order."""
+    return [f"c{seq} = {render.const(fn)}()" for seq, (fn, at) in sorted(render.clocks.items())
+            if at == phase]
+
+
+def _numbers(lines: list[str], random_graph: bool) -> list[str]:
+    """The numbers the commit computes (symbolic/speculation/deferred.py), all before any write: one
+    that raises (a division by a zero ``.item()``) leaves every object untouched, and the
+    dispatcher runs the call eagerly, which raises it; that run must draw what the graph drew."""
+    if not lines or not random_graph:
+        return [f"    {line}" for line in lines]
+    return ["    try:", *[f"        {line}" for line in lines],
+            "    except BaseException:", "        SET_RNG(RNG)", "        raise"]
+
+
+def _guarded_grad_mode(guards: GuardSet) -> bool:
+    """The grad mode a call passing ``guards`` runs in (every capture guards it)."""
+    return next(g.grad_enabled for g in guards if isinstance(g, GlobalStateGuard))
+
+
+def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Rebuild, graph_fn: Callable,
+                fast_tensors: bool = True, writes: list = (), assertions: list = (),
+                random_graph: bool = False) -> tuple[Callable, str]:
+    """The entry function and its source text (kept for explain()). ``writes``: the lowered
+    shadow-heap records (``shadow_heap/writes.py``), committed in program order."""
+    consts: dict[str, Any] = {}
+    namer = SourceNamer()
+    body = guard_lines(guards, namer, consts, fast_tensors)
+    inputs = [namer.name(s) for s in input_sources]
+    render = Renderer(namer, consts)
+    commit = commit_lines(render, list(writes), _only_plain_tensors(guards))
+    result = render.expr(output_spec)
+    body += namer.lines
+    failed = [AssumptionFailed(where, site, expected) for _, expected, where, site in assertions]
+    src = ["def entry(L, C, G, B):", "    try:"]
+    src += [f"        {line}" for line in body] or ["        pass"]
+    src += ["    except Exception:", "        return MISS"]
+    call = f"R = GRAPH({', '.join(inputs)})"
+    # The graph switches grad mode around its no_grad blocks: one stopped inside such a block
+    # (an error, or Ctrl-C's KeyboardInterrupt) must not leave the caller's mode switched; the
+    # guards passed, so the mode before the graph is the guarded one. The eager re-run after
+    # a failed assumption or a graph that raised must draw the same random numbers as if the
+    # graph had never run.
+    restore = ["SET_GRAD(GRAD)", *(["SET_RNG(RNG)"] if random_graph else [])]
+    src += ["    RNG = GET_RNG()"] if random_graph else []
+    src += [f"    {line}" for line in _clock_reads(render, "before")]
+    src += ["    try:", f"        {call}", "    except BaseException:",
+            *[f"        {line}" for line in restore], "        raise"]
+    for i, (index, expected, _, _) in enumerate(assertions):
+        restore = "SET_RNG(RNG); " if random_graph else ""
+        src.append(f"    if bool(R[{index}]) is not {expected}: {restore}return FAILED[{i}]")
+    src += [f"    {line}" for line in _clock_reads(render, "after")]
+    src += _numbers(render.numbers, random_graph)
+    src += [f"    {line}" for line in render.prelude + commit]
+    src.append(f"    return {result}")
+    text = "\n".join(src) + "\n"
+    ns: dict[str, Any] = dict(consts, **COMMIT_NAMESPACE, MISS=MISS, GRAPH=graph_fn, O=PINNED,
+                              FAILED=failed,
+                              GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state,
+                              SET_GRAD=torch.set_grad_enabled, GRAD=_guarded_grad_mode(guards))
+    exec(compile(text, "<specularch entry>", "exec"), ns)
+    return ns["entry"], text

@@ -1,0 +1,23 @@
+"""Which graph nodes draw random numbers: such a node must run even when its result is unused,
+and a graph with one saves and restores the RNG state around a failed assumption."""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+_RANDOM_OPS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform",
+               "exponential", "poisson", "geometric", "cauchy", "log_normal", "rrelu",
+               "gumbel", "fractional_max_pool")
+
+
+def is_random_node(node: torch.fx.Node) -> bool:
+    """Whether the node draws random numbers (by op name; conservative: ``normalize`` counts).
+    Such a node must run even when its result is unused, to advance the RNG like eager."""
+    if node.meta.get("draws_random"):  # a rolled loop whose body does
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return any(r in str(name) for r in _RANDOM_OPS)
+
+
+def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
+    return any(is_random_node(node) for node in gm.graph.nodes)

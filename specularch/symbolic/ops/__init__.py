@@ -1,0 +1,1 @@
+"""Opcode handlers: the registry and one module per opcode family."""

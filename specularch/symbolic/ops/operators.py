@@ -1,0 +1,100 @@
+"""Opcode family: operators — arithmetic, unary, comparison, identity, membership,
+subscripts, slices and string formatting."""
+from __future__ import annotations
+
+import operator
+
+from ...records import Unsupported
+from ..speculation import branch_merge
+from .. import operators as ops
+from ..library import printing
+from .registry import handles
+from ..values import ConstV, TensorV, is_const
+
+
+@handles("BINARY_OP")
+def _binary_op(frame, ins):
+    b, a = frame.pop(), frame.pop()
+    frame.push(ops.binary(frame.tracer, ops.BINARY_OPS[ins.arg], a, b))
+
+
+@handles("UNARY_NEGATIVE")
+def _neg(frame, ins):
+    frame.push(ops.unary(frame.tracer, operator.neg, frame.pop()))
+
+
+@handles("UNARY_POSITIVE")
+def _pos(frame, ins):
+    frame.push(ops.unary(frame.tracer, operator.pos, frame.pop()))
+
+
+@handles("UNARY_INVERT")
+def _invert(frame, ins):
+    frame.push(ops.unary(frame.tracer, operator.invert, frame.pop()))
+
+
+@handles("UNARY_NOT")
+def _not(frame, ins):
+    frame.push(ConstV(not ops.truth(frame.tracer, frame.pop())))
+
+
+@handles("COMPARE_OP")
+def _compare(frame, ins):
+    b, a = frame.pop(), frame.pop()
+    frame.push(ops.compare(frame.tracer, ins.argval, a, b))
+
+
+@handles("IS_OP")
+def _is(frame, ins):
+    b, a = frame.pop(), frame.pop()
+    branch = frame.tracer.merged_aliases.identity(a, b)
+    if branch is not None:  # eager may give one tensor where the merged graph has two
+        raise branch_merge.refuse("`is` compares the identity of a merged tensor", branch)
+    same = ops.identical(a, b)
+    frame.push(ConstV(same != bool(ins.arg)))
+
+
+@handles("CONTAINS_OP")
+def _contains(frame, ins):
+    container, item = frame.pop(), frame.pop()
+    if isinstance(container, TensorV):
+        raise Unsupported("data_dependent_branch", "`in` on a tensor compares tensor values")
+    frame.push(ConstV(ops.contains(frame.tracer, item, container) != bool(ins.arg)))
+
+
+@handles("BINARY_SUBSCR")
+def _subscr(frame, ins):
+    key, container = frame.pop(), frame.pop()
+    frame.push(ops.getitem(frame.tracer, container, key))
+
+
+@handles("STORE_SUBSCR")
+def _store_subscr(frame, ins):
+    key, container, value = frame.pop(), frame.pop(), frame.pop()
+    ops.setitem(frame.tracer, container, key, value)
+
+
+@handles("DELETE_SUBSCR")
+def _delete_subscr(frame, ins):
+    key, container = frame.pop(), frame.pop()
+    ops.delitem(frame.tracer, container, key)
+
+
+@handles("BUILD_SLICE")
+def _build_slice(frame, ins):
+    parts = frame.popn(ins.arg)
+    if not all(is_const(p) for p in parts):
+        raise Unsupported("data_dependent_value", "a slice bound computed from a tensor value")
+    frame.push(ConstV(slice(*[p.concrete() for p in parts])))
+
+
+@handles("FORMAT_VALUE")
+def _format_value(frame, ins):
+    spec = frame.pop().concrete() if (ins.arg & 0x04) else ""
+    value = frame.pop()
+    frame.push(printing.format_value_v(value, ins.arg & 0x03, spec))
+
+
+@handles("BUILD_STRING")
+def _build_string(frame, ins):
+    frame.push(printing.build_string(frame.popn(ins.arg)))

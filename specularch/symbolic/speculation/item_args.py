@@ -1,0 +1,135 @@
+"""``.item()`` values passed to a torch op: ``advantage = R - value.item()``.
+
+Eager hands the op a Python number, the very ``float``/``int``/``bool`` that ``.item()``
+returned. The graph does the same: a ``t.item()`` node, placed where ``.item()`` was called
+(so it reads the tensor as it was then), feeds the op, and the op receives the same Python
+number, converted and promoted by torch exactly as in eager (bit-identical by construction,
+no type-promotion reasoning needed). A recipe over such values (``R - 0.5 * v.item()``,
+``deferred.py``) becomes the same Python operators on those numbers inside the graph,
+applied in the order eager applies them.
+
+Only ops in which the number is a *value* (arithmetic, comparisons, ``where``, ``clamp``,
+``fill``...) take it: there the number cannot change a result's shape, dtype or anything
+capture decided from it. Elsewhere (a size, a dim, an index, ``range``, a branch) it falls
+back as before (``data_dependent_value``). A graph that reads ``.item()`` runs only as the
+FX graph's own Python code (compiling backends refuse it, see ``fx_lower/backends.py``).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx
+
+from ..values import ConstV, Value
+from ..values.scalar import ScalarV
+
+# Operators and torch functions/methods (by name) whose number arguments are plain values.
+_OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
+                        operator.floordiv, operator.mod, operator.pow, operator.iadd,
+                        operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                        operator.imod, operator.ipow, operator.eq, operator.ne, operator.lt,
+                        operator.le, operator.gt, operator.ge))
+_ELEMENTWISE = frozenset((
+    "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "floor_divide",
+    "remainder", "fmod", "pow", "float_power", "rsub", "eq", "ne", "lt", "le", "gt", "ge",
+    "where", "clamp", "clip", "clamp_min", "clamp_max", "lerp", "masked_fill", "full_like",
+    "fill", "add_", "sub_", "mul_", "div_", "pow_", "clamp_", "clamp_min_", "clamp_max_",
+    "fill_", "masked_fill_", "lerp_",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__pow__", "__rpow__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
+    "__ge__"))
+# ``torch.tensor(data)``: numbers nested in lists and tuples (their structure decides the shape,
+# their Python types the dtype: both fixed for ``.item()`` values of guarded dtypes).
+_DATA = frozenset(("tensor", "as_tensor", "scalar_tensor"))
+# ``torch.full(size, v)``: the fill value only (the size decides the shape); ``F.batch_norm``'s
+# momentum (BatchNorm's ``1.0 / float(num_batches_tracked)``), which only weighs the update.
+_FILL_POSITION = {"full": (1, "fill_value"), "new_full": (2, "fill_value"),
+                  "batch_norm": (6, "momentum")}
+
+
+@dataclass(eq=False, repr=False)
+class ItemNumV(Value):
+    """A Python number the graph computes from ``.item()`` values: the op's argument is
+    ``node``; ``value`` is its value at capture (what the op ran with)."""
+
+    node: torch.fx.Node
+    value: Any
+
+    def concrete(self):
+        return self.value
+
+    def __repr__(self):
+        return f"ItemNumV({self.value!r})"
+
+
+def substitute(tracer, target, label: str, args: list, kwargs: dict) -> tuple[list, dict]:
+    """``args``/``kwargs`` with each ``.item()`` value (or recipe) the op takes as a value
+    replaced by its graph number; anything else is left for ``_concrete`` to refuse."""
+    if label in _DATA and args:  # ``torch.tensor([v])``: the numbers in the data
+        return [_data(tracer, args[0]), *args[1:]], kwargs
+    if not any(isinstance(a, ScalarV) for a in [*args, *kwargs.values()]):
+        return args, kwargs
+    allowed = _allowed_positions(target, label, len(args))
+    args = [_number(tracer, a) if i in allowed and isinstance(a, ScalarV) else a
+            for i, a in enumerate(args)]
+    kwargs = {k: _number(tracer, v) if k in allowed and isinstance(v, ScalarV) else v
+              for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _allowed_positions(target, label: str, count: int) -> set:
+    if target in _OPERATORS or label in _ELEMENTWISE:
+        return set(range(count)) | {"other", "alpha", "value", "min", "max", "exponent",
+                                    "weight", "input", "self", "scalar"}
+    if label in _FILL_POSITION:
+        return set(_FILL_POSITION[label])
+    return set()
+
+
+def _data(tracer, v: Value) -> Value:
+    from ..values import ListV, TupleV
+    if isinstance(v, ScalarV):
+        return _number(tracer, v)
+    if type(v) is ListV or type(v) is TupleV and v.cls is tuple:
+        items = [_data(tracer, i) for i in v.items]
+        if any(new is not old for new, old in zip(items, v.items)):
+            return type(v)(items)  # a copy for this op only: the list itself is unchanged
+    return v
+
+
+def _number(tracer, v) -> Value:
+    """The graph number for a ``.item()`` value or a recipe over them; ``v`` itself (refused
+    later, with its own reason) when it cannot be computed in the graph."""
+    from .deferred import ClockV, NumV
+    from ..values.symint import SymV
+    cached = getattr(v, "_in_graph", None)
+    if cached is not None:
+        return cached
+    if isinstance(v, ClockV) or isinstance(v, NumV) and v.type is None:
+        return v  # a clock is read outside the graph; an unstable type would change the op
+    if isinstance(v, NumV):
+        parts = [_number(tracer, a) if isinstance(a, ScalarV) else a for a in v.args]
+        if not all(isinstance(p, (ItemNumV, SymV, ConstV)) for p in parts):
+            return v
+        node = tracer.graph.call_function(v.fn, tuple(_node(p) for p in parts))
+    else:
+        node = _read(tracer, v)
+    node.meta.update(example=v.value, where=tracer.where(), mutates=False, writes=frozenset())
+    v._in_graph = ItemNumV(node, v.value)
+    return v._in_graph
+
+
+def _node(v: Value):
+    return v.value if isinstance(v, ConstV) else v.node
+
+
+def _read(tracer, v) -> torch.fx.Node:
+    """``t.item()`` as a graph node right where ``.item()`` was called: later in-place writes
+    into ``t`` (graph nodes after that point) do not change what it reads."""
+    at = v.read_after
+    while at.next.op == "placeholder":  # inputs found later are placed after placeholders
+        at = at.next
+    with tracer.graph.inserting_after(at):
+        return tracer.graph.call_method("item", (v.node,))

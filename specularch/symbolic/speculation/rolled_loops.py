@@ -1,0 +1,553 @@
+"""Rolled loops: ``for t in range(n)`` with a symbolic ``n`` is captured once, whatever ``n``.
+
+Unrolling such a loop makes one graph per trip count (then ``cache_limit``). Instead, at its
+``FOR_ITER``:
+
+1. iteration 0 runs symbolically as any code does (``t`` is ``0``), into the graph;
+2. iteration 1 runs with ``t`` a symbolic index (``LoopIndexV``) and its nodes are recorded;
+3. the loop is *regular* when what iteration 1 left in the frame has the shape of what it
+   found there (same Python values, tensors of the same size/dtype, the same aliasing) and
+   it touched nothing else (no shadow-heap write, no assumption, no list read that grows):
+   every later iteration would then record the same nodes. Tensors that changed are the
+   loop-carried values; tensors appended to a list once per iteration are per-iteration
+   outputs;
+4. iteration 1's nodes move into a body ``GraphModule`` (index, carried values, invariants
+   in; new carried values, per-iteration outputs out) and one node ``RolledLoop(n, carried,
+   invariants)`` runs it for ``t = 1 .. n-1`` when the graph runs. The graph is guarded on
+   ``n >= 1`` only.
+
+Autograd records the body's ops at run time like any graph op, in eager's order, so
+gradients and random draws are eager's bit for bit. A loop that is not regular, or whose
+results are then used in a way the rolled form does not support, raises ``RollRefused``:
+capture starts again with that loop unrolled (``capture.py``), and ``explain()`` says why.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ...fx_lower.randomness import is_random_node
+from ...records import Unsupported
+from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
+                             RollRefused, SymRangeIterV, become_rolled)
+from ..values.symint import SymV, arithmetic, compare
+from ..values import (CellV, ConstV, DictV, FuncV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,
+                     TupleV, Value)
+
+_CONTAINERS = (TupleV, ListV, DictV, NewObjV, CellV)
+_PLAIN_LEAVES = (ObjV, FuncV, MethodV, ConstV, SymV, NullV, TensorV, RolledListV)
+# Bytecode that makes an iteration leave the loop or write state the frame does not show.
+_NOT_IN_BODY = {"RETURN_VALUE", "YIELD_VALUE", "STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL",
+                "DELETE_GLOBAL", "DELETE_FAST", "IMPORT_NAME"}
+
+
+@dataclass
+class LoopReport:
+    """One loop of a capture, for ``explain()``: rolled (with the trip count of each call
+    through the graph) or unrolled (and why)."""
+
+    where: str
+    rolled: bool
+    why: str = ""
+    site: tuple = ()                     # (id(code), offset of FOR_ITER)
+    body_ops: int = 0
+    carried: int = 0
+    outputs: int = 0
+    trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
+
+    def __str__(self) -> str:
+        if not self.rolled:
+            return f"unrolled loop at {self.where}: {self.why}"
+        return (f"rolled loop at {self.where}: body {self.body_ops} ops, {self.carried} carried, "
+                f"{self.outputs} stacked; trip counts of the last calls: {list(self.trips)}")
+
+
+class RolledLoop:
+    """The graph node's target: runs the body for ``t = 1 .. n-1`` (iteration 0 is in the
+    graph), feeding each iteration's carried values to the next."""
+
+    __name__ = "rolled_loop"
+
+    def __init__(self, body: torch.fx.GraphModule, carried: int, outputs: int, expected: tuple,
+                 report: LoopReport):
+        self.body, self.carried, self.outputs, self.report = body, carried, outputs, report
+        self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
+
+    def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
+        self.report.trips.append(n)
+        step, k, o = self.body.forward, self.carried, self.outputs
+        outs: tuple = tuple([] for _ in range(o))
+        for t in range(1, n):
+            results = step(t, *carried, *invariants)
+            carried = results[:k]
+            for out, value in zip(outs, results[k:k + o]):
+                out.append(value)
+            if not all(bool(v) is e for v, e in zip(results[k + o:], self.expected)):
+                return (*carried, *outs, False)  # the entry runs the call eagerly instead
+        return (*carried, *outs, True) if self.expected else (*carried, *outs)
+
+
+def _join(head: list, tail: list) -> list:
+    return [*head, *tail]
+
+
+def _loop_index(site: tuple) -> int:  # stands for ``t`` while iteration 1 is captured
+    raise RuntimeError("a rolled loop's index node was left in the graph")
+
+
+# ---- where loops are rolled ------------------------------------------------------------------
+def symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
+    """``range(n)`` with a symbolic ``n`` consumed right away by a ``for`` loop: the iterator
+    that makes ``FOR_ITER`` roll the loop; None where the loop is unrolled as before."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], SymV) or not tracer.frames:
+        return None
+    frame = tracer.frames[-1]
+    code = frame.info.instructions
+    if frame.ip + 1 >= len(code) or code[frame.ip].opname != "GET_ITER" \
+            or code[frame.ip + 1].opname != "FOR_ITER":
+        return None
+    site = (id(frame.code), code[frame.ip + 1].offset)
+    where = f"{frame.code.co_filename}:{frame.lineno}"
+    why = _why_not_roll(tracer, site, args[0])
+    if why is not None:
+        if site not in tracer.assumptions.unrolled_loops:
+            tracer.loops.append(LoopReport(where, False, why, site=site))
+        return None
+    return SymRangeIterV([], n=args[0])
+
+
+def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
+    if site in tracer.assumptions.unrolled_loops:
+        return "refused before"  # the report of the refusal is kept by capture
+    if ("rolled_loop", *site) in tracer.unstable_sites:
+        return "an assumption its body made (a size, a tensor branch) failed at run time"
+    if tracer.rolling:
+        return "inside the body of a rolled loop"
+    if tracer.merging:
+        return "inside a tensor branch whose two sides are merged"
+    if tracer.template is not None:
+        return "inside a recursion template (templates/)"
+    if not isinstance(n.value, int) or n.value < 2:
+        return f"its trip count at capture ({n.value!r}) gives no second iteration to compare"
+    return None
+
+
+def for_iter(frame, ins, it: SymRangeIterV):
+    """``FOR_ITER`` on a ``SymRangeIterV``: runs and rolls the whole loop; returns where the
+    frame goes on (after the loop)."""
+    tracer = frame.tracer
+    loop = _Loop(frame, ins, it.n)
+    tracer.rolling += 1
+    try:
+        loop.run()
+    finally:
+        tracer.rolling -= 1
+    frame.pop()  # the iterator, as FOR_ITER does when it is exhausted
+    return ins.argval
+
+
+# ---- one loop ----------------------------------------------------------------------------------
+class _Loop:
+    def __init__(self, frame, ins, n: SymV):
+        self.frame, self.tracer, self.n = frame, frame.tracer, n
+        self.graph = self.tracer.graph
+        self.head = frame.ip - 1                      # index of FOR_ITER
+        self.exit = frame.info.index_of[ins.argval]
+        self.site = (id(frame.code), ins.offset)
+        self.where = f"{frame.code.co_filename}:{frame.lineno}"
+
+    def refuse(self, why: str):
+        raise RollRefused(self.site, self.where, why)
+
+    def run(self) -> None:
+        self._check_bytecode()
+        before_loop = set(self.graph.nodes)
+        first = _Snapshot(self.frame, self.tracer)
+        self._iterate(ConstV(0))                   # iteration 0: into the graph, as unrolled
+        head = _Snapshot(self.frame, self.tracer)
+        growing = head.grown_lists(first)
+        index_node = self.graph.call_function(_loop_index, (self.site,))
+        index = LoopIndexV(1, index_node, None, self.tracer, "t", site=self.site, where=self.where)
+        before_body = set(self.graph.nodes)
+        effects, assumed = _effects(self.tracer), len(self.tracer.assertions)
+        with _append_only(growing, self):
+            try:
+                self._iterate(index)               # iteration 1: becomes the body
+            except RollRefused:
+                raise
+            except Unsupported as e:
+                self.refuse(f"its body cannot be captured for a symbolic index ({e.explanation})")
+        changed = [name for name, size in _effects(self.tracer).items() if effects[name] != size]
+        if changed:
+            self.refuse(f"its body leaves effects beyond the loop's variables ({', '.join(changed)}"
+                        ": attribute/global/print writes, speculation on tensor values, ...)")
+        checks = self.tracer.assertions[assumed:]  # checked in every iteration instead
+        del self.tracer.assertions[assumed:]
+        if any(_depends_on(pred, index_node) for pred, _, _, _ in checks):
+            self.refuse(_INDEX_AS_PYTHON)
+        after = _Snapshot(self.frame, self.tracer)
+        match = _Match(head, after, index, growing, self)
+        match.frame_state(self.frame)
+        after.hidden_unchanged(head, match.visited, self)
+        body_nodes = [n for n in self.graph.nodes if n not in before_body]
+        _Roll(self, match, body_nodes, before_loop, before_body, index_node, checks).apply()
+
+    def _check_bytecode(self) -> None:
+        for ins in self.frame.info.instructions[self.head + 1:self.exit]:
+            if ins.opname in _NOT_IN_BODY:
+                self.refuse(f"its body has {ins.opname}")
+
+    def _iterate(self, index: Value) -> None:
+        frame = self.frame
+        frame.push(index)
+        frame.ip = self.head + 1
+        while frame.ip != self.head:
+            if frame.result is not None or not self.head < frame.ip < self.exit:
+                self.refuse("an iteration leaves the loop (break, return or an exception)")
+            frame._step()
+
+
+_EFFECTS = {"shadow-heap writes": lambda t: t.heap, "clock reads": lambda t: t.clock_reads, "view writes": lambda t: t.view_writes,
+            "distributed leaves": lambda t: t.distributed_leaves,
+            "inference regions": lambda t: t.inference_regions,
+            "optimizer state": lambda t: t.opt_state, "generators": lambda t: t.generators,
+            "recursion template calls": lambda t: t.template_calls,
+            "object inputs": lambda t: t.object_inputs}
+
+
+def _depends_on(node: torch.fx.Node, on: torch.fx.Node) -> bool:
+    """Whether ``node`` is Python arithmetic on ``on`` (a tensor in between, a size read of a
+    tensor made from the index, does not count: its value is not the index's)."""
+    seen, pending = set(), [node]
+    while pending:
+        n = pending.pop()
+        if n is on:
+            return True
+        if n in seen or isinstance(n.meta.get("example"), torch.Tensor) or n.target == "size":
+            continue
+        seen.add(n)
+        pending += n.all_input_nodes
+    return False
+
+
+def _effects(tracer) -> dict:
+    """What an iteration must leave as it found it (anything else outlives the loop body)."""
+    return {name: len(get(tracer)) for name, get in _EFFECTS.items()}
+
+
+class _append_only:
+    """While iteration 1 runs, the lists that grew by one in iteration 0 can only be appended
+    to: reading one (its length, its last item) would bake one iteration's value in the body."""
+
+    def __init__(self, lists: dict, loop: _Loop):
+        self.lists, self.loop = lists, loop
+
+    def __enter__(self):
+        for lst in self.lists.values():
+            lst.items = _AppendOnlyItems(lst.items, self.loop)
+
+    def __exit__(self, *exc):
+        for lst in self.lists.values():
+            lst.items = list(lst.items.unlocked())
+
+
+class _AppendOnlyItems(list):
+    def __init__(self, items, loop):
+        super().__init__(items)
+        self.loop = loop
+
+    def unlocked(self):
+        return [list.__getitem__(self, i) for i in range(list.__len__(self))]
+
+    def _read(self, *args, **kwargs):
+        self.loop.refuse("its body reads a list it appends to")
+
+    __getitem__ = __len__ = __iter__ = __contains__ = __setitem__ = __delitem__ = _read
+    pop = insert = extend = remove = index = count = __reversed__ = _read
+
+
+# ---- what the frame holds at the loop's head -----------------------------------------------
+class _Snapshot:
+    """The contents of every container reachable from the frames and the shadow heap's
+    overlays, copied (containers are mutated in place, so a later look sees other items)."""
+
+    def __init__(self, frame, tracer):
+        self.frame = frame
+        self.locals = dict(frame.locals)
+        self.stack = list(frame.stack)
+        self.cells = dict(frame.cells)
+        self.contents: dict[int, tuple] = {}
+        roots = [*self.locals.values(), *self.stack, *self.cells.values(),
+                 *tracer.heap.overlay_values(), *tracer._by_container_id.values()]
+        for other in tracer.frames:
+            roots += [*other.locals.values(), *other.stack, *other.cells.values()]
+        for v in roots:
+            self._walk(v)
+
+    def _walk(self, v) -> None:
+        pending = [v]
+        while pending:
+            v = pending.pop()
+            if not isinstance(v, _CONTAINERS) or id(v) in self.contents:
+                continue
+            items = _items(v)
+            self.contents[id(v)] = (v, items)
+            pending += list(items.values()) if isinstance(items, dict) else list(items)
+
+    def grown_lists(self, before: "_Snapshot") -> dict:
+        """Lists that an iteration appended exactly one item to."""
+        grown = {}
+        for key, (v, items) in self.contents.items():
+            old = before.contents.get(key)
+            if isinstance(v, ListV) and old is not None and old[0] is v \
+                    and len(items) == len(old[1]) + 1 and all(a is b for a, b in zip(items, old[1])):
+                grown[key] = v
+        return grown
+
+    def hidden_unchanged(self, head: "_Snapshot", visited: set, loop: _Loop) -> None:
+        """Containers the loop's variables do not reach must not change in an iteration."""
+        for key, (v, items) in head.contents.items():
+            if key in visited:
+                continue
+            now = self.contents.get(key)
+            if now is None or not _same_items(items, now[1]):
+                loop.refuse(f"its body changes a {type(v).__name__} the loop's variables do not "
+                            "hold")
+
+
+def _items(v):
+    if isinstance(v, (TupleV, ListV)):
+        return list(v.items)
+    if isinstance(v, DictV):
+        return dict(v.items)
+    if isinstance(v, NewObjV):
+        return dict(v.attrs)
+    return {"contents": v.contents}
+
+
+def _same_items(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _set_slot(holder, key, value) -> None:
+    if isinstance(holder, (TupleV, ListV, DictV)):
+        holder.items[key] = value
+    elif isinstance(holder, NewObjV):
+        holder.attrs[key] = value
+    elif isinstance(holder, CellV):
+        holder.contents = value
+    else:  # the frame's locals (a dict) or stack (a list)
+        holder[key] = value
+
+
+class _Match:
+    """Pairs what iteration 1 found (``head``) with what it left (``after``): the carried
+    tensors, the slots holding the index, the lists it appended to. Refuses anything else
+    that differs."""
+
+    def __init__(self, head: _Snapshot, after: _Snapshot, index: LoopIndexV, growing: dict,
+                 loop: _Loop):
+        self.head, self.after, self.index, self.growing, self.loop = head, after, index, growing, loop
+        self.carried: dict = {}          # (id(h), id(a)) -> [h, a, slots]
+        self.index_slots: list = []
+        self.appends: list = []          # (list, items before iteration 1, appended tensor)
+        self.visited: set = set()        # ids of containers compared
+        self._pairs: set = set()
+
+    def frame_state(self, frame) -> None:
+        h, a = self.head, self.after
+        if h.locals.keys() != a.locals.keys() or len(h.stack) != len(a.stack) \
+                or h.cells.keys() != a.cells.keys():
+            self.loop.refuse("an iteration binds other variables than the one before")
+        for name in h.locals:
+            self.value(h.locals[name], a.locals[name], (frame.locals, name), name)
+        for i, (x, y) in enumerate(zip(h.stack[:-1], a.stack[:-1])):
+            self.value(x, y, (frame.stack, i), f"stack[{i}]")
+        for name in h.cells:
+            self.value(h.cells[name], a.cells[name], (frame.cells, name), name)
+        self._check_aliasing()
+
+    def value(self, h, a, slot: tuple, path: str) -> None:
+        if isinstance(h, _CONTAINERS) and type(h) is type(a):
+            return self._container(h, a, path)
+        if a is self.index:
+            if not (isinstance(h, ConstV) and h.value == 0):
+                self.loop.refuse(f"`{path}` holds the index only from the second iteration on")
+            self.index_slots.append(slot)
+        elif isinstance(h, TensorV) and isinstance(a, TensorV):
+            if h is not a:
+                self._tensor(h, a, slot, path)
+        elif isinstance(h, ConstV) and isinstance(a, ConstV):
+            if type(h.value) is not type(a.value) or not _equal(h.value, a.value):
+                self.loop.refuse(f"`{path}` is a Python value that changes per iteration")
+        elif h is not a or not isinstance(a, _PLAIN_LEAVES):
+            self.loop.refuse(f"`{path}` changes per iteration ({type(h).__name__} -> "
+                             f"{type(a).__name__}) in a way the rolled loop cannot carry")
+
+    def _container(self, h, a, path: str) -> None:
+        if (id(h), id(a)) in self._pairs:
+            return
+        self._pairs.add((id(h), id(a)))
+        self.visited.add(id(h))
+        self.visited.add(id(a))
+        hi, ai = self.head.contents[id(h)][1], self.after.contents[id(a)][1]
+        if h is a and id(a) in self.growing:
+            if len(ai) != len(hi) + 1 or not all(x is y for x, y in zip(hi, ai)):
+                self.loop.refuse(f"`{path}` does not grow by one item per iteration")
+            if not isinstance(ai[-1], TensorV):
+                self.loop.refuse(f"`{path}` is appended a {type(ai[-1]).__name__}, not a tensor")
+            self.appends.append((a, hi, ai[-1]))
+            return
+        if getattr(h, "cls", None) is not getattr(a, "cls", None) or (
+                isinstance(hi, dict) and hi.keys() != ai.keys()) or len(hi) != len(ai):
+            self.loop.refuse(f"`{path}` changes its structure per iteration")
+        keys = hi.keys() if isinstance(hi, dict) else range(len(hi))
+        for k in keys:
+            self.value(hi[k], ai[k], (a, k), f"{path}[{k!r}]")
+
+    def _tensor(self, h: TensorV, a: TensorV, slot: tuple, path: str) -> None:
+        eh, ea = h.example, a.example
+        if (eh.shape, eh.dtype, eh.device, eh.layout, eh.requires_grad) != \
+                (ea.shape, ea.dtype, ea.device, ea.layout, ea.requires_grad):
+            self.loop.refuse(f"`{path}` changes shape, dtype or requires_grad per iteration")
+        entry = self.carried.setdefault((id(h), id(a)), [h, a, []])
+        entry[2].append(slot)
+
+    def _check_aliasing(self) -> None:
+        heads = collections.Counter(id(h) for h, _, _ in self.carried.values())
+        afters = collections.Counter(id(a) for _, a, _ in self.carried.values())
+        if any(c > 1 for c in heads.values()) or any(c > 1 for c in afters.values()):
+            self.loop.refuse("which loop variables hold the same tensor changes per iteration")
+
+
+def _equal(x, y) -> bool:
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
+
+
+# ---- from iteration 1 to a body and one graph node -----------------------------------------
+class _Roll:
+    def __init__(self, loop: _Loop, match: _Match, new_nodes: list, before_loop: set,
+                 before_body: set, index_node: torch.fx.Node, checks: list):
+        self.loop, self.match, self.tracer = loop, match, loop.tracer
+        self.graph = loop.graph
+        self.body_nodes = [n for n in new_nodes if n.op not in ("placeholder", "get_attr")]
+        self.in_body = set(self.body_nodes)
+        self.before_loop, self.before_body = before_loop, before_body
+        self.index_node = index_node
+        self.checks = checks  # (predicate node, expected, where, site) assumed in iteration 1
+        if any(pred not in self.in_body for pred, _, _, _ in checks):
+            loop.refuse("its body makes an assumption about a value from before the loop")
+        self.entries = list(match.carried.values())
+        self.heads = {h.node: k for k, (h, _, _) in enumerate(self.entries)}
+        if len(self.heads) != len(self.entries):
+            loop.refuse("two carried values share one graph node")
+        self.invariants: list = []
+
+    def apply(self) -> None:
+        body, outputs = self._body()
+        n = self.loop.n
+        compare(self.tracer, operator.ge, n, ConstV(1))  # iteration 0 is in the graph
+        report = LoopReport(self.loop.where, True, site=self.loop.site, body_ops=len(self.body_nodes),
+                            carried=len(self.entries), outputs=len(self.match.appends))
+        for node in reversed(self.body_nodes):
+            if any(user not in self.in_body for user in node.users):
+                self.loop.refuse("a value of the body is used after the loop other than "
+                                 "through the loop's variables")
+            self.graph.erase_node(node)
+        self.graph.erase_node(self.index_node)
+        target = RolledLoop(body, len(self.entries), len(self.match.appends),
+                            tuple(expected for _, expected, _, _ in self.checks), report)
+        node = self.graph.call_function(target, (n.node, tuple(h.node for h, _, _ in self.entries),
+                                                 tuple(self.invariants)))
+        node.meta["where"] = self.loop.where
+        node.meta["draws_random"] = any(m.meta.get("draws_random") or _random(m)
+                                        for m in body.graph.nodes)
+        self._rebind(node, outputs)
+        if self.checks:  # the body's assumptions held in every iteration
+            ok = self.graph.call_function(operator.getitem, (node, len(outputs) - len(self.checks)))
+            self.tracer.assertions.append((ok, True, self.loop.where, ("rolled_loop", *self.loop.site)))
+        self.tracer.loops.append(report)
+
+    def _input(self, node, env: dict, graph: torch.fx.Graph):
+        """The body's version of ``node``, read from outside iteration 1."""
+        if node in env:
+            return env[node]
+        if node in self.heads:
+            return env.setdefault(node, self._carried_inputs[self.heads[node]])
+        if node not in self.before_loop and node in self.before_body \
+                and node.op not in ("placeholder", "get_attr"):  # inputs first read in iteration 0
+            self.loop.refuse("its body reads a value of the previous iteration that no loop "
+                             f"variable holds ({node.name})")
+        self.invariants.append(node)
+        env[node] = graph.placeholder(f"invariant_{len(self.invariants)}")
+        return env[node]
+
+    def _body(self) -> tuple:
+        graph = torch.fx.Graph()
+        env = {self.index_node: graph.placeholder("t")}
+        self._carried_inputs = [graph.placeholder(f"carried_{k}") for k in range(len(self.entries))]
+        for node in self.body_nodes:
+            for arg in node.all_input_nodes:
+                if arg not in self.in_body:
+                    self._input(arg, env, graph)
+        # invariants are placeholders too: they must come after the carried ones
+        for node in self.body_nodes:
+            env[node] = graph.node_copy(node, lambda x: env[x])
+        results = [a.node for _, a, _ in self.entries] + [t.node for _, _, t in self.match.appends]
+        results += [pred for pred, _, _, _ in self.checks]
+        outputs = [self._input(r, env, graph) if r not in env else env[r] for r in results]
+        graph.output(tuple(outputs))
+        _placeholders_first(graph)
+        graph.lint()
+        body = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="RolledBody")
+        body.meta["constructed_by"] = "specularch.symbolic.rolled_loops"
+        return body, outputs
+
+    def _rebind(self, node: torch.fx.Node, outputs: list) -> None:
+        """The loop's variables after the loop: the rolled node's results."""
+        for k, (_, a, slots) in enumerate(self.entries):
+            out = self.graph.call_function(operator.getitem, (node, k))
+            out.meta["example"] = a.example
+            value = TensorV(out, a.example, dynamic=True)
+            for holder, key in slots:
+                _set_slot(holder, key, value)
+        last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
+        for holder, key in self.match.index_slots:
+            _set_slot(holder, key, last)
+        for j, (lst, head_items, appended) in enumerate(self.match.appends):
+            tail = self.graph.call_function(operator.getitem, (node, len(self.entries) + j))
+            head_nodes = [_fx(v) for v in head_items]
+            joined = self.graph.call_function(_join, (head_nodes, tail))
+            length = arithmetic(self.tracer, operator.add, last, ConstV(len(head_items)))
+            examples = [v.concrete() for v in head_items] + [appended.example] * (self.loop.n.value - 1)
+            become_rolled(lst, RolledListV(joined, examples, length, self.loop.where))
+
+
+def _fx(v: Value):
+    if isinstance(v, TensorV):
+        return v.node
+    if isinstance(v, ConstV):
+        return v.value
+    raise Unsupported("unsupported_call", f"a list a rolled loop appends to holds {v!r}")
+
+
+def _placeholders_first(graph: torch.fx.Graph) -> None:
+    """Placeholders made while copying (invariants) go before the first computing node."""
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if first is None:
+        return
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        first.prepend(node)
+
+
+def _random(node: torch.fx.Node) -> bool:
+    return is_random_node(node)

@@ -1,0 +1,90 @@
+"""The values a rolled loop (``rolled_loops.py``) puts on the symbolic stack: the iterator of
+``range(n)`` over a symbolic ``n``, the loop index while the body is captured, and the list
+a loop appended to once per iteration, whose length is then only known at run time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx
+
+from ...records import Unsupported
+from .symint import SymV
+from . import ConstV, IterV, Value
+
+
+INDEX_AS_PYTHON = "the body uses the loop index as a Python value (a branch, a list index, ...)"
+
+
+class RollRefused(Unsupported):
+    """A loop cannot be rolled (its body is not the same for every iteration, or what
+    follows needs it unrolled). Capture starts again with this loop unrolled, as before.
+
+    ``site`` is ``(id(code), offset of FOR_ITER)``; ``where`` the user's ``file:line``.
+    """
+
+    def __init__(self, site: tuple, where: str, why: str):
+        super().__init__("unsupported_call", f"loop at {where} not rolled: {why}")
+        self.site, self.where, self.why = site, where, why
+
+
+@dataclass(eq=False, repr=False)
+class SymRangeIterV(IterV):
+    """``iter(range(n))`` for a symbolic ``n``, about to be consumed by ``FOR_ITER``, which
+    rolls the loop. Anything else that pulls from it unrolls: ``n`` is specialised."""
+
+    n: Any = None
+    rolling_refused: bool = False
+
+    def next(self) -> Value | None:
+        if self.source is None and not self.items and self.pos == 0:
+            self.items = [ConstV(i) for i in range(self.n.concrete())]
+        return super().next()
+
+
+@dataclass(eq=False, repr=False)
+class LoopIndexV(SymV):
+    """The loop index while a rolled body is captured: torch ops take it as a graph input;
+    using it as a Python value would bake one iteration's index into the body."""
+
+    site: tuple = ()
+    where: str = ""
+
+    def concrete(self):
+        raise RollRefused(self.site, self.where, INDEX_AS_PYTHON)
+
+
+class RolledListV(Value):
+    """A list a rolled loop appended one tensor to per iteration: ``head`` (the items it had
+    before the rolled iterations) followed, at run time, by ``node``'s list. It supports what
+    needs no per-item Python value: ``torch.stack`` / ``torch.cat`` of it, ``len`` of it.
+    Anything else is ``Unsupported`` (capture then unrolls the loop)."""
+
+    holds_tensors = True  # values.contains_tensor: a list of tensors
+
+    def __init__(self, node: torch.fx.Node, examples: list, length: SymV, where: str):
+        self.node, self.examples, self.length, self.where = node, examples, length, where
+        self.source = None
+
+    @property
+    def items(self):
+        raise Unsupported("unsupported_call", f"the list filled by the rolled loop at {self.where} "
+                          "is used item by item (only torch.stack/cat and len are supported)")
+
+    def concrete(self):
+        return list(self.examples)
+
+    def python_type(self):
+        return list
+
+    def __repr__(self):
+        return f"RolledListV({self.node.name}, {self.length!r})"
+
+
+def become_rolled(lst: Value, rolled: RolledListV) -> None:
+    """Turn the ListV ``lst`` into ``rolled`` in place: every path that reaches the list (two
+    locals, a tuple, another frame) must see what the loop left in it, not its first items."""
+    lst.__dict__.clear()
+    lst.__class__ = RolledListV
+    lst.__dict__.update(rolled.__dict__)

@@ -1,0 +1,110 @@
+"""Symbolic Python numbers: sizes of dynamic dimensions and scalar arguments that vary.
+
+A ``SymV`` carries its value at capture time, the FX node that computes it when the graph
+runs, and — when it can be computed from the frame before the graph runs — ``expr``, a
+Python expression over the frame roots (``L[0].shape[0] * 2``). Passing a ``SymV`` to a
+torch op keeps it symbolic (the node is the argument). Using its value in Python (a branch,
+a loop count, an index) *specialises* it: a guard ``expr == value`` when ``expr`` is known,
+otherwise an in-graph assertion checked before commit.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx
+
+from ...guards.guard import ExprGuard, same_value
+from . import ConstV, Value
+
+_SYMBOL = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
+           operator.mod: "%", operator.truediv: "/", operator.pow: "**",
+           operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">=",
+           operator.eq: "==", operator.ne: "!="}
+ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
+              operator.truediv, operator.pow, operator.iadd, operator.isub, operator.imul,
+              operator.ifloordiv, operator.imod, operator.itruediv, operator.ipow}
+_INPLACE_TO_PLAIN = {operator.iadd: operator.add, operator.isub: operator.sub,
+                     operator.imul: operator.mul, operator.ifloordiv: operator.floordiv,
+                     operator.imod: operator.mod, operator.itruediv: operator.truediv,
+                     operator.ipow: operator.pow}
+COMPARISONS = {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne}
+
+
+@dataclass(eq=False, repr=False)
+class SymV(Value):
+    value: Any
+    node: torch.fx.Node
+    expr: str | None      # code over the frame roots, or None (known only inside the graph)
+    tracer: Any
+    label: str = ""       # the same expression as the user would write it
+
+    def concrete(self):
+        """The value, for use in Python: specialises (guards or asserts) on it."""
+        specialize(self.tracer, self)
+        return self.value
+
+    def python_type(self):
+        return type(self.value)
+
+    def __repr__(self):
+        return f"SymV({self.value}, {self.expr or self.node.name})"
+
+
+def specialize(tracer, v: SymV) -> None:
+    if v.expr is not None:
+        tracer.guards.add(ExprGuard(None, expr=v.expr, expected=v.value, label=v.label,
+                                    where=tracer.where()))
+    else:
+        check = tracer.graph.call_function(same_value, (v.node, v.value))  # -0.0 is not 0.0
+        tracer.assertions.append((check, True, tracer.where(), ("specialize", id(v.node))))
+
+
+def _operand(x: Value):
+    """(runtime arg, capture value, expr, label) of an operand of symbolic arithmetic."""
+    if isinstance(x, SymV):
+        return x.node, x.value, x.expr, x.label
+    text = repr(x.value)
+    if type(x.value) is float and not math.isfinite(x.value):
+        text = f"float({str(x.value)!r})"  # inf/nan have no literal
+    return x.value, x.value, text, repr(x.value)
+
+
+def arithmetic(tracer, op, a: Value, b: Value) -> Value:
+    op = _INPLACE_TO_PLAIN.get(op, op)
+    na, va, ea, la = _operand(a)
+    nb, vb, eb, lb = _operand(b)
+    try:
+        value = op(va, vb)
+    except ArithmeticError as e:  # 1 / n with n == 0: the user's error, as eager raises it
+        for x in (a, b):  # pinned to these values, the error is decided by guards
+            if isinstance(x, SymV):
+                x.concrete()
+        from ..exceptions import python_error
+        raise python_error(e.with_traceback(None)) from None
+    node = tracer.graph.call_function(op, (na, nb))
+    known = ea is not None and eb is not None
+    sym = _SYMBOL[op]
+    return SymV(value, node, f"({ea} {sym} {eb})" if known else None, tracer,
+                f"({la} {sym} {lb})" if known else "")
+
+
+def compare(tracer, op, a: Value, b: Value) -> ConstV:
+    """Comparisons decide Python control flow: the outcome is guarded (or asserted)."""
+    na, va, ea, la = _operand(a)
+    nb, vb, eb, lb = _operand(b)
+    outcome = op(va, vb)
+    if ea is not None and eb is not None:
+        sym = _SYMBOL[op]
+        tracer.guards.add(ExprGuard(None, expr=f"({ea} {sym} {eb})", expected=outcome,
+                                    label=f"({la} {sym} {lb})", where=tracer.where()))
+    else:
+        check = tracer.graph.call_function(op, (na, nb))
+        tracer.assertions.append((check, outcome, tracer.where(), ("compare", id(check))))
+    return ConstV(outcome)
+
+
+def is_symbolic_operand(x: Value) -> bool:
+    return isinstance(x, SymV) or (isinstance(x, ConstV) and type(x.value) in (int, float, bool))

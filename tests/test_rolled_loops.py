@@ -1,0 +1,203 @@
+"""Rolled loops (symbolic/rolled_loops.py): ``for t in range(n)`` with a trip count that varies
+between calls is captured once (the body once, ``n`` a run-time value), and stays equal to
+eager bit for bit: values, gradients, parameters after optimizer steps, heap writes. Loops
+that are not regular fall back to unrolling, still equal, and ``explain()`` says why."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import specularch
+from specularch.workloads import lstm_lm
+
+from differential import A, T, assert_same, check
+
+
+def _lm_step(model, opt):
+    def step(tokens, targets):
+        opt.zero_grad()
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def _train_both(lengths, layers=2, dropout=0.2, last_raises=None):
+    torch.manual_seed(0)
+    eager_model = lstm_lm.LSTMLM(30, 8, layers, dropout=dropout)
+    opt_model = copy.deepcopy(eager_model)
+    eager_step = _lm_step(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.5))
+    opt_step = specularch.optimize(_lm_step(opt_model, torch.optim.SGD(opt_model.parameters(), lr=0.5)))
+    data = torch.Generator().manual_seed(1)
+    for i, n in enumerate(lengths):
+        tokens = torch.randint(0, 30, (n, 4), generator=data)
+        targets = torch.randint(0, 30, (n, 4), generator=data)
+        torch.manual_seed(100 + i)  # dropout draws: the same stream on both sides
+        if last_raises is not None and i == len(lengths) - 1:
+            with pytest.raises(RuntimeError, match=last_raises) as eager_error:
+                eager_step(tokens, targets)
+            with pytest.raises(RuntimeError, match=last_raises) as opt_error:
+                opt_step(tokens, targets)
+            assert str(eager_error.value) == str(opt_error.value)
+            break
+        expected = eager_step(tokens, targets)
+        torch.manual_seed(100 + i)
+        got = opt_step(tokens, targets)
+        assert_same(expected, got, f"loss of step {i} (length {n})")
+        for (name, p), q in zip(eager_model.named_parameters(), opt_model.parameters()):
+            assert_same(p, q, f"{name} after step {i}")
+            assert_same(p.grad, q.grad, f"{name}.grad after step {i}")
+        assert_same(eager_model.state, opt_model.state, f"model.state after step {i}")
+    return specularch.explain(opt_step)
+
+
+def _cache_limits(report) -> int:
+    return sum(f.kind == "cache_limit" for f in report.fallbacks)
+
+
+def test_lstm_lm_training_step_captures_the_loop_once_for_every_length():
+    lengths = [3, 4, 5, 6] + [9, 2, 12, 7, 15, 10, 8, 13, 11, 14]  # 10 lengths after profiling
+    report = _train_both(lengths)
+    assert report.stats.captures == 1, report
+    assert _cache_limits(report) == 0 and not report.fallbacks, report
+    (loop,) = report.graphs[0].loops
+    assert loop.rolled and loop.carried >= 4 and loop.outputs == 1, report
+    assert list(loop.trips)[-3:] == lengths[-3:], report
+    assert "rolled loop at" in str(report) and "lstm_lm.py" in str(report)
+
+
+def test_a_rolled_loop_runs_one_iteration_and_zero_raises_like_eager():
+    report = _train_both([3, 4, 5, 6, 1, 7], layers=1)
+    assert report.stats.captures == 1 and not report.fallbacks, report
+    # length 0: torch.stack([]) raises in eager; the rolled graph is guarded on n >= 1
+    _train_both([3, 4, 5, 6, 7, 0], layers=1, last_raises="non-empty")
+
+
+def test_a_step_taking_a_batch_tuple_relaxes_the_sizes_inside_it_and_rolls():
+    # the benchmark's step: `train_step(batch)` with batch = (tokens, targets)
+    from specularch.guards.relax import NESTED_SIZES
+    torch.manual_seed(0)
+    eager_model = lstm_lm.LSTMLM(30, 8, 1)
+    opt_model = copy.deepcopy(eager_model)
+
+    def make(model):
+        step = _lm_step(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        return lambda batch: step(*batch)
+    eager_step = make(eager_model)
+    opt_step = specularch.optimize(make(opt_model))
+    data = torch.Generator().manual_seed(2)
+    lengths = [3, 3, 4, 6, 5, 9, 2, 7, 12, 8, 10, 11, 13, 14, 15, 16]
+    for i, n in enumerate(lengths):
+        batch = tuple(torch.randint(0, 30, (n, 4), generator=data) for _ in range(2))
+        torch.manual_seed(i)
+        expected = eager_step(batch)
+        torch.manual_seed(i)
+        assert_same(expected, opt_step(batch), f"loss at length {n}")
+    for p, q in zip(eager_model.parameters(), opt_model.parameters()):
+        assert_same(p, q, "parameters")
+    report = specularch.explain(opt_step)
+    # a few lengths get static graphs; from the NESTED_SIZES-th on, one rolled graph takes all
+    assert report.stats.captures <= NESTED_SIZES and not report.fallbacks, report
+    assert any("L['batch'][0]: dimension(s) [0] made dynamic" in r for r in report.relaxations), report
+    assert report.graphs[0].loops[0].rolled and len(report.graphs[0].loops[0].trips) >= 8, report
+
+
+def _length_args(i):
+    n = [4, 6, 3, 7, 5, 9][i % 6]
+    return A(T(n, 3, 5, requires_grad=True), T(5, 5, requires_grad=True), T(3, 5))
+
+
+def _accumulate(x, w, h):
+    outs = []
+    for t in range(x.shape[0]):
+        h = torch.tanh(x[t] @ w + h)
+        outs.append(h * 2)
+    return torch.stack(outs), torch.cat(outs), len(outs), h
+
+
+def test_a_loop_appending_to_a_list_is_rolled_and_equal_to_eager():
+    report = check(_accumulate, _length_args, calls=6, grad=True, expect="graph")
+    assert report.stats.captures == 1, report
+    assert report.graphs[0].loops[0].rolled, report
+
+
+def _index_steers_python(x, w, h):
+    for t in range(x.shape[0]):
+        if t % 2:  # the index as a Python value: the body differs per iteration
+            h = h * 0.5
+        h = torch.tanh(x[t] @ w + h)
+    return h
+
+
+def _carried_shape_grows(x, w, h):
+    for t in range(x.shape[0]):
+        h = torch.cat([h, x[t] @ w])  # h grows: no two iterations alike
+    return h.sum(0)
+
+
+def _reads_what_it_appends(x, w, h):
+    outs = [h]
+    for t in range(x.shape[0]):
+        outs.append(x[t] @ w + outs[-1])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_index_steers_python, "loop index as a Python value"),
+    (_carried_shape_grows, "changes shape"),
+    (_reads_what_it_appends, "reads a list it appends to"),
+])
+def test_an_irregular_loop_is_unrolled_equal_to_eager_and_explained(fn, why):
+    report = check(fn, _length_args, calls=5, grad=True)
+    loops = [loop for graph in report.graphs for loop in graph.loops]
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert any(why in loop.why for loop in loops), report
+    assert why in str(report)
+
+
+def _scalar_trip_count(x, n):
+    h = x
+    for t in range(n):
+        h = torch.sin(h) + t
+    return h
+
+
+def test_a_python_int_trip_count_made_symbolic_is_rolled():
+    report = check(_scalar_trip_count, lambda i: A(T(3, requires_grad=True), [2, 5, 3, 4, 7, 9][i]),
+                   calls=6, grad=True, expect="graph")
+    assert report.stats.captures == 1, report
+    assert report.graphs[0].loops[0].rolled, report
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(3, 4)
+
+    def forward(self, x):
+        h = torch.zeros(x.shape[1], 4)
+        for t in range(x.shape[0]):
+            h = self.cell(x[t], h)
+            if h.sum() > 0:  # a tensor branch: assumed per iteration, checked at run time
+                h = h * 0.5
+        return h
+
+
+def test_an_assumption_inside_the_body_is_checked_in_every_iteration():
+    torch.manual_seed(0)
+    eager, opt = _Gated(), None
+    opt = specularch.optimize(copy.deepcopy(eager))
+    data = torch.Generator().manual_seed(3)
+    for n in [3, 4, 5, 6, 8, 5, 9, 7, 10, 6]:
+        x = torch.randn(n, 2, 3, generator=data) * 3
+        assert_same(eager(x), opt(x), f"length {n}")
+    report = specularch.explain(opt)
+    # the branch flipped in a later iteration of the rolled body: that call ran eagerly, and
+    # the loop is unrolled from then on
+    assert any(f.kind == "assumption_failed" and "rolled loop" in f.explanation
+               for f in report.fallbacks), report
+    assert any("failed at run time" in loop.why for g in report.graphs for loop in g.loops), report
