@@ -4,7 +4,7 @@ so these tests count work instead: the Python-level calls (functions and builtin
 the first captured call of a training step (or the `fx` backend's compile of its graph), for a
 model and one 4 times its size. Linear cost gives a ratio near 4 (a little less: a part of
 the work does not depend on the size), a part quadratic in the graph's size pushes it toward
-16: before ``fold_clones`` followed users, the backend's ratio was 6.2 (16 -> 64 layers).
+16: before ``fold_clones`` followed users, its ratio was 9.3 (100 -> 400 clones).
 
 The output node's inputs are replaced in C (``Node._replace_input_with``), one call per use
 but costing the output's whole argument list: each such call counts as many units as the
@@ -120,8 +120,9 @@ def _fx_compile_work(layers: int, counter: dict) -> int:
 
 
 def test_fx_backend_passes_do_linear_work(output_rewrites_weighted):
-    """The passes that were quadratic (``fold_clones`` scanned the rest of the graph for each
-    clone and rewrote the output node's argument list once per folded tensor)."""
+    """The whole backend: its passes and the code generation of a training step's graph
+    (6.2x for 4x layers when ``fold_clones`` was quadratic and parameters were updated on
+    clones; since the commit replays those updates, its clones are fewer)."""
     _fx_compile_work(1, output_rewrites_weighted)
     small = _fx_compile_work(16, output_rewrites_weighted)
     large = _fx_compile_work(64, output_rewrites_weighted)
@@ -151,3 +152,46 @@ def test_capture_leaves_garbage_collection_as_it_found_it(fn, enabled):
         assert len(specularch.explain(fast).fallbacks) == (fn is _unsupported_step)
     finally:
         gc.enable() if was else gc.disable()
+
+
+def _clone_chains(n: int) -> torch.fx.GraphModule:
+    """What capture makes of ``n`` tensors each updated in place on a copy (``c =
+    p.clone(); c.mul_(0.9); c.add_(g)``), all returned: ``fold_clones``' input."""
+    graph = torch.fx.Graph()
+    g = graph.placeholder("g")
+    g.meta["example"] = torch.ones(4)
+    outputs = []
+    for i in range(n):
+        p = graph.placeholder(f"p{i}")
+        p.meta["example"] = torch.full((4,), float(i))
+        c = graph.call_method("clone", (p,))
+        c.meta["example"] = p.meta["example"].clone()
+        scaled = graph.call_method("mul_", (c, 0.9))
+        added = graph.call_method("add_", (scaled, g))
+        scaled.meta["example"] = added.meta["example"] = c.meta["example"]
+        outputs.append(added)
+    graph.output(tuple(outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _fold_work(n: int, counter: dict) -> int:
+    from specularch.fx_lower.passes import fold_clones
+    gm = _clone_chains(n)
+    inputs = [torch.ones(4)] + [torch.full((4,), float(i)) for i in range(n)]
+    with _Work() as work:
+        counter["work"] = work
+        folded = fold_clones(gm)
+        counter["work"] = None
+    assert ".clone()" not in folded.code and folded.meta["folded_clones"] == n
+    assert all(torch.equal(a, b) for a, b in zip(folded(*inputs), gm(*inputs)))
+    return work.calls
+
+
+def test_fold_clones_does_linear_work(output_rewrites_weighted):
+    """``fold_clones`` walked from each clone to the end of the graph and rewrote the output
+    node's arguments once per folded tensor (9.3x the work for 4x the chains)."""
+    _fold_work(10, output_rewrites_weighted)
+    small = _fold_work(100, output_rewrites_weighted)
+    large = _fold_work(400, output_rewrites_weighted)
+    ratio = large / small
+    assert ratio < 5, f"4x the clones cost {ratio:.1f}x the work ({large} vs {small} calls)"
