@@ -100,8 +100,11 @@ def test_every_write_kind_is_a_typed_record_and_the_value_a_typed_tree():
     cap = capture(every_kind.__code__, every_kind.__globals__, names, (box, lst, d, buf, t), None,
                   max_instructions=100_000, inline_depth=8)
     kinds = [type(w) for w in cap.writes]
+    # `buf.add_(t)`, read by nothing after: replayed by the commit (a copy, UpdateTensor, when
+    # read: tests/test_copy_tax.py)
     assert kinds == [wr.SetAttr, wr.DelAttr, wr.SetGlobal, wr.ReplaceList, wr.ReplaceDict,
-                     wr.UpdateTensor, wr.Print], kinds
+                     wr.ReplayTensor, wr.Print], kinds
+    assert cap.writes[5].ops[0][0] == "add_" and isinstance(cap.writes[5].ops[0][1][0], rb.GraphOutput)
     assert isinstance(cap.writes[2].target, rb.CallerGlobals)
     assert isinstance(cap.output, rb.TupleOf)
     made = {type(r) for r in rb.walk(cap.output)}

@@ -82,9 +82,10 @@ def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     # the same op over many tensors (an optimizer update) batched into one
     # ``torch._foreach_*`` call (``foreach.batch_foreach``: the same per-tensor kernels).
     from ._torch_fx_names import bind_renamed_targets
-    from .foreach import batch_foreach
-    from .passes import fold_clones
-    return bind_renamed_targets(batch_foreach(fold_clones(gm))).forward
+    # Both passes run on one copy of the graph, whose code is generated once.
+    from .foreach import BATCH_FOREACH
+    from .passes import FOLD_CLONES, rewritten_copy
+    return bind_renamed_targets(rewritten_copy(gm, FOLD_CLONES, BATCH_FOREACH)).forward
 
 
 def _flattened(gm: torch.fx.GraphModule) -> bool:

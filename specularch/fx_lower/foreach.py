@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from ._torch_foreach import foreach_op
-from .passes import rewritten_copy
+from .passes import Rewrite, rewritten_copy
 
 # Per-tensor op -> its foreach op, by operand form. ``tensors``: how many tensor operands
 # (self first); ``scalar``: the position (int) or keyword (str) of the one Python-number
@@ -79,10 +79,15 @@ def batch_foreach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     member depends on another and every operand is ready before the group. A node needing
     autograd, a view, a mutation of anything else, a change of grad mode or an unknown call
     ends a run. Graphs with dynamic sizes are left alone."""
-    def batch(graph: torch.fx.Graph) -> int:
-        numbers = _merge_number_arithmetic(graph)
-        return sum(_batch_run(graph, run, numbers) for run in _pure_runs(graph, numbers))
-    return rewritten_copy(gm, batch, "specularch.fx_lower.foreach.batch_foreach", "foreach_groups")
+    return rewritten_copy(gm, BATCH_FOREACH)
+
+
+def _batch(graph: torch.fx.Graph) -> int:
+    numbers = _merge_number_arithmetic(graph)
+    return sum(_batch_run(graph, run, numbers) for run in _pure_runs(graph, numbers))
+
+
+BATCH_FOREACH = Rewrite(_batch, "specularch.fx_lower.foreach.batch_foreach", "foreach_groups")
 
 
 def _is_number(value) -> bool:

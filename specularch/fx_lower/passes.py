@@ -3,7 +3,10 @@ the result's ``meta["constructed_by"]`` names the pass."""
 from __future__ import annotations
 
 import copy
+import heapq
 import operator
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx
@@ -82,46 +85,61 @@ def fold_clones(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out-of-place op gives, on meta tensors, the clone's dtype, shape and strides. Graphs with
     dynamic sizes are left alone (strides checked at one shape need not hold at another).
     Returns a new GraphModule (the input is not changed) sharing ``gm``'s attributes."""
-    def fold(graph: torch.fx.Graph) -> int:
-        return sum(_fold_chain(graph, node) for node in list(graph.nodes)
-                   if node.op == "call_method" and node.target == "clone")
-    return rewritten_copy(gm, fold, "specularch.fx_lower.passes.fold_clones", "folded_clones")
+    return rewritten_copy(gm, FOLD_CLONES)
 
 
-def rewritten_copy(gm: torch.fx.GraphModule, rewrite, constructed_by: str,
-                   count_key: str) -> torch.fx.GraphModule:
+def _fold(graph: torch.fx.Graph) -> int:
+    # The output node reads most updated tensors: replacing its inputs one alias at a
+    # time rewrites its (program-sized) argument tuple per alias, so it is done once.
+    renamed: dict = {}
+    count = sum(_fold_chain(graph, node, renamed) for node in list(graph.nodes)
+                if node.op == "call_method" and node.target == "clone")
+    if renamed:
+        output = next(iter(reversed(graph.nodes)))
+        output.args = torch.fx.node.map_arg(output.args, lambda n: renamed.get(n, n))
+        for alias in reversed(renamed):
+            graph.erase_node(alias)
+    return count
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A graph rewrite run by ``rewritten_copy``: ``run(graph) -> how many rewrites`` changes
+    the graph in place; ``constructed_by`` names the pass, ``count_key`` the ``meta`` entry
+    that gets the count."""
+    run: Callable[[torch.fx.Graph], int]
+    constructed_by: str
+    count_key: str
+
+
+FOLD_CLONES = Rewrite(_fold, "specularch.fx_lower.passes.fold_clones", "folded_clones")
+
+
+def rewritten_copy(gm: torch.fx.GraphModule, *rewrites: Rewrite) -> torch.fx.GraphModule:
     """A new GraphModule sharing ``gm``'s attributes, over a copy of its graph changed by
-    ``rewrite(graph) -> how many rewrites`` (graphs with dynamic sizes are left as they are);
-    ``meta`` says which pass made it and ``meta[count_key]`` how many rewrites it did."""
+    each rewrite in turn (graphs with dynamic sizes are left as they are); ``meta`` says
+    which pass made it (the last one) and each pass's count. Several rewrites share one
+    copy of the graph and one generation of its code: both cost the graph's size."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    count = 0 if gm.meta.get("dynamic_dims") else rewrite(graph)
+    counts = {r.count_key: 0 if gm.meta.get("dynamic_dims") else r.run(graph) for r in rewrites}
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta = dict(gm.meta, constructed_by=constructed_by, **{count_key: count})
-    if count:
+    new.meta = dict(gm.meta, constructed_by=rewrites[-1].constructed_by, **counts)
+    if any(counts.values()):
         graph.lint()
     return new
 
 
-def _fold_chain(graph: torch.fx.Graph, clone: torch.fx.Node) -> int:
+def _fold_chain(graph: torch.fx.Graph, clone: torch.fx.Node, renamed: dict) -> int:
+    """Folds the chain of ``clone`` (see ``fold_clones``); the aliases the output node still
+    reads go into ``renamed`` (alias -> its folded value) for the caller to replace and
+    erase."""
     example = clone.meta.get("example")
     if len(clone.args) != 1 or clone.kwargs or not isinstance(example, torch.Tensor) or \
             example.requires_grad or not isinstance(clone.args[0], torch.fx.Node):
         return 0
-    aliases, chain = {clone}, []  # nodes whose value is the clone's tensor, in-place updates
-    node = clone.next
-    while node.op != "output":
-        if any(a in aliases for a in node.all_input_nodes):
-            if not (node.op == "call_method" and node.target in _OUT_OF_PLACE
-                    and node.args and node.args[0] in aliases):
-                break  # a read: from here on `c` holds its final value
-            if not chain and node is not clone.next:
-                return 0
-            chain.append(node)
-            aliases.add(node)
-        elif not chain:
-            return 0  # something ran between the clone and its first update
-        node = node.next
+    chain = _update_chain(clone)
+    aliases = {clone, *chain}
     if not chain or not _same_layout(clone, chain, aliases):
         return 0
     current = clone.args[0]
@@ -134,10 +152,44 @@ def _fold_chain(graph: torch.fx.Graph, clone: torch.fx.Node) -> int:
         new.meta = dict(op.meta, example=example, mutates=False)
         current = new
     for alias in [clone, *chain]:
-        alias.replace_all_uses_with(current)
+        alias.replace_all_uses_with(current, delete_user_cb=lambda user: user.op != "output")
     for alias in reversed([clone, *chain]):
-        graph.erase_node(alias)
+        if alias.users:
+            renamed[alias] = current
+        else:
+            graph.erase_node(alias)
     return 1
+
+
+def _update_chain(clone: torch.fx.Node) -> list:
+    """The in-place updates of ``clone``'s tensor, in program order: the first must be the
+    node right after the clone, the chain ends at the first other read of the tensor.
+    Only the readers of the clone and of its updates are visited (in the order fx keeps for
+    nodes), not the nodes in between: the walk costs the chain's size, not the graph's."""
+    first = clone.next
+    if not _updates(first, {clone}):
+        return []
+    aliases, chain = {clone, first}, [first]
+    readers = [u for a in aliases for u in a.users if u is not first]
+    heapq.heapify(readers)
+    seen = set(readers)
+    while readers:
+        node = heapq.heappop(readers)
+        if node.op == "output" or not _updates(node, aliases):
+            break  # a read: from here on `c` holds its final value
+        chain.append(node)
+        aliases.add(node)
+        for user in node.users:
+            if user not in seen:
+                seen.add(user)
+                heapq.heappush(readers, user)
+    return chain
+
+
+def _updates(node: torch.fx.Node, aliases: set) -> bool:
+    """Whether ``node`` is an in-place update (with an out-of-place form) of an alias."""
+    return node.op == "call_method" and node.target in _OUT_OF_PLACE and bool(node.args) \
+        and node.args[0] in aliases
 
 
 def _same_layout(clone: torch.fx.Node, chain: list, aliases: set) -> bool:

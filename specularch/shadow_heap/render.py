@@ -15,7 +15,10 @@ import torch
 from ..fx_lower._torch_foreach import foreach_copy_
 from ..guards.guard import const_name
 from .rebuild import Rebuild
-from .writes import UpdateTensor, Write
+from .replay import NAMESPACE as _FOREACH_NAMESPACE, replay_lines
+from .writes import ReplayTensor, UpdateTensor, Write
+
+_TENSOR_WRITES = (UpdateTensor, ReplayTensor)
 
 
 def _literal(value: Any) -> bool:
@@ -61,14 +64,24 @@ class Renderer:
 
 def commit_lines(render: Renderer, writes: list[Write], plain_tensors: bool) -> list[str]:
     """The commit: every write in program order, the tensor updates first as one block."""
-    lines = [w.render(render) for w in writes if not isinstance(w, UpdateTensor)]
-    tensors = [w for w in writes if isinstance(w, UpdateTensor)]
+    lines = [w.render(render) for w in writes if not isinstance(w, _TENSOR_WRITES)]
+    tensors = [w for w in writes if isinstance(w, _TENSOR_WRITES)]
     if tensors:
         lines[:0] = tensor_commit(render, tensors, plain_tensors)
     return lines
 
 
-def tensor_commit(render: Renderer, writes: list[UpdateTensor], plain: bool) -> list[str]:
+def tensor_commit(render: Renderer, writes: list, plain: bool) -> list[str]:
+    """The copies of the graph's final values into the tensors written in place
+    (``UpdateTensor``), then the in-place ops the commit replays itself (``ReplayTensor``).
+    The order between the two does not matter: a replay reads no memory the commit writes
+    (``symbolic/commit_inplace.py``)."""
+    copies = [w for w in writes if isinstance(w, UpdateTensor)]
+    replays = [w for w in writes if isinstance(w, ReplayTensor)]
+    return (_copy_lines(render, copies, plain) if copies else []) + replay_lines(render, replays, plain)
+
+
+def _copy_lines(render: Renderer, writes: list[UpdateTensor], plain: bool) -> list[str]:
     """The statements that copy the graph's final values into the tensors written in place.
 
     Each write leaves its target's autograd version counter where eager leaves it: ``bumps``
@@ -138,4 +151,4 @@ COMMIT_NAMESPACE: dict[str, Any] = dict(
     NEW=_new_object, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
     FOREACH_COPY_ALL=_foreach_copy_all, BUMP_VERSIONS=torch.autograd.graph.increment_version,
     AS_INFERENCE=as_inference, PRINT=builtins.print, FORMAT=builtins.format,
-    STR=str, REPR=repr, ASCII=ascii)
+    STR=str, REPR=repr, ASCII=ascii, NO_GRAD=torch.no_grad, **_FOREACH_NAMESPACE)

@@ -262,6 +262,44 @@ class UpdateTensor(Write):
 
 
 @dataclass(frozen=True, eq=False)
+class ReplayTensor(Write):
+    """An existing tensor updated by the commit itself with the in-place ops eager ran on it,
+    in order (``p.add_(R[3], alpha=n0)``), instead of a copy of the graph's result: made by
+    ``symbolic/commit_inplace.py`` when nothing in the graph reads the new value. ``ops``:
+    ``((method, (arg record, ...), (("name", record), ...)), ...)``, already lowered (read from
+    graph outputs, sources, constants and numbers); ``bumps``: version increments eager made
+    beyond one per op. The commit batches replays into foreach calls (``replay.py``)."""
+
+    kind: ClassVar[str] = "tensor"
+    target: Any
+    ops: tuple
+    bumps: int = 0
+    where: str = ""
+    form: tuple = ()  # ((operand kinds: "t" / "n" / "name=n"), dtype) when batchable (replay.py)
+
+    def __post_init__(self):
+        if not self.ops or not all(isinstance(m, str) and m.endswith("_") and isinstance(a, tuple)
+                                   and isinstance(k, tuple) for m, a, k in self.ops):
+            raise malformed("ReplayTensor", f"ops {self.ops!r} are not (in-place method, args, "
+                                            "kwargs) triples")
+        if not (type(self.bumps) is int and self.bumps >= 0):
+            raise malformed("ReplayTensor", f"bumps {self.bumps!r} is not a count of version "
+                                            "increments")
+
+    def lower(self, lowering):
+        return self  # made from lowered records
+
+    def rebuilds(self):
+        yield self.target
+        for _, args, kwargs in self.ops:
+            yield from args
+            yield from (v for _, v in kwargs)
+
+    def render(self, r) -> str:
+        raise TypeError("tensor updates are rendered together by render.tensor_commit")
+
+
+@dataclass(frozen=True, eq=False)
 class Print(Write):
     """``print(*args, sep=, end=, file=, flush=)``: an effect with no target, its text
     formatted at commit. ``stream`` is the file's value (read before the graph) or None."""

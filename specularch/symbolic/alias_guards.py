@@ -25,7 +25,8 @@ def _guard_tensor_writes(tracer, pending: list) -> None:
     written = list(dict.fromkeys(w.target.source for w in pending if w.kind == "tensor"
                                  and w.target.source is not None))
     if written:
-        others = tuple(v.source for v in tracer.graph_inputs() if v.source not in written)
+        excluded = set(written)  # a set: every input is checked against every written one
+        others = tuple(v.source for v in tracer.graph_inputs() if v.source not in excluded)
         tracer.add_guard(DistinctGuard, None, written=tuple(written), others=others)
         if not torch.is_inference_mode_enabled():  # the commit's writes would be refused
             for w in pending:

@@ -23,7 +23,7 @@ from ..guards.sources import CellSource, Source
 from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
-from . import alias_guards, hooks
+from . import alias_guards, commit_inplace, hooks
 from .speculation import branch_merge, deferred, saved_versions, view_writes
 from .library import grad_mode
 from ._torch_dispatch import version_bumps
@@ -137,6 +137,8 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
             assertions = [(specs.out(node).index, expected, where, site)
                           for node, expected, where, site in tracer.assertions]
             view_writes.check(tracer, specs.outputs)  # views read after a deferred write
+            # updates nothing in the graph reads: run in place by the commit, not copied
+            writes = commit_inplace.replay_updates(tracer, specs, writes, spec, assertions)
             _lint(spec, writes, len(specs.outputs))
             if tracer.generators and assertions:
                 raise Unsupported("data_dependent_branch", "speculating on a tensor value in a "
@@ -319,11 +321,12 @@ def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
 
 
 def _drop_unused_inputs(graph: torch.fx.Graph, sources: list[Source]) -> list[Source]:
-    """Inputs read only for their metadata (guarded anyway) need not be passed in."""
+    """Inputs read only for their metadata (guarded anyway) need not be passed in. A number
+    only the commit reads (``commit_inplace.py``: a learning rate) stays one, unspecialised."""
     kept = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, source in zip(placeholders, sources):
-        if node.users:
+        if node.users or node.meta.get("read_by_commit"):
             kept.append(source)
         else:
             graph.erase_node(node)
