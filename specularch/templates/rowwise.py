@@ -17,20 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 import torch.nn.functional as F
+from ..fx_lower.op_kinds import ELEMENTWISE_FUNCTIONS as _ELEMENTWISE
+from ..fx_lower.op_kinds import ELEMENTWISE_METHODS as _ELEMENTWISE_METHODS
 
-_ELEMENTWISE = {
-    torch.tanh, torch.sigmoid, torch.relu, torch.exp, torch.log, torch.neg, torch.abs,
-    torch.sin, torch.cos, torch.sqrt, torch.rsqrt, torch.add, torch.sub, torch.mul, torch.div,
-    torch.clamp, torch.pow, torch.maximum, torch.minimum, torch.where, torch.erf,
-    F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.hardtanh, F.relu6, F.tanh,
-    F.sigmoid, F.mish, operator.add, operator.sub, operator.mul, operator.truediv,
-    operator.neg, operator.pow,
-}
-_ELEMENTWISE_METHODS = {
-    "tanh", "sigmoid", "relu", "exp", "log", "neg", "abs", "sqrt", "rsqrt", "add", "sub", "mul",
-    "div", "clamp", "pow", "sin", "cos", "float", "double", "half", "contiguous", "clone",
-    "erf",
-}
 _ON_DIM = {torch.cat, torch.chunk, torch.split, torch.softmax, torch.log_softmax, F.softmax,
            F.log_softmax, torch.sum, torch.mean, torch.narrow, torch.stack}
 _ON_DIM_METHODS = {"chunk", "split", "softmax", "log_softmax", "sum", "mean", "narrow"}

@@ -25,19 +25,9 @@ import torch.fx
 import torch.nn.functional as F
 
 from ...fx_lower.randomness import is_random_node
+from ...fx_lower.op_kinds import ELEMENTWISE_FUNCTIONS as _ELEMENTWISE
+from ...fx_lower.op_kinds import ELEMENTWISE_METHODS as _ELEMENTWISE_METHODS
 
-_ELEMENTWISE = {
-    torch.tanh, torch.sigmoid, torch.relu, torch.exp, torch.log, torch.neg, torch.abs,
-    torch.sin, torch.cos, torch.sqrt, torch.rsqrt, torch.add, torch.sub, torch.mul, torch.div,
-    torch.clamp, torch.pow, torch.maximum, torch.minimum, torch.where, torch.erf,
-    F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.hardtanh, F.relu6, F.tanh,
-    F.sigmoid, F.mish, operator.add, operator.sub, operator.mul, operator.truediv,
-    operator.neg, operator.pow,
-}
-_ELEMENTWISE_METHODS = {
-    "tanh", "sigmoid", "relu", "exp", "log", "neg", "abs", "sqrt", "rsqrt", "add", "sub", "mul",
-    "div", "clamp", "pow", "sin", "cos", "float", "double", "half", "contiguous", "clone", "erf",
-}
 # op name -> (position of its dim argument, whether the dim counts in the result's rank)
 _ON_DIM = {"cat": (1, False), "stack": (1, True), "chunk": (2, False), "split": (2, False),
            "softmax": (1, False), "log_softmax": (1, False), "narrow": (1, False)}
