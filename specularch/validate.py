@@ -15,7 +15,8 @@ what the optimized run prints is captured, compared and then written out.
 
 Compared: the result or the exception; the arguments and the closure afterwards; the reached
 globals afterwards (numbers and strings included, as are globals the call creates); and the
-printed text. Tensors are compared exactly, with the ``.grad`` of leaf tensors; modules by
+printed text. Tensors are compared exactly (so the optimized run uses ``templates="exact"``:
+recursion templates and rolled loops in eager's order), with the ``.grad`` of leaf tensors; modules by
 their parameters and buffers (with gradients) and the public attributes (``training``
 included) of every submodule; optimizers by their state and hyper-parameters.
 
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from . import frames
+from .config import config
 from .explain import explain_state
 
 _local = threading.local()
@@ -84,7 +86,9 @@ def validator(state, slots, cells, run) -> Any:
         expected_globals = [namespace.get(name, _ABSENT) for namespace, name in bindings]
         _bind(bindings, real_values)
     _set_rng_state(rng)  # the optimized call draws the same random numbers
-    with _output() as got_output:
+    # compared bit for bit, so recursion templates and rolled loops run (and are captured)
+    # in eager's order here: their default batching is only promised within float rounding
+    with _output() as got_output, config.patch(templates="exact"):
         got, got_error = _call(run, state, slots, cells)
     sys.stdout.write(got_output[0])
     sys.stderr.write(got_output[1])
