@@ -387,3 +387,33 @@ def _binary(gen, depth):
     if depth == 0 or torch.rand(1, generator=gen).item() < 0.3:
         return Node(value=float(torch.randn(1, generator=gen)))
     return Node(children=[_binary(gen, depth - 1), _binary(gen, depth - 1)])
+
+
+class Rescaling(nn.Module):
+    """Writes a Python attribute the recursion then reads, in the same call: the write is
+    only committed after the graph, so the walk (which reads the real objects) must not run
+    on the old value."""
+
+    def __init__(self):
+        super().__init__()
+        self.leaf = nn.Linear(1, 3)
+        self.node = nn.Linear(3, 3)
+        self.scale = 1.0
+
+    def encode(self, node):
+        if not node.children:
+            return self.leaf(torch.tensor([[node.value * self.scale]]))
+        return self.node(sum(self.encode(c) for c in node.children))
+
+    def forward(self, node, scale, first_value):
+        self.scale = scale
+        node.children[0].value = first_value
+        return self.encode(node)
+
+
+def test_python_writes_earlier_in_the_call_are_seen_by_the_recursion():
+    gen = torch.Generator().manual_seed(11)
+    trees = [Node(children=[_binary(gen, 2), _binary(gen, 2)]) for _ in range(4)]
+    check(lambda m, node, s, v: m(node, s, v),
+          lambda i: A(_seeded(Rescaling), trees[i], 1.0 + i, float(i)), calls=4,
+          rtol=1e-6, atol=1e-7)

@@ -17,6 +17,7 @@ from torch import nn
 from ..config import config
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
+from ..shadow_heap.writes import (DelAttr, Effect, Print, ReplayTensor, SetAttr, UpdateTensor)
 from ..symbolic.inputs import placeholder
 from ..symbolic.values import ConstV, DictV, ListV, ObjV, TensorV, TupleV, Value
 from .family import TemplateMiss, family_for
@@ -71,6 +72,7 @@ def _family_call(tracer, code, globals_: dict, bound: dict[str, Value]) -> Value
     why = check_signature(code)
     if why is not None:
         raise Unsupported("unsupported_call", f"{code.co_qualname}: {why}")
+    _refuse_uncommitted_writes(tracer, code)
     params = code.co_varnames[:code.co_argcount]
     ctx, struct = _classify(tracer, code, params, bound)
     family = family_for(code, globals_, params, frozenset(ctx), frozenset(struct))
@@ -91,6 +93,25 @@ def _family_call(tracer, code, globals_: dict, bound: dict[str, Value]) -> Value
     node.meta["template_family"] = family
     tracer.template_calls.append(family)
     return tracer.wrap_output(node, example)
+
+
+_READ_SAFE_WRITES = (Print, Effect, UpdateTensor, ReplayTensor)
+
+
+def _refuse_uncommitted_writes(tracer, code) -> None:
+    """The walk reads the real structure, globals and modules while the graph runs, before
+    the commit: a Python write earlier in the call (an attribute, a global, an item) would be
+    invisible to it. Writes it cannot read are fine: printing, effects, tensor updates (the
+    graph passes the updated tensors) and attributes of tensors (``.grad``)."""
+    for write in tracer.heap.pending():
+        if isinstance(write, _READ_SAFE_WRITES):
+            continue
+        if isinstance(write, (SetAttr, DelAttr)) and isinstance(write.target, TensorV):
+            continue
+        where = getattr(write, "where", "") or "the call"
+        raise Unsupported("side_effect", f"{code.co_qualname}: a Python write earlier in the "
+                          f"call ({type(write).__name__} at {where}) is not committed yet when "
+                          "the recursion runs; it stays unrolled")
 
 
 def _classify(tracer, code, params, bound) -> tuple[list[int], list[int]]:
