@@ -417,3 +417,37 @@ def test_python_writes_earlier_in_the_call_are_seen_by_the_recursion():
     check(lambda m, node, s, v: m(node, s, v),
           lambda i: A(_seeded(Rescaling), trees[i], 1.0 + i, float(i)), calls=4,
           rtol=1e-6, atol=1e-7)
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def walk(self, node):
+        if not node.children:
+            return torch.ones(1, 3)
+        return self.lin(self.walk(node.children[0]))
+
+    def forward(self, node):
+        return self.walk(node)
+
+
+def _chain(length):
+    node = Node(value=0.0)
+    for _ in range(length):
+        node = Node(children=[node])
+    return node
+
+
+def test_a_structure_too_deep_for_eager_raises_recursion_error_as_eager(recursion_limit):
+    model = specularch.optimize(_seeded(Chain))
+    with config.patch(profile_calls=0):
+        model(_chain(20))  # captured: the walk is a template
+        assert "template Chain.walk" in "\\n".join(specularch.explain(model).templates)
+        deep = _chain(2 * recursion_limit)
+        with pytest.raises(RecursionError):
+            _seeded(Chain)(deep)
+        with pytest.raises(RecursionError):
+            model(deep)
+        torch.testing.assert_close(model(_chain(30)), _seeded(Chain)(_chain(30)))

@@ -4,6 +4,7 @@ running the instances one by one (exact) or by wavefront (``wavefront.py``)."""
 from __future__ import annotations
 
 import builtins
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -117,15 +118,18 @@ class Family:
         G, paths, nodes, kids_of, heights = self.globals, plan.paths, plan.nodes, plan.kids, plan.heights
         stack: list = []
         current = L
+        # eager recurses one Python frame per level at least: a structure nearly as deep as
+        # the recursion limit runs eagerly, which raises RecursionError where eager does
+        deepest = sys.getrecursionlimit() - _frame_depth() - 8
         while True:
             path = self.select(current, enabled, capture)
             children = self._children(path, current)
             if children:
                 stack.append([current, path, children, 1, []])
                 current = children[0]
-                if len(stack) + len(paths) > MAX_INSTANCES:
-                    raise TemplateMiss(f"{self.name}: the structure has more than "
-                                       f"{MAX_INSTANCES} nodes (a cycle?)")
+                if len(stack) + len(paths) > MAX_INSTANCES or len(stack) >= deepest:
+                    raise TemplateMiss(f"{self.name}: the structure is deeper than the "
+                                       "recursion limit lets eager go, or a cycle")
                 continue
             index = len(paths)
             paths.append(path)
@@ -211,6 +215,13 @@ class Family:
         for i, v in zip(sorted(self.ctx_params), ctx_objects):
             L[i] = v
         return L
+
+
+def _frame_depth() -> int:
+    frame, depth = sys._getframe(1), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
 
 
 def ctx_tensor(ctx: tuple, index: int):
