@@ -17,10 +17,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import specularch
+from train_step import LeNet, make_step  # (this script's folder is on sys.path)
 
 
 class EmbeddingBag(nn.Module):
@@ -42,18 +42,6 @@ def _mlp():
     return nn.Sequential(*layers, nn.Linear(1024, 10))
 
 
-class LeNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 6, 5), nn.Conv2d(6, 16, 5)
-        self.fc1, self.fc2, self.fc3 = nn.Linear(256, 120), nn.Linear(120, 84), nn.Linear(84, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2).flatten(1)
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
 _OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
     "momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
@@ -66,16 +54,6 @@ _MODELS = {  # name -> (model, batch maker)
     "lenet": (LeNet, lambda g: (torch.randn(50, 1, 28, 28, generator=g),
                                 torch.randint(0, 10, (50,), generator=g))),
 }
-
-
-def _step(model, opt):
-    def train_step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return train_step
 
 
 def _time(fn, batches) -> float:
@@ -91,8 +69,8 @@ def bench(name: str, rounds: int, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = make_model()
     ref_model = copy.deepcopy(model)
-    fast = specularch.optimize(_step(model, _OPTIMIZERS[opt_name](model.parameters())))
-    eager = _step(ref_model, _OPTIMIZERS[opt_name](ref_model.parameters()))
+    fast = specularch.optimize(make_step(model, _OPTIMIZERS[opt_name](model.parameters())))
+    eager = make_step(ref_model, _OPTIMIZERS[opt_name](ref_model.parameters()))
     g = torch.Generator().manual_seed(0)
     batches = [make_batch(g) for _ in range(steps)]
     _time(fast, batches[:6])  # profiled calls and the capture
