@@ -529,6 +529,18 @@ def _strictness(expect):
     return specularch.config.patch(strict=False) if expect == "fallback" else contextlib.nullcontext()
 
 
+def mse_train_step(model, opt, after=None):
+    """The plain training step ``(x, y) -> loss.item()`` (MSE loss); ``after(model, loss)``
+    replaces the returned value (e.g. to read a parameter after ``opt.step()``)."""
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item() if after is None else after(model, loss)
+    return train_step
+
+
 def check(fn, make_args, *, calls=DEFAULT_CALLS, expect=None, fallback_kind=None, fallback_line=None,
           fallback_file=None, atol=0.0, rtol=0.0, grad=False, backend=None, state=None):
     """Run ``fn`` eagerly and optimized ``calls`` times on identical inputs and compare everything;

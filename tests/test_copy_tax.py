@@ -16,7 +16,7 @@ from torch import nn
 
 import specularch
 from specularch.api import _state_of
-from tests.differential import A, T, check, expect_graph
+from tests.differential import A, T, check, expect_graph, mse_train_step
 
 STEPS = 8
 
@@ -32,16 +32,6 @@ def _model(batchnorm=False):
     layers = [nn.Linear(6, 16)] + ([nn.BatchNorm1d(16)] if batchnorm else []) + \
         [nn.Tanh(), nn.Linear(16, 3)]
     return nn.Sequential(*layers)
-
-
-def _step(model, opt, after=None):
-    def train_step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item() if after is None else after(model, loss)
-    return train_step
 
 
 def _same(m1, o1, m2, o2):
@@ -83,8 +73,8 @@ def _train(make_opt, *, batchnorm=False, after=None, steps=STEPS):
     model = _model(batchnorm)
     ref_model = copy.deepcopy(model)
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref_model.parameters())
-    fast = specularch.optimize(_step(model, opt, after))
-    ref = _step(ref_model, ref_opt, after)
+    fast = specularch.optimize(mse_train_step(model, opt, after))
+    ref = mse_train_step(ref_model, ref_opt, after)
     bumps = _Bumps((model, opt), (ref_model, ref_opt))
     for i, (x, y) in enumerate(_batches(steps)):
         assert fast(x, y) == ref(x, y)

@@ -13,6 +13,7 @@ import specularch
 from specularch.api import _state_of
 from specularch.fx_lower.foreach import batch_foreach
 from specularch.fx_lower.passes import fold_clones
+from differential import mse_train_step
 
 
 def _ran_graph(fn) -> torch.fx.GraphModule:
@@ -24,16 +25,6 @@ def _adam_setup(amsgrad=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     return model, torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-3, amsgrad=amsgrad)
-
-
-def _step_fn(model, opt, after=None):
-    def train_step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item() if after is None else after(model, loss)
-    return train_step
 
 
 def _batches(n):
@@ -53,7 +44,7 @@ def test_adam_step_runs_without_clones_and_matches_eager_bit_for_bit():
     model, opt = _adam_setup()
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2, weight_decay=1e-3)
-    fast, ref = specularch.optimize(_step_fn(model, opt)), _step_fn(ref_model, ref_opt)
+    fast, ref = specularch.optimize(mse_train_step(model, opt)), mse_train_step(ref_model, ref_opt)
     params = list(model.parameters())
     for x, y in _batches(8):
         assert fast(x, y) == ref(x, y)
@@ -76,7 +67,7 @@ def test_amsgrad_copy_into_state_keeps_its_clone():
     model, opt = _adam_setup(amsgrad=True)
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2, weight_decay=1e-3, amsgrad=True)
-    fast, ref = specularch.optimize(_step_fn(model, opt)), _step_fn(ref_model, ref_opt)
+    fast, ref = specularch.optimize(mse_train_step(model, opt)), mse_train_step(ref_model, ref_opt)
     for x, y in _batches(7):
         assert fast(x, y) == ref(x, y)
         _same_state(model, opt, ref_model, ref_opt)
@@ -89,7 +80,7 @@ def test_parameter_read_after_its_update_in_the_same_step():
     model, opt = _adam_setup()
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2, weight_decay=1e-3)
-    fast, ref = specularch.optimize(_step_fn(model, opt, after)), _step_fn(ref_model, ref_opt, after)
+    fast, ref = specularch.optimize(mse_train_step(model, opt, after)), mse_train_step(ref_model, ref_opt, after)
     for x, y in _batches(7):
         got, want = fast(x, y), ref(x, y)
         assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
@@ -165,7 +156,7 @@ def test_training_step_assumption_failure_after_the_optimizer_step():
         model[2].bias.fill_(0.002)
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2, weight_decay=1e-3)
-    fast, ref = specularch.optimize(_step_fn(model, opt, after)), _step_fn(ref_model, ref_opt, after)
+    fast, ref = specularch.optimize(mse_train_step(model, opt, after)), mse_train_step(ref_model, ref_opt, after)
     signs = []
     for x, y in _batches(12):
         got = fast(x, y)
@@ -385,7 +376,7 @@ def test_batched_optimizer_steps_match_eager_bit_for_bit(name):
 
     def after(m, loss):  # the updated parameters read in the graph: the updates stay in it
         return (loss + sum(p.sum() for p in m.parameters())).item()  # (else: test_copy_tax.py)
-    fast, ref = specularch.optimize(_step_fn(model, opt, after)), _step_fn(ref_model, ref_opt, after)
+    fast, ref = specularch.optimize(mse_train_step(model, opt, after)), mse_train_step(ref_model, ref_opt, after)
     for x, y in batches[1:13]:
         assert fast(x, y) == ref(x, y)
         _same_state(model, opt, ref_model, ref_opt)

@@ -25,10 +25,6 @@ from .paths import check_signature
 
 _CONTEXT_TYPES = (nn.Module, types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType)
 
-# why a recursive function stayed unrolled, per code object (for explain())
-UNROLLED: dict = {}
-
-
 def recursive_call(tracer, code: types.CodeType, globals_: dict, bound: dict[str, Value]):
     """The call's value when it is a recursion handled by templates, else None (inline it)."""
     template = tracer.template
@@ -43,8 +39,7 @@ def recursive_call(tracer, code: types.CodeType, globals_: dict, bound: dict[str
         return _family_call(tracer, code, globals_, bound)
     except (Unsupported, TemplateMiss) as e:
         reason = getattr(e, "explanation", None) or str(e)
-        tracer.unrolled[code] = reason
-        UNROLLED[code.co_qualname] = reason
+        tracer.unrolled[code] = reason  # explain(): capture keeps it on the graph module
         return None
 
 

@@ -7,8 +7,6 @@ import builtins
 import sys
 from dataclasses import dataclass, field
 
-import torch
-
 from ..config import config
 from ..guards.guard import refers_to_dead
 from ..guards.sources import Source
@@ -58,7 +56,9 @@ class Family:
                       "largest_batch": 0, "captures": 0}
 
     # ---- context ------------------------------------------------------------------------
-    def ctx_index(self, source: Source, example: torch.Tensor) -> int:
+    def ctx_index(self, source: Source) -> int:
+        """The family-wide position of a context tensor's source (the graph passes them in
+        this order)."""
         if source not in self.ctx_sources:
             self.ctx_sources.append(source)
         return self.ctx_sources.index(source)
@@ -113,8 +113,9 @@ class Family:
 
     def _plan_one(self, plan: Plan, L: list, enabled: list[Path], capture: bool) -> int:
         """Instances of the structure under ``L`` in post-order (eager's call order); an
-        explicit stack of [locals, path, children, next child, child ids] (no recursion
-        limit). The hot loop of a call: kept free of per-node allocations it can avoid."""
+        explicit stack of [locals, path, children, next child, child ids], bounded by the
+        depth eager could reach. The hot loop of a call: kept free of per-node allocations
+        it can avoid."""
         G, paths, nodes, kids_of, heights = self.globals, plan.paths, plan.nodes, plan.kids, plan.heights
         stack: list = []
         current = L

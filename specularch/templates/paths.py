@@ -35,10 +35,9 @@ _UNSUPPORTED_FLAGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS | inspect.CO_GE
 @dataclass(frozen=True)
 class Hole:
     """One recursive call in a path: where its structure arguments come from (sources over
-    the node's parameters) and which placeholders receive its results."""
+    the node's parameters). Its results are the placeholders whose ``Input`` names it."""
 
     sources: tuple[Source, ...]
-    placeholders: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -127,14 +126,13 @@ class TemplateCapture:
         example = family.evaluate_example(child)
         k = len(self.holes)
         results = example if isinstance(example, tuple) else (example,)
-        names, values = [], []
+        values = []
         for j, tensor in enumerate(results):
             node = placeholder(tracer, f"hole{k}_{j}")
             node.meta["example"] = tensor
             node.meta["template_hole"] = (k, j)
-            names.append(node.name)
             values.append(TensorV(node, tensor))
-        self.holes.append(Hole(tuple(sources), tuple(names)))
+        self.holes.append(Hole(tuple(sources)))
         return TupleV(values) if isinstance(example, tuple) else values[0]
 
 
@@ -222,7 +220,7 @@ def _inputs(family, tracer) -> tuple[list[Input], list[Source]]:
             if not isinstance(node.meta.get("example"), torch.Tensor):
                 raise Unsupported("unsupported_call", f"{family.name} reads {source} as a number "
                                   "input of the template; only tensors of the context are")
-            inputs.append(Input("ctx", family.ctx_index(source, node.meta["example"])))
+            inputs.append(Input("ctx", family.ctx_index(source)))
     return inputs, node_sources
 
 
