@@ -306,6 +306,7 @@ def test_a_node_kind_seen_later_falls_back_once_then_runs_as_a_graph():
     assert report.stats.assumption_failures == 1, str(report)
     assert report.stats.captures == 2 and report.stats.graph_hits == 2, str(report)
     assert "template:" in str(report.fallbacks[0])
+    assert "new kind of node" in report.fallbacks[0].hint  # not the tensor-branch hint
 
 
 def test_explain_lists_templates_paths_batches_and_unrolled_recursion():

@@ -153,7 +153,11 @@ def template_missed(state: CodeState, entry: GraphEntry, miss: Exception, slots,
         if entry in state.entries:
             state.entries.remove(entry)
         state.stats.assumption_failures += 1
-    return fallback(state, slots, cells, Unsupported("assumption_failed", f"template: {miss}"))
+    return fallback(state, slots, cells, Unsupported(
+        "assumption_failed", f"template: {miss}",
+        "Expected once per new kind of node: the next call captures again and passes what the "
+        "new path reads. If it repeats, explain() lists the family's paths and why one cannot "
+        "be a template."))
 
 
 def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, cells) -> Any:
