@@ -20,6 +20,17 @@ from .fx_lower._torch_compilers import torch_compile_original
 from .symbolic.calls import MODULE_FORWARD_ATTR, ORIGINAL_ATTR
 
 
+def _wire_frames() -> None:
+    """frames/ calls down into the dispatcher and the eager path; they reach the hook back only
+    through what is installed here, so neither imports the layer above it."""
+    frames.set_dispatcher(dispatch.dispatch)
+    frames.set_run_here(EagerRun)
+    eager_run_module.install_frame_hook(frames.hook_active, frames.auto_targeting)
+
+
+_wire_frames()
+
+
 def optimize(obj: Any = None, *, backend: str | None = None) -> Any:
     """Run ``obj`` as optimized graphs; results always equal eager PyTorch.
 

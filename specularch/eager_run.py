@@ -11,10 +11,10 @@ so a recursive function that runs eagerly nests two frames per level (wrapper, o
 instead of seven (wrapper, run, _run, _run_eager, call_original, unbinder, original). A call
 reached through the frame hook (a function recursing by its own name, a module's forward
 calling a child of its class) gets the token back in its trampoline, which runs the original
-the same way in its own frame (``frames.set_run_here``): two frames per level there too. The
-one frame eager does not have is paid for by raising the recursion limit by one while the
-call runs: a program that runs eagerly reaches the depth eager reaches, and the
-``RecursionError`` eager raises beyond it (never a deeper one: the limit is raised by the
+the same way in its own frame (``frames.set_run_here``, wired by ``api.py``): two frames per
+level there too. The one frame eager does not have is paid for by raising the recursion limit
+by one while the call runs: a program that runs eagerly reaches the depth eager reaches, and
+the ``RecursionError`` eager raises beyond it (never a deeper one: the limit is raised by the
 frames added, no more).
 
 **Graph calls and threads.** An entry reads the heap (guards, graph inputs), runs the graph
@@ -29,11 +29,31 @@ may wait for other threads (a lock held there could deadlock where eager does no
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
-from . import frames, log
+from . import log
+
+
+class FrameHook:
+    """The frame hook's switch as the dispatcher and the eager path see it. frames/ sits above
+    both (it calls down into them), so neither imports it: ``api.py`` installs the switch here
+    when the package loads (``install_frame_hook``). Before that, runs leave interception as
+    it is and no other instance of a module's class is taken on automatically."""
+    __slots__ = ("active", "auto_targeting")
+
+    def __init__(self) -> None:
+        self.active: Callable[[], ContextManager] = contextlib.nullcontext  # hook on for a block
+        self.auto_targeting: Callable[[], bool] = bool  # bool() is False
+
+
+FRAME_HOOK = FrameHook()
+
+
+def install_frame_hook(active: Callable[[], ContextManager], auto_targeting: Callable[[], bool]) -> None:
+    FRAME_HOOK.active, FRAME_HOOK.auto_targeting = active, auto_targeting
 
 _LIMIT_LOCK = threading.Lock()  # the recursion limit is process-wide: adjust it atomically
 # Eager runs in flight (all threads), each paid one frame of recursion limit. Changed in the
@@ -94,7 +114,7 @@ class EagerRun:
 
     def __enter__(self) -> "EagerRun":
         if self.record is not None:
-            self._hook = frames.hook_active()
+            self._hook = FRAME_HOOK.active()
             self._hook.__enter__()
         return self
 
@@ -122,8 +142,6 @@ class EagerRun:
             finally:
                 EXTRA[0] -= 1
 
-
-frames.set_run_here(EagerRun)
 
 COMMIT_LOCK = threading.RLock()
 

@@ -159,3 +159,14 @@ def test_no_module_outside_the_dispatcher_reads_its_private_registries():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                     and "dispatch" in (n.module or "") for a in n.names}
         assert not (attrs | imported) & private, f"{path} reads {(attrs | imported) & private}"
+
+
+def test_frames_is_wired_into_the_layers_below_it():
+    """frames/ sits above the dispatcher and the eager path; ``api.py`` wires them together so
+    that neither imports frames/: the hook reaches the dispatcher, eager runs turn the hook on."""
+    from specularch import eager_run, frames
+    from specularch.frames import interceptor
+    assert interceptor._dispatcher is dispatch.dispatch  # noqa: SLF001
+    assert eager_run.FRAME_HOOK.active is frames.hook_active
+    assert eager_run.FRAME_HOOK.auto_targeting is frames.auto_targeting
+

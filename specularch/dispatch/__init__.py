@@ -6,8 +6,11 @@ new one, or run the original Python — and record why.
 * ``fallback.py``: runs of the original, fallback records, eager entries, strict mode;
 * ``state.py``: per-object caches (``CodeState``) and the registries that find them;
 * ``hooks.py``: the hook points ``specularch.distributed`` fills in (never imported here).
+
+The frame hook calls ``dispatch`` once ``api.py`` wires it in (``frames.set_dispatcher``); the
+dispatcher turns the hook on around eager runs through ``eager_run.FRAME_HOOK``, never by
+importing frames/ (which sits above it).
 """
-from .. import frames
 from .cache import (dispatch, per_call_site, per_instance, run, run_unwrapped, run_wrapper,
                     set_run_wrapper, start)
 from .fallback import VALUE_DEPENDENT_RETRIES, note_generator
@@ -18,5 +21,3 @@ __all__ = ["CodeState", "EagerEntry", "GraphEntry", "Stats", "VALUE_DEPENDENT_RE
            "all_states", "dispatch", "new_state", "note_generator", "per_call_site",
            "per_instance", "reset", "run", "run_unwrapped", "run_wrapper", "set_run_wrapper",
            "start", "state_for", "states"]
-
-frames.set_dispatcher(dispatch)

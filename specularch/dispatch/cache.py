@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .. import frames
 from ..config import config
-from ..eager_run import EagerRun
+from ..eager_run import FRAME_HOOK, EagerRun
 from ..entry_function import MISS, AssumptionFailed
 from . import fallback, hooks, misses
 from .state import _STATES, CodeState, GraphEntry, state_for
@@ -32,7 +31,7 @@ def dispatch(target, slots: tuple, cells: tuple | None) -> Any:
         state = resolve(slots[0]) if slots else None
         if state is not None:
             return start(state, slots, cells)
-        if not frames.auto_targeting():  # another instance of an optimized module's class
+        if not FRAME_HOOK.auto_targeting():  # another instance of an optimized module's class
             return EagerRun(None, target, cells)
     handler = _PER_CALL_SITE.get(target.key)
     if handler is not None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .. import frames, log
+from .. import log
 from ..config import config
-from ..eager_run import EagerRun
+from ..eager_run import FRAME_HOOK, EagerRun
 from ..entry_function import AssumptionFailed
 from ..records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError, Unsupported
 from ..symbolic.speculation import branch_merge
@@ -120,7 +120,7 @@ def run_eager(state: CodeState, slots, cells, record: FallbackRecord,
     if distributed.active():
         result = distributed.run_eager(state, slots, cells, record, reaches_backward)
     else:
-        with frames.hook_active():
+        with FRAME_HOOK.active():
             result = state.target.call_original(slots, cells)
     log.warn_fallback(record)  # a call that returned without its graph (not one that raised)
     return result
@@ -173,7 +173,7 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
     if config.strict:
         raise SpecularchStrictError(f"specularch strict mode: {state.target.name}: {what}")
     try:
-        with frames.hook_active():
+        with FRAME_HOOK.active():
             result = state.target.call_original(slots, cells)
     except Exception as eager_error:
         failure = Unsupported("exception_handling",

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from .. import frames, log
+from .. import log
 from ..config import config
-from ..eager_run import locked_entry
+from ..eager_run import FRAME_HOOK, locked_entry
 from ..entry_function import MISS, build_entry_function
 from ..fx_lower.randomness import graph_uses_randomness
 from ..fx_lower import get_backend
@@ -39,7 +39,7 @@ def profile_call(state: CodeState, slots, cells) -> Any:
     state.stats.profiled_calls += 1
     state.profile.append(tuple(argument_fact(v) for v in slots))
     start = time.perf_counter()
-    with frames.hook_active():
+    with FRAME_HOOK.active():
         result = state.target.call_original(slots, cells)
     state.eager_seconds.append(time.perf_counter() - start)  # what a capture may cost
     return result
