@@ -536,3 +536,58 @@ def test_an_inference_tensor_written_outside_inference_mode_commits_nothing():
                 assert outcomes[0] is outcomes[1] is RuntimeError, (i, outcomes)
             assert boxes[0].count == boxes[1].count and torch.equal(*(s[-1] for s in accs)), i
         assert specularch.explain(opt).stats.graph_hits >= 1
+
+
+# --------------------------------------------------------------------------- the container view
+
+def test_a_written_list_reads_through_its_view_and_discard_gives_back_what_was_read():
+    """The first write to a pre-existing list opens its view in the shadow heap: later reads
+    (len, index, iteration, ``in``) see the writes, the items read before stay the view's
+    base, and ``discard`` hands the value back those items."""
+    from specularch.shadow_heap import ShadowHeap
+    from specularch.shadow_heap.writes import ReplaceList
+    from specularch.symbolic.values import ConstV, ListV
+    heap = ShadowHeap()
+    a, b, c = ConstV(1), ConstV(2), ConstV(3)
+    lst = ListV([a, b])
+    held = lst.items  # a reference taken before the first write still sees later ones
+    heap.touch_container(lst)
+    lst.items.append(c)
+    view = heap.view(lst)
+    assert (len(view), view[2], c in view, list(view), held[-1]) == (3, c, True, [a, b, c], c)
+    assert view.base == [a, b] and view.changed()
+    assert [type(w) for w in heap.pending()] == [ReplaceList]
+    heap.discard()
+    assert lst.items == [a, b] and heap.view(lst) is None
+
+
+def test_a_written_dict_reads_through_its_view():
+    from specularch.shadow_heap import ShadowHeap
+    from specularch.shadow_heap.writes import ReplaceDict
+    from specularch.symbolic.values import ConstV, DictV
+    heap = ShadowHeap()
+    one, two = ConstV(1), ConstV(2)
+    d = DictV({"a": one})
+    heap.touch_container(d)
+    d.items["b"] = two
+    del d.items["a"]
+    view = heap.view(d)
+    assert (len(view), view["b"], "a" in view, list(view)) == (1, two, False, ["b"])
+    assert view.base == {"a": one} and view.changed()
+    assert [type(w) for w in heap.pending()] == [ReplaceDict]
+    heap.discard()
+    assert d.items == {"a": one}
+
+
+def reads_after_writes(x, lst, d):
+    lst.append(x)
+    d["k"] = x * 2
+    seen = [len(lst), len(d), "k" in d, "z" in d]
+    total = sum(v for v in lst if isinstance(v, torch.Tensor))
+    for key in d:
+        seen.append(key)
+    return total + d["k"] + lst[-1], seen
+
+
+def test_reads_after_writes_to_passed_in_containers_match_eager():
+    check(reads_after_writes, lambda: A(T(3), [T(3), T(3)], {"a": T(3)}), expect="graph")

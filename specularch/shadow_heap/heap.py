@@ -15,14 +15,17 @@ API (capture time): ``read_attr`` / ``write_attr`` / ``delete_attr``, ``read_glo
 (``render.commit_lines``, run by the entry) built from the lowered records.
 
 Read-your-writes: attributes and globals through the overlay here (``read_attr``,
-``read_global``); a list or dict through its own symbolic value, which capture mutates
-(the real object is untouched; ``touch_container`` logs its final contents); a tensor
-through its value, which ``update_tensor`` points at the graph's copy.
+``read_global``); a list or dict through its ``ContainerView`` (``views.py``), opened by its
+first write (``touch_container``) and keyed by the container value's identity: the value
+reads and writes its items through the view, the real object is untouched, and the commit
+stores the view's final contents; a tensor through its value, which ``update_tensor`` points
+at the graph's copy.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from .views import ContainerView
 from .writes import (Append, DelAttr, Effect, Print, ReplaceDict, ReplaceList, SetAttr, SetCell, SetGlobal,
                      SetItem, UpdateTensor, Write)
 
@@ -35,6 +38,7 @@ class ShadowHeap:
         self._attrs: dict[int, dict[str, Any]] = {}
         self._globals: dict[int, dict[str, Any]] = {}
         self._touched: set[int] = set()
+        self._views: dict[int, tuple[Any, ContainerView]] = {}  # id(container value) ->
         self._keep: list = []  # keeps overlay owners alive so ids stay unique
 
     # ---- attributes -------------------------------------------------------------------
@@ -92,8 +96,16 @@ class ShadowHeap:
         if id(container) not in self._touched:
             self._touched.add(id(container))
             self._keep.append(container)
-            replace = ReplaceDict if isinstance(container.items, dict) else ReplaceList
+            view = ContainerView(container.items)
+            self._views[id(container)] = (container, view)
+            container.open_view(view)  # its items are the view's from now on
+            replace = ReplaceDict if view.is_dict() else ReplaceList
             self._log.append(replace(container, where=where))
+
+    def view(self, container) -> ContainerView | None:
+        """The read-your-writes view of a pre-existing list/dict written in this call."""
+        entry = self._views.get(id(container))
+        return None if entry is None else entry[1]
 
     def touched(self, value) -> bool:
         """Whether ``value`` (a container or tensor value) was mutated in this call."""
@@ -122,6 +134,9 @@ class ShadowHeap:
     def discard(self) -> None:
         """Forget every pending write; no real object was touched by any of them."""
         self._log.clear()
+        for container, view in self._views.values():  # they read the real object's items again
+            container.close_view(view.base)
+        self._views.clear()
         self._attrs.clear()
         self._globals.clear()
         self._touched.clear()

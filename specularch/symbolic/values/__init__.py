@@ -87,6 +87,33 @@ class TupleV(Value):
         return self.cls
 
 
+def _items_through_view(cls: type) -> type:
+    """``items`` of a list/dict value: its own until the shadow heap opens a view on it (the
+    first write to a list/dict that existed before the call, ``ShadowHeap.touch_container``),
+    then the view's (``shadow_heap/views.py``), which holds what the call wrote."""
+    def get(self):
+        view = self._view
+        return self._own if view is None else view.current
+
+    def set_(self, items) -> None:
+        view = self._view
+        if view is None:
+            self._own = items
+        else:
+            view.current = items
+
+    def open_view(self, view) -> None:
+        self._view = view
+
+    def close_view(self, items) -> None:
+        self._view, self._own = None, items
+
+    cls.items, cls._view = property(get, set_), None
+    cls.open_view, cls.close_view = open_view, close_view
+    return cls
+
+
+@_items_through_view
 @dataclass(eq=False, repr=False)
 class ListV(Value):
     """A list. With a source it existed before the call (and must not be mutated here)."""
@@ -110,6 +137,7 @@ class ModuleSliceV(ListV):
     callable: bool = False
 
 
+@_items_through_view
 @dataclass(eq=False, repr=False)
 class DictV(Value):
     """A dict with constant keys (kept as Python objects) and Value values. ``cls`` is
