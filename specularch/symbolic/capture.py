@@ -24,6 +24,7 @@ from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
 from . import alias_guards, commit_inplace, hooks
+from . import ops  # noqa: F401  (its handlers fill the opcode table the frames read)
 from .speculation import branch_merge, deferred, saved_versions, view_writes
 from .library import grad_mode
 from ._torch_dispatch import version_bumps

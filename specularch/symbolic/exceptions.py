@@ -15,33 +15,16 @@ inside a ``try`` is handled by the eager rerun (``raised_in_try`` tells the disp
 from __future__ import annotations
 
 import inspect
-import linecache
 import types
 
-import torch
-import torch.fx
 
 from ..guards import HasAttrGuard
 from ..records import Unsupported
+from .speculation.raising_branch import raising_nodes
 from .values import ConstV, MethodV, ObjV, Value
+from .values.raised import PyRaise, python_error  # noqa: F401  (re-exported)
 
 IN_TRY = "in_try"  # node meta: the op ran where a try/with handler covers it
-
-
-class PyRaise(Unsupported):
-    """The captured code raises ``exc`` here (a real exception object, made from constants)."""
-
-    def __init__(self, exc: BaseException, explanation: str | None = None,
-                 value: Value | None = None):
-        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        super().__init__("exception_handling", explanation or text)
-        self.exc = exc
-        self.value = value if value is not None else ObjV(exc)
-
-
-def python_error(exc: BaseException, explanation: str | None = None) -> PyRaise:
-    """``raise python_error(KeyError(k))`` at a modelled operation that eager raises at."""
-    return PyRaise(exc, explanation)
 
 
 # ---- the exception being handled (``sys.exc_info()``, bare ``raise``) ---------------------
@@ -179,26 +162,6 @@ def eager_did_not_raise(error: BaseException, graphs: list, what: str) -> Unsupp
                        "takes (the call ran eagerly and returned its result)",
                        "Expected when the handled error really happens; to keep such calls in "
                        "the graph, check the values before the op instead of catching its error.")
-
-
-def raising_nodes(error: BaseException, graphs: list):
-    """The graph nodes ``error`` was raised at, innermost frame last: found from each
-    traceback line in the FX code of one of ``graphs`` (GraphModules)."""
-    codes = {}
-    for gm in graphs:
-        forward = getattr(type(gm), "forward", None)
-        if isinstance(gm, torch.fx.GraphModule) and forward is not None:
-            codes[forward.__code__] = gm
-    tb = error.__traceback__
-    while tb is not None:
-        gm = codes.get(tb.tb_frame.f_code)
-        if gm is not None:
-            line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
-            name = line.split(" = ", 1)[0].strip() if " = " in line else ""
-            node = next((n for n in gm.graph.nodes if n.name == name), None)
-            if node is not None:
-                yield node
-        tb = tb.tb_next
 
 
 def raised_in_try(error: BaseException, graphs: list) -> str | None:

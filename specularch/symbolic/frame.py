@@ -9,7 +9,7 @@ from ..guards import NotShadowedGuard
 from ..records import Unsupported
 from .bytecode import analyse
 from .exceptions import PyRaise, step_in_try, unwind
-from .ops.registry import HANDLERS, _load_families
+from .opcodes import HANDLERS
 from .values import CellV, Value
 
 
@@ -78,7 +78,6 @@ class Frame:
             raise Unsupported("recursion_limit",
                               f"inlined calls nested deeper than config.inline_depth="
                               f"{tracer.inline_depth} (at {self.code.co_qualname})")
-        _load_families()
         tracer.frames.append(self)
         try:
             while self.result is None:
@@ -129,3 +128,16 @@ class Frame:
 
     def __repr__(self) -> str:
         return f"<Frame {self.code.co_qualname} line {self.lineno}>"
+
+
+def read_cell(frame, cell: CellV) -> Value:
+    if cell.contents is None and cell.real is not None:
+        try:
+            contents = cell.real.cell_contents
+        except ValueError:
+            raise Unsupported("exception_handling", "NameError: free variable referenced before "
+                              "assignment") from None
+        cell.contents = frame.tracer.wrap(contents, cell.source)
+    if cell.contents is None:
+        raise Unsupported("exception_handling", "NameError: cell variable referenced before assignment")
+    return cell.contents

@@ -26,6 +26,7 @@ from ..values import (ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, ObjV
 from ..models import MODELS, provides
 from ..attrs import load_attr, store_attr
 from ..calls import call
+from ..frame import read_cell
 
 BUILTINS: dict = {}
 MODELS.register("BUILTINS", BUILTINS)  # calls.py looks callees up in it
@@ -386,7 +387,6 @@ def _super(tracer, fn, args, kwargs):
     cell = frame.cells.get("__class__")
     if cell is None or frame.code.co_argcount == 0:
         raise Unsupported("unsupported_call", "super() outside a method")
-    from ..ops.loads import read_cell
     first = frame.code.co_varnames[0]
     self_v = frame.locals.get(first)
     if self_v is None and first in frame.cells:
@@ -549,4 +549,6 @@ def _clip_grad_value(tracer, fn, args, kwargs):
 
 
 from . import stdlib  # noqa: E402,F401  (registers functools/itertools/collections models)
-from ..speculation import deferred  # noqa: E402  (registers time.time & co.; used above)
+from ..speculation import deferred  # noqa: E402  (used above)
+
+model(*deferred.CLOCKS)(deferred.clock)  # time.time & co.: read once, deferred

@@ -48,7 +48,7 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
     if isinstance(self_v, ListV):
         return _list_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, UntrackedContainerV):
-        return untracked.call_method(tracer, self_v, name, args, kwargs)
+        return untracked.call_method(tracer, self_v, name, args, kwargs, consume)
     if isinstance(self_v, DictV):
         return _dict_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, SetV):

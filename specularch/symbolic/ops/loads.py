@@ -6,8 +6,9 @@ import sys
 
 from ...records import Unsupported
 from ..attrs import load_attr, store_attr
+from ..frame import read_cell
 from .registry import handles
-from ..values import NULL, CellV, ConstV, Value
+from ..values import NULL, CellV, ConstV
 
 
 @handles("NOP", "RESUME", "PRECALL", "MAKE_CELL", "COPY_FREE_VARS", "EXTENDED_ARG")
@@ -63,19 +64,6 @@ def cell_of(frame, name: str) -> CellV:
     if cell is None:
         cell = frame.cells[name] = CellV(frame.locals.pop(name, None))
     return cell
-
-
-def read_cell(frame, cell: CellV) -> Value:
-    if cell.contents is None and cell.real is not None:
-        try:
-            contents = cell.real.cell_contents
-        except ValueError:
-            raise Unsupported("exception_handling", "NameError: free variable referenced before "
-                              "assignment") from None
-        cell.contents = frame.tracer.wrap(contents, cell.source)
-    if cell.contents is None:
-        raise Unsupported("exception_handling", "NameError: cell variable referenced before assignment")
-    return cell.contents
 
 
 @handles("LOAD_DEREF")

@@ -29,7 +29,7 @@ from ...records import Unsupported
 from ...fx_lower.randomness import is_random_node
 from .._torch_dispatch import storage_key
 from ..values.deque import DequeV
-from ..exceptions import raising_nodes
+from .raising_branch import raising_nodes
 from ..values.symint import SymV
 from ..values import (CellV, ConstV, DictV, DictViewV, FuncV, IterV, ListV, MethodV, NewObjV, PartialV, SetV,
                      TensorV, TupleV, Value)

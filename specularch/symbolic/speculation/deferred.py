@@ -36,7 +36,6 @@ from typing import Any
 
 from ...records import Unsupported
 from ...shadow_heap.rebuild import ClockRead, Number, Rebuild
-from ..library.builtins import model
 from ..values.symint import SymV
 from ..values.scalar import ScalarV
 from ..values import ConstV, Value
@@ -186,8 +185,8 @@ def _op_count(tracer) -> int:
     return sum(1 for n in tracer.graph.nodes if n.op not in ("placeholder", "output"))
 
 
-@model(*CLOCKS)
-def _clock(tracer, fn, args, kwargs):
+def clock(tracer, fn, args, kwargs):
+    """``time.time()`` & co. (``CLOCKS``, registered as builtin models by ``library/builtins.py``)."""
     if args or kwargs:
         raise Unsupported("exception_handling", f"TypeError: {fn.__name__}() takes no arguments")
     reads = tracer.clock_reads

@@ -9,6 +9,9 @@ site being marked as going both ways and no longer speculated.
 from __future__ import annotations
 
 import dis
+import linecache
+
+import torch.fx
 
 _ENDS_BLOCK = {"RETURN_VALUE", "RERAISE"} | {dis.opname[op] for op in dis.hasjrel + dis.hasjabs}
 
@@ -33,3 +36,23 @@ def keep_speculating(frame, ins) -> None:
     """Speculate the branch ``ins`` again (an assumption the graph checks) when a side raises."""
     if side_raises(frame, ins):
         frame.tracer.unstable_sites.discard((id(frame.code), frame.ip))
+
+
+def raising_nodes(error: BaseException, graphs: list):
+    """The graph nodes ``error`` was raised at, innermost frame last: found from each
+    traceback line in the FX code of one of ``graphs`` (GraphModules)."""
+    codes = {}
+    for gm in graphs:
+        forward = getattr(type(gm), "forward", None)
+        if isinstance(gm, torch.fx.GraphModule) and forward is not None:
+            codes[forward.__code__] = gm
+    tb = error.__traceback__
+    while tb is not None:
+        gm = codes.get(tb.tb_frame.f_code)
+        if gm is not None:
+            line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
+            name = line.split(" = ", 1)[0].strip() if " = " in line else ""
+            node = next((n for n in gm.graph.nodes if n.name == name), None)
+            if node is not None:
+                yield node
+        tb = tb.tb_next

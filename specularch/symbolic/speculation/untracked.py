@@ -18,7 +18,7 @@ Anything else (``len``, iteration, ``pop``, ``del``, old items of the list, ...)
 from __future__ import annotations
 
 from ...guards import ContainsGuard, ItemSource
-from ..exceptions import python_error
+from ..values.raised import python_error
 from ..values.symint import SymV
 from ..values import AppendOnlyListV, ConstV, KeyedDictV, RelaxationRefused, Value
 
@@ -52,7 +52,9 @@ def contains(tracer, key: Value, c) -> bool:
     return k in c.written or _present(tracer, c, k)
 
 
-def call_method(tracer, c, name: str, args: list, kwargs: dict) -> Value:
+def call_method(tracer, c, name: str, args: list, kwargs: dict, consume) -> Value:
+    """``consume(tracer, v)``: the items ``v`` yields (``operators.consume``, handed in by
+    the caller: speculation sits below the core)."""
     if kwargs:
         raise RelaxationRefused(c.source)
     if isinstance(c, AppendOnlyListV):
@@ -60,7 +62,6 @@ def call_method(tracer, c, name: str, args: list, kwargs: dict) -> Value:
             _append(tracer, c, args[0])
             return ConstV(None)
         if name == "extend" and len(args) == 1:
-            from ..operators import consume
             for item in consume(tracer, args[0]):
                 _append(tracer, c, item)
             return ConstV(None)

@@ -82,7 +82,7 @@ def arithmetic(tracer, op, a: Value, b: Value) -> Value:
         for x in (a, b):  # pinned to these values, the error is decided by guards
             if isinstance(x, SymV):
                 x.concrete()
-        from ..exceptions import python_error
+        from .raised import python_error
         raise python_error(e.with_traceback(None)) from None
     node = tracer.graph.call_function(op, (na, nb))
     known = ea is not None and eb is not None
