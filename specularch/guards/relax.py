@@ -15,6 +15,7 @@ import torch
 
 from . import DictKeysGuard, LenGuard, TensorGuard, ValueGuard
 from .sources import ItemSource, LocalSource
+from .. import log
 
 
 def argument_fact(value: Any) -> tuple:
@@ -149,7 +150,6 @@ class Generalisation:
 
     def note(self, text: str) -> None:
         self.relaxations.append(text)
-        from .. import log
         log.emit("relaxations", text)
 
     def _dims(self, slot: int, name: str, dims: set[int], why: str, seen: list) -> None:

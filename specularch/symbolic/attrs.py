@@ -20,6 +20,8 @@ from .speculation.leaf_writes import metadata_of
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
 from .models import MODELS
 from .values import ConstV, DictV, DictViewV, MethodV, NewObjV, ObjV, SuperV, TensorV, TupleV, UntrackedContainerV, Value
+from .exceptions import missing_attribute
+from .exceptions import exception_attr
 
 _MISSING = object()
 
@@ -37,7 +39,6 @@ def load_attr(tracer, frame, v: Value, name: str) -> Value:
     if isinstance(v, TensorV):
         return _tensor_attr(tracer, v, name)
     if isinstance(v, ObjV) and isinstance(v.obj, BaseException) and v.source is None:
-        from .exceptions import exception_attr
         return exception_attr(tracer, v, name)
     if isinstance(v, ObjV):
         return _object_attr(tracer, frame, v, name)
@@ -189,7 +190,6 @@ def _instance_attr(tracer, v: ObjV, name: str) -> Value:
                 return tracer.wrap(entries[name], src)
     if hasattr(cls, "__getattr__") and not isinstance(obj, nn.Module):
         raise Unsupported("unsupported_call", f"{cls.__name__}.__getattr__ for {name!r}")
-    from .exceptions import missing_attribute
     raise missing_attribute(tracer, v, name)
 
 

@@ -29,6 +29,9 @@ from .models import MODELS
 from .tracer import FORBIDDEN_TENSOR_METHODS
 from .values import (CellV, CtxExitV, DictV, FuncV, IterV, MethodV, ModuleSliceV, NewObjV, ObjV, PartialV, TupleV,
                      Value)
+from .bytecode import analyse
+from .frame import Frame
+from ._torch_dispatch import custom_op_overload
 
 # Set on wrappers made by specularch.optimize: the function they stand for.
 ORIGINAL_ATTR = "__specularch_original__"
@@ -91,7 +94,6 @@ def _call_object(tracer, fn: ObjV, args, kwargs) -> Value:
     if isinstance(obj, weakref.ReferenceType) and not args and not kwargs:
         referent = obj()
         return tracer.wrap(referent, None if fn.source is None else DerefSource(fn.source))
-    from ._torch_dispatch import custom_op_overload
     overload = custom_op_overload(obj)
     if overload is not None:  # a custom_op: its operator is the graph node
         return torch_call(tracer, overload, args, kwargs)
@@ -322,8 +324,6 @@ def inline(tracer, code: types.CodeType, globals_: dict, args: list[Value], kwar
            *, defaults=(), kwdefaults=None, closure=(), name="", frame_only=False) -> Value:
     """Run ``code`` in a new frame; ``frame_only``: the generator frame, not run yet (a
     ``contextmanager`` drives it: ``context_managers.py``)."""
-    from .frame import Frame
-    from .bytecode import analyse
     bound = bind_arguments(code, args, kwargs, defaults, kwdefaults or {}, name)
     if not frame_only and hooks.recursion is not None:
         templated = hooks.recursion(tracer, code, globals_, bound)

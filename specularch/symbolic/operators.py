@@ -23,6 +23,9 @@ from .values.scalar import ScalarV
 from .models import MODELS
 from .values import (ConstV, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, ObjV, SetV,
                      TensorV, TupleV, UntrackedContainerV, Value, contains_tensor, is_const)
+from ..guards.sources import AttrSource
+from .attrs import load_attr
+from .calls import call
 
 # BINARY_OP's argument -> (operator, symbol); 13.. are the in-place forms (dis._nb_ops order).
 _NB = [(operator.add, "+"), (operator.and_, "&"), (operator.floordiv, "//"),
@@ -203,8 +206,6 @@ def truth(tracer, v: Value) -> bool:
         return True
     if isinstance(v, NewObjV):
         if hasattr(v.cls, "__bool__") or hasattr(v.cls, "__len__"):
-            from .calls import call
-            from .attrs import load_attr
             name = "__bool__" if hasattr(v.cls, "__bool__") else "__len__"
             return truth(tracer, call(tracer, load_attr(tracer, None, v, name), [], {}))
         return True
@@ -280,7 +281,6 @@ def _table(mod: ObjV, table: str, key: str):
 
 def _guard_keys(tracer, mod: ObjV, table: str) -> None:
     if mod.source is not None:
-        from ..guards.sources import AttrSource
         tracer.add_guard(DictKeysGuard, AttrSource(mod.source, table), dict,
                          tuple(getattr(mod.obj, table)))
 

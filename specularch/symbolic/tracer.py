@@ -33,6 +33,7 @@ from .op_args import concrete, fx_arg, holds_tensor, is_dynamic, mark_dynamic, s
 from .values.symint import SymV
 from .values import (AppendOnlyListV, ConstV, DictV, KeyedDictV, ListV, MethodV, ObjV, SetV, TensorV,
                      TupleV, Value, contains_tensor, leaves)
+from .values.symint import arithmetic
 
 CONST_TYPES = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis),
                type(NotImplemented), torch.dtype, torch.device, torch.layout, torch.memory_format,
@@ -336,7 +337,6 @@ class Tracer:
             return self.sym_size(t, d)
         if label == "__len__":
             return self.sym_size(t, 0)
-        from .values.symint import arithmetic
         total: Value = ConstV(1)
         for d in range(t.example.dim()):
             total = arithmetic(self, __import__("operator").mul, total, self.sym_size(t, d))

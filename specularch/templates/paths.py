@@ -28,6 +28,7 @@ from ..symbolic.inputs import placeholder
 from ..symbolic.frame import Frame
 from ..symbolic.tracer import Tracer
 from ..symbolic.values import ConstV, TensorV, TupleV, Value
+from ..guards.sources import PINNED
 
 _UNSUPPORTED_FLAGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS | inspect.CO_GENERATOR
 
@@ -83,7 +84,6 @@ def source_getter(sources) -> Callable:
     a Python expression per source)."""
     body = ", ".join(s.expr() for s in sources)
     ns: dict[str, Any] = {}
-    from ..guards.sources import PINNED
     ns["O"] = PINNED
     exec(f"def get(L, G):\n    return ({body}{',' if sources else ''})\n", ns)
     return ns["get"]

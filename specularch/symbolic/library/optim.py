@@ -30,6 +30,7 @@ from ..values.symint import SymV, arithmetic, compare
 from ..values import ConstV, DictV, ObjV, TensorV, TupleV, Value
 from ..models import provides
 from ..attrs import store_attr
+from ...guards import DictKeysGuard, LenGuard
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam)  # AdamW is an Adam subclass in torch 2.13
 
@@ -148,7 +149,6 @@ def _groups(tracer, opt_v: ObjV, read_hyper: bool = True) -> list[tuple[dict, li
             _written_here(tracer, g) or _written_here(tracer, g.get("params")) for g in raw_groups):
         raise Unsupported("unsupported_call", "an optimizer param group is written in the captured "
                           "function before the optimizer call (set the learning rate between calls)")
-    from ...guards import DictKeysGuard, LenGuard
     tracer.add_guard(LenGuard, groups_src, list, len(raw_groups))
     reads = _reads(opt)
     # a key the optimizer defines that the model does not know (a newer torch's option)
@@ -185,7 +185,6 @@ def _groups(tracer, opt_v: ObjV, read_hyper: bool = True) -> list[tuple[dict, li
 def _hyper_value(tracer, key: str, raw, src: Source) -> Value:
     """A float that schedulers vary is a graph input; ``betas`` a tuple of two such inputs
     (OneCycleLR and CyclicLR replace ``betas[0]`` every step); anything else a guarded constant."""
-    from ...guards import LenGuard
     if key in _SYMBOLIC and type(raw) is float:
         return number_input(tracer, raw, src)
     if key == "betas" and type(raw) is tuple and len(raw) == 2:

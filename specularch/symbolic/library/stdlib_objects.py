@@ -45,6 +45,7 @@ from ..attrs import load_attr
 from ..calls import call
 from ..operators import _INPLACE, concrete_op, consume, ensure_local
 from ..values import ListV
+from ...guards.sources import AttrSource
 
 model(collections.deque)(deque_model.construct)
 
@@ -241,7 +242,6 @@ def _convert(tracer, v: Value, as_dict: bool) -> Value:
 
 # ---- functools.lru_cache ----------------------------------------------------------------------
 def _call_lru_cached(tracer, obj, args, kwargs, source=None) -> Value:
-    from ...guards.sources import AttrSource
     name = getattr(obj, "__qualname__", "an lru_cache helper")
     if not all(type(a) is ConstV for a in [*args, *kwargs.values()]):  # a SymV too: it varies
         raise Unsupported("unsupported_call", f"{name} (lru_cache) called with non-constant arguments "

@@ -18,12 +18,12 @@ from ..values import ConstV, TensorV, Value
 from ..values.scalar import ScalarV
 from ..models import provides
 from ..values import ListV
+from ..speculation.view_writes import refuse_stale_read
 
 
 def item(tracer, t: TensorV) -> Value:
     if t.example.numel() != 1:
         raise Unsupported("exception_handling", "item() of a tensor with more than one element")
-    from ..speculation.view_writes import refuse_stale_read  # (the value is read after the graph ran)
     refuse_stale_read(tracer, t, "item()")
     return ScalarV(t.node, t.example.item(), read_after=tracer.graph._root.prev)
 

@@ -7,6 +7,7 @@ from ..calls import call
 from ..operators import consume
 from .registry import handles
 from ..values import ConstV, DictV, FuncV, NullV
+from ..library.context_managers import before_with
 
 
 @handles("KW_NAMES")
@@ -62,7 +63,6 @@ def _make_function(frame, ins):
 
 @handles("BEFORE_WITH")
 def _before_with(frame, ins):
-    from ..library.context_managers import before_with
     exit_, entered = before_with(frame.tracer, frame.pop())
     frame.push(exit_)
     frame.push(entered)

@@ -16,6 +16,7 @@ from ..library import context_managers  # noqa: F401  (registers contextlib mode
 from ..exceptions import PyRaise, exception_types, handled, raise_value, set_handled
 from .registry import handles
 from ..values import ConstV, ObjV
+from ..calls import call
 
 
 @handles("RAISE_VARARGS")
@@ -65,7 +66,6 @@ def _check_exc_match(frame, ins):
 
 @handles("WITH_EXCEPT_START")
 def _with_except_start(frame, ins):
-    from ..calls import call
     exc = frame.stack[-1]
     exit_ = frame.stack[-4]
     kind = frame.tracer.wrap(type(exc.obj), None)

@@ -24,6 +24,9 @@ import torch.fx
 
 from ..values import ConstV, Value
 from ..values.scalar import ScalarV
+from ..values.symint import SymV
+from .deferred import ClockV, NumV
+from ..values import ListV, TupleV
 
 # Operators and torch functions/methods (by name) whose number arguments are plain values.
 _OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
@@ -89,7 +92,6 @@ def _allowed_positions(target, label: str, count: int) -> set:
 
 
 def _data(tracer, v: Value) -> Value:
-    from ..values import ListV, TupleV
     if isinstance(v, ScalarV):
         return _number(tracer, v)
     if type(v) is ListV or type(v) is TupleV and v.cls is tuple:
@@ -102,8 +104,6 @@ def _data(tracer, v: Value) -> Value:
 def _number(tracer, v) -> Value:
     """The graph number for a ``.item()`` value or a recipe over them; ``v`` itself (refused
     later, with its own reason) when it cannot be computed in the graph."""
-    from .deferred import ClockV, NumV
-    from ..values.symint import SymV
     cached = getattr(v, "_in_graph", None)
     if cached is not None:
         return cached

@@ -18,6 +18,7 @@ import torch.fx
 
 from ...guards.guard import ExprGuard, same_value
 from . import ConstV, Value
+from .raised import python_error
 
 _SYMBOL = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
            operator.mod: "%", operator.truediv: "/", operator.pow: "**",
@@ -82,7 +83,6 @@ def arithmetic(tracer, op, a: Value, b: Value) -> Value:
         for x in (a, b):  # pinned to these values, the error is decided by guards
             if isinstance(x, SymV):
                 x.concrete()
-        from .raised import python_error
         raise python_error(e.with_traceback(None)) from None
     node = tracer.graph.call_function(op, (na, nb))
     known = ea is not None and eb is not None
