@@ -1,9 +1,12 @@
 """One symbolically executed Python frame: a value stack, locals, cells and an instruction
-pointer over an analysed code object. Opcode semantics live in the ``ops_*`` handler files.
+pointer over an analysed code object. Opcode semantics live in the handlers of ``ops/``,
+looked up in the table ``opcodes.py``.
 """
 from __future__ import annotations
 
 import types
+from typing import Any, Callable
+
 from ..guards.sources import BuiltinSource, GlobalSource, ItemSource, ObjectSource, pin
 from ..guards import NotShadowedGuard
 from ..records import Unsupported
@@ -73,6 +76,18 @@ class Frame:
 
     # ---- running ------------------------------------------------------------------------
     def run(self) -> Value:
+        return self.on_stack(self._run_to_return)
+
+    def _run_to_return(self) -> Value:
+        while self.result is None:
+            self._step()
+        return self.result
+
+    def on_stack(self, body: Callable[[], Any], leaving: Callable | None = None) -> Any:
+        """``body()`` with this frame on the tracer's stack: a call run to its return, or a
+        generator resumed (``library/context_managers.py``). The inlining depth is checked
+        first; a refusal raised inside gets the user's line; an exception the code raises
+        leaves through ``leaving`` when given (a generator's, PEP 479) instead."""
         tracer = self.tracer
         if len(tracer.frames) >= tracer.inline_depth:
             raise Unsupported("recursion_limit",
@@ -80,10 +95,10 @@ class Frame:
                               f"{tracer.inline_depth} (at {self.code.co_qualname})")
         tracer.frames.append(self)
         try:
-            while self.result is None:
-                self._step()
-            return self.result
+            return body()
         except Unsupported as e:
+            if leaving is not None and isinstance(e, PyRaise):
+                raise leaving(e) from None
             if e.filename is None:
                 e.filename, e.lineno, e.function = tracer.user_position()
             raise

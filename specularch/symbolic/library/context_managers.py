@@ -161,28 +161,17 @@ def _generator_frame(tracer, func: Value, args, kwargs):
 def _advance(tracer, frame, throw: Value | None = None) -> bool:
     """Resume the generator ``frame`` (with ``throw`` raised at its ``yield``) until it
     yields again (True) or returns (False), as ``next``/``throw`` do."""
-    if len(tracer.frames) >= tracer.inline_depth:
-        raise Unsupported("recursion_limit", "inlined calls nested deeper than "
-                          f"config.inline_depth={tracer.inline_depth}")
-    if frame.result is not None:
-        return False
-    yielded = len(frame.yielded)
-    tracer.frames.append(frame)
-    try:
+    def resume() -> bool:
+        if frame.result is not None:
+            return False
+        yielded = len(frame.yielded)
         if throw is not None:
             at_yield = frame.info.instructions[frame.ip - 1]
             frame.jump(unwind(frame, at_yield, PyRaise(throw.obj, value=throw)))
         while frame.result is None and len(frame.yielded) == yielded:
             frame._step()
-    except PyRaise as e:
-        raise leaving_generator(e) from None
-    except Unsupported as e:
-        if e.filename is None:
-            e.filename, e.lineno, e.function = tracer.user_position()
-        raise
-    finally:
-        tracer.frames.pop()
-    return len(frame.yielded) > yielded
+        return len(frame.yielded) > yielded
+    return frame.on_stack(resume, leaving=leaving_generator)
 
 
 from . import exit_stack  # noqa: E402,F401  (registers contextlib.ExitStack)
