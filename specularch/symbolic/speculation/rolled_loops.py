@@ -59,13 +59,14 @@ class LoopReport:
     hoisted: int = 0                     # body ops moved after the loop (rolled_hoist.py)
     not_hoisted: str = ""                # why an appended value is computed in the body
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
+    form: str = "range(n)"               # what the loop iterates
 
     def __str__(self) -> str:
         if not self.rolled:
-            return f"unrolled loop at {self.where}: {self.why}"
+            return f"unrolled loop at {self.where} ({self.form}): {self.why}"
         hoisted = (f", {self.hoisted} ops hoisted after the loop" if self.hoisted else
                    f" (nothing hoisted: {self.not_hoisted})" if self.not_hoisted else "")
-        return (f"rolled loop at {self.where}: body {self.body_ops} ops, {self.carried} carried, "
+        return (f"rolled loop at {self.where} ({self.form}): body {self.body_ops} ops, {self.carried} carried, "
                 f"{self.outputs} stacked{hoisted}; trip counts of the last calls: "
                 f"{list(self.trips)}")
 
@@ -105,23 +106,50 @@ def _loop_index(site: tuple) -> int:  # stands for ``t`` while iteration 1 is ca
 
 # ---- where loops are rolled ------------------------------------------------------------------
 def symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
-    """``range(n)`` with a symbolic ``n`` consumed right away by a ``for`` loop: the iterator
-    that makes ``FOR_ITER`` roll the loop; None where the loop is unrolled as before."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], SymV) or not tracer.frames:
+    """``range(n)``, ``range(a, b)`` or ``range(a, b, step)`` with a symbolic bound, consumed
+    right away by a ``for`` loop: the iterator that makes ``FOR_ITER`` roll the loop; None
+    where the loop is unrolled as before."""
+    if not 1 <= len(args) <= 3 or kwargs or not tracer.frames \
+            or not any(isinstance(a, SymV) for a in args[:2]) \
+            or not all(isinstance(a, (SymV, ConstV)) and type(a.value) is int for a in args):
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
     if frame.ip + 1 >= len(code) or code[frame.ip].opname != "GET_ITER" \
             or code[frame.ip + 1].opname != "FOR_ITER":
         return None
+    step = args[2].concrete() if len(args) == 3 else 1  # a symbolic step: specialised
+    if step == 0:
+        return None  # range() raises, as in eager
+    start, stop = (ConstV(0), args[0]) if len(args) == 1 else (args[0], args[1])
     site = (id(frame.code), code[frame.ip + 1].offset)
     where = f"{frame.code.co_filename}:{frame.lineno}"
-    why = _why_not_roll(tracer, site, args[0])
+    n = _trip_count(tracer, start, stop, step)
+    why = _why_not_roll(tracer, site, n)
     if why is not None:
         if site not in tracer.assumptions.unrolled_loops:
-            tracer.loops.append(LoopReport(where, False, why, site=site))
+            tracer.loops.append(LoopReport(where, False, why, site=site, form=_form(args)))
         return None
-    return SymRangeIterV([], n=args[0])
+    return SymRangeIterV([], n=n, start=start, step=step, bounds=tuple(args))
+
+
+def _form(args: list) -> str:
+    names = ["n"] if len(args) == 1 else ["a", "b", "step"][:len(args)]
+    return f"range({', '.join(names)})"
+
+
+def _trip_count(tracer, start: Value, stop: Value, step: int) -> Value:
+    """``len(range(start, stop, step))`` as symbolic arithmetic: ``ceil((stop - start) / step)``
+    (at most 0 when the range is empty; the rolled graph is guarded on ``n >= 1``)."""
+    if isinstance(start, ConstV) and start.value == 0 and step == 1:
+        return stop
+    if step < 0:
+        start, stop, step = stop, start, -step
+    span = arithmetic(tracer, operator.sub, stop, start)
+    if step == 1:
+        return span
+    span = arithmetic(tracer, operator.add, span, ConstV(step - 1))
+    return arithmetic(tracer, operator.floordiv, span, ConstV(step))
 
 
 def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
@@ -135,7 +163,7 @@ def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
         return "inside a tensor branch whose two sides are merged"
     if tracer.template is not None:
         return "inside a recursion template (templates/)"
-    if not isinstance(n.value, int) or n.value < 2:
+    if not isinstance(n, SymV) or not isinstance(n.value, int) or n.value < 2:
         return f"its trip count at capture ({n.value!r}) gives no second iteration to compare"
     return None
 
@@ -144,7 +172,7 @@ def for_iter(frame, ins, it: SymRangeIterV):
     """``FOR_ITER`` on a ``SymRangeIterV``: runs and rolls the whole loop; returns where the
     frame goes on (after the loop)."""
     tracer = frame.tracer
-    loop = _Loop(frame, ins, it.n)
+    loop = _Loop(frame, ins, it)
     tracer.rolling += 1
     try:
         loop.run()
@@ -156,8 +184,10 @@ def for_iter(frame, ins, it: SymRangeIterV):
 
 # ---- one loop ----------------------------------------------------------------------------------
 class _Loop:
-    def __init__(self, frame, ins, n: SymV):
-        self.frame, self.tracer, self.n = frame, frame.tracer, n
+    def __init__(self, frame, ins, it: SymRangeIterV):
+        self.frame, self.tracer, self.n = frame, frame.tracer, it.n
+        self.start, self.step = it.start, it.step
+        self.form = _form(it.bounds or [it.n])
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
         self.exit = frame.info.index_of[ins.argval]
@@ -165,18 +195,18 @@ class _Loop:
         self.where = f"{frame.code.co_filename}:{frame.lineno}"
 
     def refuse(self, why: str):
-        raise RollRefused(self.site, self.where, why)
+        raise RollRefused(self.site, self.where, why, self.form)
 
     def run(self) -> None:
         self._check_bytecode()
         before_loop = set(self.graph.nodes)
         first = Snapshot(self.frame, self.tracer)
-        self._iterate(ConstV(0))                   # iteration 0: into the graph, as unrolled
+        self._iterate(self.start)                  # iteration 0: into the graph, as unrolled
         head = Snapshot(self.frame, self.tracer)
         growing = head.grown_lists(first)
-        index_node = self.graph.call_function(_loop_index, (self.site,))
-        index = LoopIndexV(1, index_node, None, self.tracer, "t", site=self.site, where=self.where)
+        index_node = self.graph.call_function(_loop_index, (self.site,))  # the body's ``k``
         before_body = set(self.graph.nodes)
+        index = self._index(index_node)
         effects, assumed = _effects(self.tracer), len(self.tracer.assertions)
         with append_only(growing, self):
             try:
@@ -199,6 +229,29 @@ class _Loop:
         after.hidden_unchanged(head, match.visited, self)
         body_nodes = [n for n in self.graph.nodes if n not in before_body]
         _Roll(self, match, body_nodes, before_loop, before_body, index_node, checks).apply()
+
+    def plain(self) -> bool:
+        return isinstance(self.start, ConstV) and self.start.value == 0 and self.step == 1
+
+    def _index(self, counter: torch.fx.Node) -> LoopIndexV:
+        """The index of iteration ``k`` (the body's input): ``start + k * step``, computed in
+        the body (``start`` is then one of its invariants)."""
+        node, value = counter, 1
+        if not self.plain():
+            scaled = counter
+            if self.step != 1:
+                scaled = self.graph.call_function(operator.mul, (counter, self.step))
+            start = self.start.node if isinstance(self.start, SymV) else self.start.value
+            node = self.graph.call_function(operator.add, (start, scaled))
+            value = self.start.value + self.step
+        return LoopIndexV(value, node, None, self.tracer, "t", site=self.site, where=self.where)
+
+    def last_index(self, last: Value) -> Value:
+        """The index after the loop (of iteration ``n - 1``)."""
+        if self.plain():
+            return last
+        scaled = arithmetic(self.tracer, operator.mul, last, ConstV(self.step))
+        return arithmetic(self.tracer, operator.add, self.start, scaled)
 
     def _check_bytecode(self) -> None:
         for ins in self.frame.info.instructions[self.head + 1:self.exit]:
@@ -279,7 +332,8 @@ class _Roll:
         body, outputs = self._body()
         n = self.loop.n
         compare(self.tracer, operator.ge, n, ConstV(1))  # iteration 0 is in the graph
-        report = LoopReport(self.loop.where, True, site=self.loop.site, body_ops=len(self.kept),
+        report = LoopReport(self.loop.where, True, site=self.loop.site, form=self.loop.form,
+                            body_ops=len(self.kept),
                             carried=len(self.entries), outputs=len(self.match.appends),
                             hoisted=len(self.hoist.nodes), not_hoisted=self.hoist.why_not)
         for node in reversed(self.body_nodes):
@@ -345,8 +399,9 @@ class _Roll:
             for holder, key in slots:
                 set_slot(holder, key, value)
         last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
+        index = self.loop.last_index(last) if self.match.index_slots else None
         for holder, key in self.match.index_slots:
-            set_slot(holder, key, last)
+            set_slot(holder, key, index)
         stacked = self._hoisted(node)
         for lst, head_items, appended in self.match.appends:
             head_nodes = [_fx(v) for v in head_items]

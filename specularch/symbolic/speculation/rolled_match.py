@@ -156,7 +156,9 @@ class Match:
         if isinstance(h, CONTAINERS) and type(h) is type(a):
             return self._container(h, a, path)
         if a is self.index:
-            if not (isinstance(h, ConstV) and h.value == 0):
+            start = self.loop.start
+            if not (h is start or isinstance(h, ConstV) and isinstance(start, ConstV)
+                    and h.value == start.value):
                 self.loop.refuse(f"`{path}` holds the index only from the second iteration on")
             self.index_slots.append(slot)
         elif isinstance(h, TensorV) and isinstance(a, TensorV):
