@@ -137,3 +137,109 @@ def test_a_training_step_through_a_range_from_a_to_b_is_captured_once(templates,
                 assert_same(p.grad, q.grad, f"{name}.grad after length {n}", **close)
     report = specularch.explain(opt_step)
     _assert_rolled_once(report, "range(a, b)")
+
+
+# ---- nested rolled loops: an inner loop whose trip count varies, inside an outer one --------
+def _grid(x, w, h):
+    for t in range(x.shape[0]):
+        g = h
+        for j in range(x.shape[1]):
+            g = torch.tanh(x[t, j] @ w + g)
+        h = h + g * 0.5
+    return h, t, j
+
+
+def _grid_args(i):
+    n, m = 3 + i % 7, 2 + (i * 3) % 11
+    return A(T(n, m, 3, 5, requires_grad=True), T(5, 5, requires_grad=True), T(3, 5))
+
+
+def _assert_nested(report):
+    assert report.stats.captures == 1, report
+    assert not [f for f in report.fallbacks if f.kind == "cache_limit"], report
+    rolled = _rolled(report)
+    assert len(rolled) == 3, report  # the outer loop, the inner one in its iteration 0 and body
+    assert sum("in the body of the loop at" in loop.within for loop in rolled) == 1, report
+    assert len({n for loop in rolled for n in loop.trips}) > 5, report
+
+
+@pytest.mark.parametrize("templates, rtol", MODES)
+def test_nested_loops_with_varying_trip_counts_are_captured_once(templates, rtol):
+    with specularch.config.patch(templates=templates):
+        report = check(_grid, _grid_args, calls=30, grad=True, expect="graph", rtol=rtol,
+                       atol=rtol * 1e-2)
+    _assert_nested(report)
+
+
+def _grid_past_the_end(x, w, h, m):
+    for t in range(x.shape[0]):
+        for j in range(m):
+            h = torch.tanh(x[t, j] @ w + h)
+    return h
+
+
+def _grid_past_the_end_args(i):
+    (x, w, h), _ = _grid_args(i)
+    return A(x, w, h, x.shape[1] + (i % 6 == 5))  # every 6th call: IndexError in the inner loop
+
+
+def test_an_exception_inside_a_nested_rolled_loop_is_eagers():
+    report = check(_grid_past_the_end, _grid_past_the_end_args, calls=30, grad=True)
+    assert report.stats.captures == 1, report
+    assert len(_rolled(report)) == 3, report
+
+
+class _Grid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.RNNCell(3, 4)
+        self.row = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x, start):
+        h = torch.zeros(x.shape[2], 4)
+        outs = []
+        for t in range(start, x.shape[0]):
+            g = self.row(h)
+            for j in range(x.shape[1]):
+                g = self.cell(x[t, j], g)
+            h = h + g
+            outs.append(self.out(h))
+        return torch.stack(outs)
+
+
+@pytest.mark.parametrize("templates, rtol", MODES)
+def test_a_training_step_through_nested_rolled_loops_is_captured_once(templates, rtol):
+    torch.manual_seed(0)
+    eager_model = _Grid()
+    opt_model = copy.deepcopy(eager_model)
+    eager_step, opt_step = _train(eager_model), specularch.optimize(_train(opt_model))
+    data = torch.Generator().manual_seed(5)
+    close = {"rtol": rtol, "atol": rtol * 1e-2}
+    with specularch.config.patch(templates=templates):
+        for i in range(30):
+            n, m, start = 3 + i % 7, 2 + (i * 3) % 11, i % 2
+            x = torch.randn(n, m, 2, 3, generator=data)
+            y = torch.randn(n - start, 2, 2, generator=data)
+            assert_same(eager_step(x, y, start), opt_step(x, y, start), f"loss at {n, m}", **close)
+            for (name, p), q in zip(eager_model.named_parameters(), opt_model.parameters()):
+                assert_same(p, q, f"{name} after {n, m}", **close)
+                assert_same(p.grad, q.grad, f"{name}.grad after {n, m}", **close)
+    _assert_nested(specularch.explain(opt_step))
+
+
+def _inner_count_varies(x, w, h):
+    for t in range(x.shape[0]):
+        for j in range(t):  # the inner trip count is the outer index: no one body
+            h = torch.tanh(x[t, j] @ w + h)
+    return h
+
+
+def test_an_inner_loop_whose_trip_count_is_the_outer_index_is_unrolled_and_explained():
+    def square(i):
+        n = 3 + i
+        return A(T(n, n, 3, 5, requires_grad=True), T(5, 5, requires_grad=True), T(3, 5))
+    report = check(_inner_count_varies, square, calls=6, grad=True)
+    loops = [loop for graph in report.graphs for loop in graph.loops]
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert "loop index as a Python value" in str(report), report

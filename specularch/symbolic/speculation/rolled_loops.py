@@ -60,13 +60,15 @@ class LoopReport:
     not_hoisted: str = ""                # why an appended value is computed in the body
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
     form: str = "range(n)"               # what the loop iterates
+    within: str = ""                     # where an inner loop is, in its outer loop
 
     def __str__(self) -> str:
+        form = f"{self.form}, {self.within}" if self.within else self.form
         if not self.rolled:
-            return f"unrolled loop at {self.where} ({self.form}): {self.why}"
+            return f"unrolled loop at {self.where} ({form}): {self.why}"
         hoisted = (f", {self.hoisted} ops hoisted after the loop" if self.hoisted else
                    f" (nothing hoisted: {self.not_hoisted})" if self.not_hoisted else "")
-        return (f"rolled loop at {self.where} ({self.form}): body {self.body_ops} ops, {self.carried} carried, "
+        return (f"rolled loop at {self.where} ({form}): body {self.body_ops} ops, {self.carried} carried, "
                 f"{self.outputs} stacked{hoisted}; trip counts of the last calls: "
                 f"{list(self.trips)}")
 
@@ -109,6 +111,14 @@ def symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
     """``range(n)``, ``range(a, b)`` or ``range(a, b, step)`` with a symbolic bound, consumed
     right away by a ``for`` loop: the iterator that makes ``FOR_ITER`` roll the loop; None
     where the loop is unrolled as before."""
+    rolled = _symbolic_range(tracer, args, kwargs)
+    for a in args:
+        if rolled is None and isinstance(a, LoopIndexV):
+            a.concrete()  # an enclosing rolled loop's index as a bound: that loop is refused
+    return rolled
+
+
+def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
     if not 1 <= len(args) <= 3 or kwargs or not tracer.frames \
             or not any(isinstance(a, SymV) for a in args[:2]) \
             or not all(isinstance(a, (SymV, ConstV)) and type(a.value) is int for a in args):
@@ -157,8 +167,6 @@ def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
         return "refused before"  # the report of the refusal is kept by capture
     if ("rolled_loop", *site) in tracer.unstable_sites:
         return "an assumption its body made (a size, a tensor branch) failed at run time"
-    if tracer.rolling:
-        return "inside the body of a rolled loop"
     if tracer.merging:
         return "inside a tensor branch whose two sides are merged"
     if tracer.template is not None:
@@ -201,13 +209,16 @@ class _Loop:
         self._check_bytecode()
         before_loop = set(self.graph.nodes)
         first = Snapshot(self.frame, self.tracer)
+        reports = len(self.tracer.loops)
         self._iterate(self.start)                  # iteration 0: into the graph, as unrolled
+        self._nested(reports, f"in the first iteration of the loop at {self.where}")
         head = Snapshot(self.frame, self.tracer)
         growing = head.grown_lists(first)
         index_node = self.graph.call_function(_loop_index, (self.site,))  # the body's ``k``
         before_body = set(self.graph.nodes)
         index = self._index(index_node)
         effects, assumed = _effects(self.tracer), len(self.tracer.assertions)
+        reports = len(self.tracer.loops)
         with append_only(growing, self):
             try:
                 self._iterate(index)               # iteration 1: becomes the body
@@ -215,6 +226,7 @@ class _Loop:
                 raise
             except Unsupported as e:
                 self.refuse(f"its body cannot be captured for a symbolic index ({e.explanation})")
+        self._nested(reports, f"in the body of the loop at {self.where}")
         changed = [name for name, size in _effects(self.tracer).items() if effects[name] != size]
         if changed:
             self.refuse(f"its body leaves effects beyond the loop's variables ({', '.join(changed)}"
@@ -229,6 +241,11 @@ class _Loop:
         after.hidden_unchanged(head, match.visited, self)
         body_nodes = [n for n in self.graph.nodes if n not in before_body]
         _Roll(self, match, body_nodes, before_loop, before_body, index_node, checks).apply()
+
+    def _nested(self, since: int, within: str) -> None:
+        """Loops met in an iteration are inner loops: their reports say of which."""
+        for report in self.tracer.loops[since:]:
+            report.within = report.within or within
 
     def plain(self) -> bool:
         return isinstance(self.start, ConstV) and self.start.value == 0 and self.step == 1

@@ -12,7 +12,7 @@ import collections
 
 from ..values.rolled import LoopIndexV, RolledListV
 from ..values.symint import SymV
-from ..values import (CellV, ConstV, DictV, FuncV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,
+from ..values import (CellV, ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,
                      TupleV)
 
 CONTAINERS = (TupleV, ListV, DictV, NewObjV, CellV)
@@ -60,6 +60,9 @@ class Snapshot:
         self.stack = list(frame.stack)
         self.cells = dict(frame.cells)
         self.contents: dict[int, tuple] = {}
+        # what the iterators of enclosing loops have handed out so far
+        self.iterators = {id(v): (v.pos, len(v.items), v.source) for v in self.stack
+                          if isinstance(v, IterV)}
         roots = [*self.locals.values(), *self.stack, *self.cells.values(),
                  *tracer.heap.overlay_values(), *tracer._by_container_id.values()]
         for other in tracer.frames:
@@ -99,6 +102,8 @@ class Snapshot:
 
 
 def _items(v):
+    if isinstance(getattr(v, "items", None), _AppendOnlyItems):
+        return v.items.unlocked()  # an enclosing loop's list: looking is not reading it
     if isinstance(v, (TupleV, ListV)):
         return list(v.items)
     if isinstance(v, DictV):
@@ -167,6 +172,12 @@ class Match:
         elif isinstance(h, ConstV) and isinstance(a, ConstV):
             if type(h.value) is not type(a.value) or not _equal(h.value, a.value):
                 self.loop.refuse(f"`{path}` is a Python value that changes per iteration")
+        elif h is a and isinstance(a, IterV) and self.head.iterators.get(id(a)) == \
+                self.after.iterators.get(id(a)):
+            return  # an enclosing loop's iterator, which the iteration did not pull from
+        elif isinstance(h, SymV) and isinstance(a, SymV) and h.expr is not None \
+                and h.expr == a.expr:
+            set_slot(*slot, h)  # the same number in every iteration (an inner loop's last index)
         elif h is not a or not isinstance(a, _PLAIN_LEAVES):
             self.loop.refuse(f"`{path}` changes per iteration ({type(h).__name__} -> "
                              f"{type(a).__name__}) in a way the rolled loop cannot carry")
