@@ -243,3 +243,61 @@ def test_an_inner_loop_whose_trip_count_is_the_outer_index_is_unrolled_and_expla
     loops = [loop for graph in report.graphs for loop in graph.loops]
     assert loops and not any(loop.rolled for loop in loops), report
     assert "loop index as a Python value" in str(report), report
+
+
+# ---- forms that stay unrolled: equal to eager, and explain() says which loop and why -------
+class _Node:
+    def __init__(self, x, nxt):
+        self.x, self.next, self.visits = x, nxt, 0
+
+
+def _walk(node, w, h):
+    while node is not None:  # the trip count is the list's length: Python structure
+        h = torch.tanh(node.x @ w + h)
+        node.visits += 1
+        node = node.next
+    return h
+
+
+def _chain_args(i):
+    node = None
+    for _ in range(2 + i % 4):
+        node = _Node(T(3, 5, requires_grad=True), node)
+    return A(node, T(5, 5, requires_grad=True), T(3, 5))
+
+
+def _count_up(x, w, h, n):
+    i = 0
+    while i < n:
+        h = torch.tanh(x[i] @ w + h)
+        i += 1
+    return h, i
+
+
+def _over_a_list(xs, w, h):
+    outs = []
+    for x in xs:
+        h = torch.tanh(x @ w + h)
+        outs.append(h)
+    return torch.stack(outs), h
+
+
+@pytest.mark.parametrize("fn, make_args, form, why", [
+    (_walk, _chain_args, "while loop", "its condition is decided by Python values"),
+    (_count_up, lambda i: A(*_args(i)[0], 2 + i % 4), "while loop",
+     "its condition is decided by Python values"),
+    (_over_a_list, lambda i: A([T(3, 5, requires_grad=True) for _ in range(2 + i % 4)],
+                               T(5, 5, requires_grad=True), T(3, 5)),
+     "for x in L['xs']", "its length and items are guarded"),
+])
+def test_a_loop_that_is_not_rolled_is_unrolled_equal_to_eager_and_explained(fn, make_args, form,
+                                                                            why):
+    report = check(fn, make_args, calls=8, grad=True)
+    loops = [loop for graph in report.graphs for loop in graph.loops]
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert all(loop.form == form and why in loop.why for loop in loops), report
+    # one graph per trip count, each saying how many iterations it unrolled
+    counts = [loop.iterations for loop in loops]
+    assert len(counts) == len(set(counts)) == len(report.graphs) and 5 in counts, report
+    assert set(counts) <= {2, 3, 4, 5}, report
+    assert f"({form}, 5 iterations captured): " in str(report), report

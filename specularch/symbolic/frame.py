@@ -10,6 +10,7 @@ from ..records import Unsupported
 from .bytecode import analyse
 from .exceptions import PyRaise, step_in_try, unwind
 from .ops.registry import HANDLERS, _load_families
+from .speculation import loop_notes
 from .values import CellV, Value
 
 
@@ -111,6 +112,7 @@ class Frame:
         if target is not None:
             if target < ins.offset:  # one more iteration of a loop
                 self.tracer.budget.backward_jump(self.code, ins.offset, self.lineno)
+                loop_notes.backward_jump(self, target)
             self.jump(target)
 
     def run_span(self, stop: int | None) -> bool:

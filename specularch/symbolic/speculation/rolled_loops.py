@@ -61,9 +61,12 @@ class LoopReport:
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
     form: str = "range(n)"               # what the loop iterates
     within: str = ""                     # where an inner loop is, in its outer loop
+    iterations: int = 0                  # of an unrolled loop noted by loop_notes.py
 
     def __str__(self) -> str:
         form = f"{self.form}, {self.within}" if self.within else self.form
+        if self.iterations:
+            form += f", {self.iterations} iterations captured"
         if not self.rolled:
             return f"unrolled loop at {self.where} ({form}): {self.why}"
         hoisted = (f", {self.hoisted} ops hoisted after the loop" if self.hoisted else
