@@ -301,3 +301,27 @@ def test_a_loop_that_is_not_rolled_is_unrolled_equal_to_eager_and_explained(fn, 
     assert len(counts) == len(set(counts)) == len(report.graphs) and 5 in counts, report
     assert set(counts) <= {2, 3, 4, 5}, report
     assert f"({form}, 5 iterations captured): " in str(report), report
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.RNNCell(3, 4)
+        self.steps = 0
+
+    def forward(self, x, start, log):
+        h = torch.zeros(x.shape[1], 4)
+        for t in range(start, x.shape[0]):
+            h = self.cell(x[t], h)
+            self.steps += 1  # heap writes in the body: the loop is unrolled, writes as eager's
+            log.append(h.sum())
+        return h
+
+
+def test_heap_writes_in_a_range_loop_unroll_it_with_the_heap_equal_to_eagers():
+    from differential import check_module
+    report = check_module(_Counting, lambda i: A(T(3 + i % 4, 2, 3), i % 2, []), calls=8,
+                          grad=True)
+    loops = [loop for graph in report.graphs for loop in graph.loops]
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert "(range(a, b)): its body leaves effects beyond the loop's variables" in str(report)

@@ -44,8 +44,8 @@ def _note(frame, site: tuple, target: int):
     head = frame.info.instructions[frame.info.index_of[target]]
     if head.opname == "FOR_ITER":  # its jump back ends every iteration, and is on its line
         source = getattr(frame.stack[-1], "iterates_source", None) if frame.stack else None
-        if source is None:
-            return None
+        if source is None or frame.code.co_name.startswith("<"):
+            return None  # a comprehension's list is most often the model's fixed one
         line = head.positions.lineno if head.positions else frame.lineno
         report = LoopReport(f"{frame.code.co_filename}:{line}", False, LIST_WHY, site=site,
                             form=f"for x in {source}")

@@ -264,7 +264,8 @@ class _Loop:
             start = self.start.node if isinstance(self.start, SymV) else self.start.value
             node = self.graph.call_function(operator.add, (start, scaled))
             value = self.start.value + self.step
-        return LoopIndexV(value, node, None, self.tracer, "t", site=self.site, where=self.where)
+        return LoopIndexV(value, node, None, self.tracer, "t", site=self.site, where=self.where,
+                          form=self.form)
 
     def last_index(self, last: Value) -> Value:
         """The index after the loop (of iteration ``n - 1``)."""

@@ -55,9 +55,10 @@ class LoopIndexV(SymV):
 
     site: tuple = ()
     where: str = ""
+    form: str = "range(n)"
 
     def concrete(self):
-        raise RollRefused(self.site, self.where, INDEX_AS_PYTHON)
+        raise RollRefused(self.site, self.where, INDEX_AS_PYTHON, self.form)
 
 
 class RolledListV(Value):
