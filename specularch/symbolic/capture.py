@@ -98,11 +98,12 @@ def _refused_loops(error: Exception, attempt: list) -> dict:
     """site -> report of the loops to unroll after ``error``: the loop refused, or every
     loop this attempt rolled (what followed may not support the rolled form)."""
     if isinstance(error, RollRefused):
-        return {error.site: LoopReport(error.where, False, error.why, site=error.site)}
+        return {error.site: LoopReport(error.where, False, error.why, site=error.site,
+                                          form=error.form)}
     rolled = [r for r in attempt[0].loops if r.rolled] if attempt else []
     why = getattr(error, "explanation", None) or f"{type(error).__name__}: {error}"
     return {r.site: LoopReport(r.where, False, f"capture failed with it rolled ({why})",
-                               site=r.site) for r in rolled}
+                               site=r.site, form=r.form) for r in rolled}
 
 
 def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,

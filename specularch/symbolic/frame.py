@@ -13,6 +13,7 @@ from ..records import Unsupported
 from .bytecode import analyse
 from .exceptions import PyRaise, step_in_try, unwind
 from .opcodes import HANDLERS
+from .speculation import loop_notes
 from .values import CellV, Value
 
 
@@ -125,6 +126,7 @@ class Frame:
         if target is not None:
             if target < ins.offset:  # one more iteration of a loop
                 self.tracer.budget.backward_jump(self.code, ins.offset, self.lineno)
+                loop_notes.backward_jump(self, target)
             self.jump(target)
 
     def run_span(self, stop: int | None) -> bool:

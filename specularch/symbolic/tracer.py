@@ -108,6 +108,7 @@ class Tracer:
         self.handled_exception: Value | None = None  # sys.exc_info() in a handler (exceptions.py)
         self.clock_reads: list = []              # clock reads in program order (deferred.py)
         self.loops: list = []                    # rolled / unrolled loops (rolled_loops.py)
+        self.loop_notes: dict = {}               # site -> unrolled loop's report (loop_notes.py)
         self.rolling = 0                         # > 0 while a rolled loop's body is captured
         # recursion templates (specularch/templates): the path being captured, if any;
         # recursive functions left unrolled (code -> why); families called; object inputs

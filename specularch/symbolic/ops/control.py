@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...records import Unsupported
 from ..operators import iterate, truth
-from ..speculation import branch_merge, raising_branch, rolled_loops
+from ..speculation import branch_merge, loop_notes, raising_branch, rolled_loops
 from .registry import handles
 from ..values.rolled import SymRangeIterV
 from ..values import ConstV, TensorV
@@ -70,7 +70,10 @@ def _jump_if_false_or_pop(frame, ins):
 
 @handles("GET_ITER")
 def _get_iter(frame, ins):
-    frame.push(iterate(frame.tracer, frame.pop()))
+    iterated = frame.pop()
+    it = iterate(frame.tracer, iterated)
+    loop_notes.mark_list_iterator(it, iterated)
+    frame.push(it)
 
 
 @handles("FOR_ITER")

@@ -33,14 +33,12 @@ import torch.fx
 from ...fx_lower.randomness import is_random_node
 from ...records import Unsupported
 from . import rolled_hoist
+from .rolled_match import Match, Snapshot, append_only, set_slot
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
 from ..values.symint import SymV, arithmetic, compare
-from ..values import (CellV, ConstV, DictV, FuncV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,
-                     TupleV, Value)
+from ..values import ConstV, TensorV, Value
 
-_CONTAINERS = (TupleV, ListV, DictV, NewObjV, CellV)
-_PLAIN_LEAVES = (ObjV, FuncV, MethodV, ConstV, SymV, NullV, TensorV, RolledListV)
 # Bytecode that makes an iteration leave the loop or write state the frame does not show.
 _NOT_IN_BODY = {"RETURN_VALUE", "YIELD_VALUE", "STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL",
                 "DELETE_GLOBAL", "DELETE_FAST", "IMPORT_NAME"}
@@ -61,13 +59,19 @@ class LoopReport:
     hoisted: int = 0                     # body ops moved after the loop (rolled_hoist.py)
     not_hoisted: str = ""                # why an appended value is computed in the body
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
+    form: str = "range(n)"               # what the loop iterates
+    within: str = ""                     # where an inner loop is, in its outer loop
+    iterations: int = 0                  # of an unrolled loop noted by loop_notes.py
 
     def __str__(self) -> str:
+        form = f"{self.form}, {self.within}" if self.within else self.form
+        if self.iterations:
+            form += f", {self.iterations} iterations captured"
         if not self.rolled:
-            return f"unrolled loop at {self.where}: {self.why}"
+            return f"unrolled loop at {self.where} ({form}): {self.why}"
         hoisted = (f", {self.hoisted} ops hoisted after the loop" if self.hoisted else
                    f" (nothing hoisted: {self.not_hoisted})" if self.not_hoisted else "")
-        return (f"rolled loop at {self.where}: body {self.body_ops} ops, {self.carried} carried, "
+        return (f"rolled loop at {self.where} ({form}): body {self.body_ops} ops, {self.carried} carried, "
                 f"{self.outputs} stacked{hoisted}; trip counts of the last calls: "
                 f"{list(self.trips)}")
 
@@ -107,23 +111,58 @@ def _loop_index(site: tuple) -> int:  # stands for ``t`` while iteration 1 is ca
 
 # ---- where loops are rolled ------------------------------------------------------------------
 def symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
-    """``range(n)`` with a symbolic ``n`` consumed right away by a ``for`` loop: the iterator
-    that makes ``FOR_ITER`` roll the loop; None where the loop is unrolled as before."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], SymV) or not tracer.frames:
+    """``range(n)``, ``range(a, b)`` or ``range(a, b, step)`` with a symbolic bound, consumed
+    right away by a ``for`` loop: the iterator that makes ``FOR_ITER`` roll the loop; None
+    where the loop is unrolled as before."""
+    rolled = _symbolic_range(tracer, args, kwargs)
+    for a in args:
+        if rolled is None and isinstance(a, LoopIndexV):
+            a.concrete()  # an enclosing rolled loop's index as a bound: that loop is refused
+    return rolled
+
+
+def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
+    if not 1 <= len(args) <= 3 or kwargs or not tracer.frames \
+            or not any(isinstance(a, SymV) for a in args[:2]) \
+            or not all(isinstance(a, (SymV, ConstV)) and type(a.value) is int for a in args):
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
     if frame.ip + 1 >= len(code) or code[frame.ip].opname != "GET_ITER" \
             or code[frame.ip + 1].opname != "FOR_ITER":
         return None
+    step = args[2].concrete() if len(args) == 3 else 1  # a symbolic step: specialised
+    if step == 0:
+        return None  # range() raises, as in eager
+    start, stop = (ConstV(0), args[0]) if len(args) == 1 else (args[0], args[1])
     site = (id(frame.code), code[frame.ip + 1].offset)
     where = f"{frame.code.co_filename}:{frame.lineno}"
-    why = _why_not_roll(tracer, site, args[0])
+    n = _trip_count(tracer, start, stop, step)
+    why = _why_not_roll(tracer, site, n)
     if why is not None:
         if site not in tracer.assumptions.unrolled_loops:
-            tracer.loops.append(LoopReport(where, False, why, site=site))
+            tracer.loops.append(LoopReport(where, False, why, site=site, form=_form(args)))
         return None
-    return SymRangeIterV([], n=args[0])
+    return SymRangeIterV([], n=n, start=start, step=step, bounds=tuple(args))
+
+
+def _form(args: list) -> str:
+    names = ["n"] if len(args) == 1 else ["a", "b", "step"][:len(args)]
+    return f"range({', '.join(names)})"
+
+
+def _trip_count(tracer, start: Value, stop: Value, step: int) -> Value:
+    """``len(range(start, stop, step))`` as symbolic arithmetic: ``ceil((stop - start) / step)``
+    (at most 0 when the range is empty; the rolled graph is guarded on ``n >= 1``)."""
+    if isinstance(start, ConstV) and start.value == 0 and step == 1:
+        return stop
+    if step < 0:
+        start, stop, step = stop, start, -step
+    span = arithmetic(tracer, operator.sub, stop, start)
+    if step == 1:
+        return span
+    span = arithmetic(tracer, operator.add, span, ConstV(step - 1))
+    return arithmetic(tracer, operator.floordiv, span, ConstV(step))
 
 
 def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
@@ -131,13 +170,11 @@ def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
         return "refused before"  # the report of the refusal is kept by capture
     if ("rolled_loop", *site) in tracer.unstable_sites:
         return "an assumption its body made (a size, a tensor branch) failed at run time"
-    if tracer.rolling:
-        return "inside the body of a rolled loop"
     if tracer.merging:
         return "inside a tensor branch whose two sides are merged"
     if tracer.template is not None:
         return "inside a recursion template (templates/)"
-    if not isinstance(n.value, int) or n.value < 2:
+    if not isinstance(n, SymV) or not isinstance(n.value, int) or n.value < 2:
         return f"its trip count at capture ({n.value!r}) gives no second iteration to compare"
     return None
 
@@ -146,7 +183,7 @@ def for_iter(frame, ins, it: SymRangeIterV):
     """``FOR_ITER`` on a ``SymRangeIterV``: runs and rolls the whole loop; returns where the
     frame goes on (after the loop)."""
     tracer = frame.tracer
-    loop = _Loop(frame, ins, it.n)
+    loop = _Loop(frame, ins, it)
     tracer.rolling += 1
     try:
         loop.run()
@@ -158,8 +195,10 @@ def for_iter(frame, ins, it: SymRangeIterV):
 
 # ---- one loop ----------------------------------------------------------------------------------
 class _Loop:
-    def __init__(self, frame, ins, n: SymV):
-        self.frame, self.tracer, self.n = frame, frame.tracer, n
+    def __init__(self, frame, ins, it: SymRangeIterV):
+        self.frame, self.tracer, self.n = frame, frame.tracer, it.n
+        self.start, self.step = it.start, it.step
+        self.form = _form(it.bounds or [it.n])
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
         self.exit = frame.info.index_of[ins.argval]
@@ -167,26 +206,30 @@ class _Loop:
         self.where = f"{frame.code.co_filename}:{frame.lineno}"
 
     def refuse(self, why: str):
-        raise RollRefused(self.site, self.where, why)
+        raise RollRefused(self.site, self.where, why, self.form)
 
     def run(self) -> None:
         self._check_bytecode()
         before_loop = set(self.graph.nodes)
-        first = _Snapshot(self.frame, self.tracer)
-        self._iterate(ConstV(0))                   # iteration 0: into the graph, as unrolled
-        head = _Snapshot(self.frame, self.tracer)
+        first = Snapshot(self.frame, self.tracer)
+        reports = len(self.tracer.loops)
+        self._iterate(self.start)                  # iteration 0: into the graph, as unrolled
+        self._nested(reports, f"in the first iteration of the loop at {self.where}")
+        head = Snapshot(self.frame, self.tracer)
         growing = head.grown_lists(first)
-        index_node = self.graph.call_function(_loop_index, (self.site,))
-        index = LoopIndexV(1, index_node, None, self.tracer, "t", site=self.site, where=self.where)
+        index_node = self.graph.call_function(_loop_index, (self.site,))  # the body's ``k``
         before_body = set(self.graph.nodes)
+        index = self._index(index_node)
         effects, assumed = _effects(self.tracer), len(self.tracer.assertions)
-        with _append_only(growing, self):
+        reports = len(self.tracer.loops)
+        with append_only(growing, self):
             try:
                 self._iterate(index)               # iteration 1: becomes the body
             except RollRefused:
                 raise
             except Unsupported as e:
                 self.refuse(f"its body cannot be captured for a symbolic index ({e.explanation})")
+        self._nested(reports, f"in the body of the loop at {self.where}")
         changed = [name for name, size in _effects(self.tracer).items() if effects[name] != size]
         if changed:
             self.refuse(f"its body leaves effects beyond the loop's variables ({', '.join(changed)}"
@@ -195,12 +238,41 @@ class _Loop:
         del self.tracer.assertions[assumed:]
         if any(_depends_on(pred, index_node) for pred, _, _, _ in checks):
             self.refuse(_INDEX_AS_PYTHON)
-        after = _Snapshot(self.frame, self.tracer)
-        match = _Match(head, after, index, growing, self)
+        after = Snapshot(self.frame, self.tracer)
+        match = Match(head, after, index, growing, self)
         match.frame_state(self.frame)
         after.hidden_unchanged(head, match.visited, self)
         body_nodes = [n for n in self.graph.nodes if n not in before_body]
         _Roll(self, match, body_nodes, before_loop, before_body, index_node, checks).apply()
+
+    def _nested(self, since: int, within: str) -> None:
+        """Loops met in an iteration are inner loops: their reports say of which."""
+        for report in self.tracer.loops[since:]:
+            report.within = report.within or within
+
+    def plain(self) -> bool:
+        return isinstance(self.start, ConstV) and self.start.value == 0 and self.step == 1
+
+    def _index(self, counter: torch.fx.Node) -> LoopIndexV:
+        """The index of iteration ``k`` (the body's input): ``start + k * step``, computed in
+        the body (``start`` is then one of its invariants)."""
+        node, value = counter, 1
+        if not self.plain():
+            scaled = counter
+            if self.step != 1:
+                scaled = self.graph.call_function(operator.mul, (counter, self.step))
+            start = self.start.node if isinstance(self.start, SymV) else self.start.value
+            node = self.graph.call_function(operator.add, (start, scaled))
+            value = self.start.value + self.step
+        return LoopIndexV(value, node, None, self.tracer, "t", site=self.site, where=self.where,
+                          form=self.form)
+
+    def last_index(self, last: Value) -> Value:
+        """The index after the loop (of iteration ``n - 1``)."""
+        if self.plain():
+            return last
+        scaled = arithmetic(self.tracer, operator.mul, last, ConstV(self.step))
+        return arithmetic(self.tracer, operator.add, self.start, scaled)
 
     def _check_bytecode(self) -> None:
         for ins in self.frame.info.instructions[self.head + 1:self.exit]:
@@ -245,203 +317,9 @@ def _effects(tracer) -> dict:
     return {name: len(get(tracer)) for name, get in _EFFECTS.items()}
 
 
-class _append_only:
-    """While iteration 1 runs, the lists that grew by one in iteration 0 can only be appended
-    to: reading one (its length, its last item) would bake one iteration's value in the body."""
-
-    def __init__(self, lists: dict, loop: _Loop):
-        self.lists, self.loop = lists, loop
-
-    def __enter__(self):
-        for lst in self.lists.values():
-            lst.items = _AppendOnlyItems(lst.items, self.loop)
-
-    def __exit__(self, *exc):
-        for lst in self.lists.values():
-            lst.items = list(lst.items.unlocked())
-
-
-class _AppendOnlyItems(list):
-    def __init__(self, items, loop):
-        super().__init__(items)
-        self.loop = loop
-
-    def unlocked(self):
-        return [list.__getitem__(self, i) for i in range(list.__len__(self))]
-
-    def _read(self, *args, **kwargs):
-        self.loop.refuse("its body reads a list it appends to")
-
-    __getitem__ = __len__ = __iter__ = __contains__ = __setitem__ = __delitem__ = _read
-    pop = insert = extend = remove = index = count = __reversed__ = _read
-
-
-# ---- what the frame holds at the loop's head -----------------------------------------------
-class _Snapshot:
-    """The contents of every container reachable from the frames and the shadow heap's
-    overlays, copied (containers are mutated in place, so a later look sees other items)."""
-
-    def __init__(self, frame, tracer):
-        self.frame = frame
-        self.locals = dict(frame.locals)
-        self.stack = list(frame.stack)
-        self.cells = dict(frame.cells)
-        self.contents: dict[int, tuple] = {}
-        roots = [*self.locals.values(), *self.stack, *self.cells.values(),
-                 *tracer.heap.overlay_values(), *tracer._by_container_id.values()]
-        for other in tracer.frames:
-            roots += [*other.locals.values(), *other.stack, *other.cells.values()]
-        for v in roots:
-            self._walk(v)
-
-    def _walk(self, v) -> None:
-        pending = [v]
-        while pending:
-            v = pending.pop()
-            if not isinstance(v, _CONTAINERS) or id(v) in self.contents:
-                continue
-            items = _items(v)
-            self.contents[id(v)] = (v, items)
-            pending += list(items.values()) if isinstance(items, dict) else list(items)
-
-    def grown_lists(self, before: "_Snapshot") -> dict:
-        """Lists that an iteration appended exactly one item to."""
-        grown = {}
-        for key, (v, items) in self.contents.items():
-            old = before.contents.get(key)
-            if isinstance(v, ListV) and old is not None and old[0] is v \
-                    and len(items) == len(old[1]) + 1 and all(a is b for a, b in zip(items, old[1])):
-                grown[key] = v
-        return grown
-
-    def hidden_unchanged(self, head: "_Snapshot", visited: set, loop: _Loop) -> None:
-        """Containers the loop's variables do not reach must not change in an iteration."""
-        for key, (v, items) in head.contents.items():
-            if key in visited:
-                continue
-            now = self.contents.get(key)
-            if now is None or not _same_items(items, now[1]):
-                loop.refuse(f"its body changes a {type(v).__name__} the loop's variables do not "
-                            "hold")
-
-
-def _items(v):
-    if isinstance(v, (TupleV, ListV)):
-        return list(v.items)
-    if isinstance(v, DictV):
-        return dict(v.items)
-    if isinstance(v, NewObjV):
-        return dict(v.attrs)
-    return {"contents": v.contents}
-
-
-def _same_items(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(a[k] is b[k] for k in a)
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _set_slot(holder, key, value) -> None:
-    if isinstance(holder, (TupleV, ListV, DictV)):
-        holder.items[key] = value
-    elif isinstance(holder, NewObjV):
-        holder.attrs[key] = value
-    elif isinstance(holder, CellV):
-        holder.contents = value
-    else:  # the frame's locals (a dict) or stack (a list)
-        holder[key] = value
-
-
-class _Match:
-    """Pairs what iteration 1 found (``head``) with what it left (``after``): the carried
-    tensors, the slots holding the index, the lists it appended to. Refuses anything else
-    that differs."""
-
-    def __init__(self, head: _Snapshot, after: _Snapshot, index: LoopIndexV, growing: dict,
-                 loop: _Loop):
-        self.head, self.after, self.index, self.growing, self.loop = head, after, index, growing, loop
-        self.carried: dict = {}          # (id(h), id(a)) -> [h, a, slots]
-        self.index_slots: list = []
-        self.appends: list = []          # (list, items before iteration 1, appended tensor)
-        self.visited: set = set()        # ids of containers compared
-        self._pairs: set = set()
-
-    def frame_state(self, frame) -> None:
-        h, a = self.head, self.after
-        if h.locals.keys() != a.locals.keys() or len(h.stack) != len(a.stack) \
-                or h.cells.keys() != a.cells.keys():
-            self.loop.refuse("an iteration binds other variables than the one before")
-        for name in h.locals:
-            self.value(h.locals[name], a.locals[name], (frame.locals, name), name)
-        for i, (x, y) in enumerate(zip(h.stack[:-1], a.stack[:-1])):
-            self.value(x, y, (frame.stack, i), f"stack[{i}]")
-        for name in h.cells:
-            self.value(h.cells[name], a.cells[name], (frame.cells, name), name)
-        self._check_aliasing()
-
-    def value(self, h, a, slot: tuple, path: str) -> None:
-        if isinstance(h, _CONTAINERS) and type(h) is type(a):
-            return self._container(h, a, path)
-        if a is self.index:
-            if not (isinstance(h, ConstV) and h.value == 0):
-                self.loop.refuse(f"`{path}` holds the index only from the second iteration on")
-            self.index_slots.append(slot)
-        elif isinstance(h, TensorV) and isinstance(a, TensorV):
-            if h is not a:
-                self._tensor(h, a, slot, path)
-        elif isinstance(h, ConstV) and isinstance(a, ConstV):
-            if type(h.value) is not type(a.value) or not _equal(h.value, a.value):
-                self.loop.refuse(f"`{path}` is a Python value that changes per iteration")
-        elif h is not a or not isinstance(a, _PLAIN_LEAVES):
-            self.loop.refuse(f"`{path}` changes per iteration ({type(h).__name__} -> "
-                             f"{type(a).__name__}) in a way the rolled loop cannot carry")
-
-    def _container(self, h, a, path: str) -> None:
-        if (id(h), id(a)) in self._pairs:
-            return
-        self._pairs.add((id(h), id(a)))
-        self.visited.add(id(h))
-        self.visited.add(id(a))
-        hi, ai = self.head.contents[id(h)][1], self.after.contents[id(a)][1]
-        if h is a and id(a) in self.growing:
-            if len(ai) != len(hi) + 1 or not all(x is y for x, y in zip(hi, ai)):
-                self.loop.refuse(f"`{path}` does not grow by one item per iteration")
-            if not isinstance(ai[-1], TensorV):
-                self.loop.refuse(f"`{path}` is appended a {type(ai[-1]).__name__}, not a tensor")
-            self.appends.append((a, hi, ai[-1]))
-            return
-        if getattr(h, "cls", None) is not getattr(a, "cls", None) or (
-                isinstance(hi, dict) and hi.keys() != ai.keys()) or len(hi) != len(ai):
-            self.loop.refuse(f"`{path}` changes its structure per iteration")
-        keys = hi.keys() if isinstance(hi, dict) else range(len(hi))
-        for k in keys:
-            self.value(hi[k], ai[k], (a, k), f"{path}[{k!r}]")
-
-    def _tensor(self, h: TensorV, a: TensorV, slot: tuple, path: str) -> None:
-        eh, ea = h.example, a.example
-        if (eh.shape, eh.dtype, eh.device, eh.layout, eh.requires_grad) != \
-                (ea.shape, ea.dtype, ea.device, ea.layout, ea.requires_grad):
-            self.loop.refuse(f"`{path}` changes shape, dtype or requires_grad per iteration")
-        entry = self.carried.setdefault((id(h), id(a)), [h, a, []])
-        entry[2].append(slot)
-
-    def _check_aliasing(self) -> None:
-        heads = collections.Counter(id(h) for h, _, _ in self.carried.values())
-        afters = collections.Counter(id(a) for _, a, _ in self.carried.values())
-        if any(c > 1 for c in heads.values()) or any(c > 1 for c in afters.values()):
-            self.loop.refuse("which loop variables hold the same tensor changes per iteration")
-
-
-def _equal(x, y) -> bool:
-    try:
-        return bool(x == y)
-    except Exception:
-        return False
-
-
 # ---- from iteration 1 to a body and one graph node -----------------------------------------
 class _Roll:
-    def __init__(self, loop: _Loop, match: _Match, new_nodes: list, before_loop: set,
+    def __init__(self, loop: _Loop, match: Match, new_nodes: list, before_loop: set,
                  before_body: set, index_node: torch.fx.Node, checks: list):
         self.loop, self.match, self.tracer = loop, match, loop.tracer
         self.graph = loop.graph
@@ -475,7 +353,8 @@ class _Roll:
         body, outputs = self._body()
         n = self.loop.n
         compare(self.tracer, operator.ge, n, ConstV(1))  # iteration 0 is in the graph
-        report = LoopReport(self.loop.where, True, site=self.loop.site, body_ops=len(self.kept),
+        report = LoopReport(self.loop.where, True, site=self.loop.site, form=self.loop.form,
+                            body_ops=len(self.kept),
                             carried=len(self.entries), outputs=len(self.match.appends),
                             hoisted=len(self.hoist.nodes), not_hoisted=self.hoist.why_not)
         for node in reversed(self.body_nodes):
@@ -539,10 +418,11 @@ class _Roll:
             out.meta["example"] = a.example
             value = TensorV(out, a.example, dynamic=True)
             for holder, key in slots:
-                _set_slot(holder, key, value)
+                set_slot(holder, key, value)
         last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
+        index = self.loop.last_index(last) if self.match.index_slots else None
         for holder, key in self.match.index_slots:
-            _set_slot(holder, key, last)
+            set_slot(holder, key, index)
         stacked = self._hoisted(node)
         for lst, head_items, appended in self.match.appends:
             head_nodes = [_fx(v) for v in head_items]

@@ -24,22 +24,27 @@ class RollRefused(Unsupported):
     ``site`` is ``(id(code), offset of FOR_ITER)``; ``where`` the user's ``file:line``.
     """
 
-    def __init__(self, site: tuple, where: str, why: str):
+    def __init__(self, site: tuple, where: str, why: str, form: str = "range(n)"):
         super().__init__("unsupported_call", f"loop at {where} not rolled: {why}")
-        self.site, self.where, self.why = site, where, why
+        self.site, self.where, self.why, self.form = site, where, why, form
 
 
 @dataclass(eq=False, repr=False)
 class SymRangeIterV(IterV):
-    """``iter(range(n))`` for a symbolic ``n``, about to be consumed by ``FOR_ITER``, which
-    rolls the loop. Anything else that pulls from it unrolls: ``n`` is specialised."""
+    """``iter(range(...))`` with a symbolic bound, about to be consumed by ``FOR_ITER``, which
+    rolls the loop: ``n`` iterations (a ``SymV``), the index ``start + k * step`` in the
+    ``k``-th. Anything else that pulls from it unrolls: the bounds are specialised."""
 
     n: Any = None
     rolling_refused: bool = False
+    start: Any = None          # a Value: ConstV(0) for ``range(n)``
+    step: int = 1
+    bounds: tuple = ()         # the Values given to range()
 
     def next(self) -> Value | None:
         if self.source is None and not self.items and self.pos == 0:
-            self.items = [ConstV(i) for i in range(self.n.concrete())]
+            bounds = [b.concrete() for b in self.bounds] if self.bounds else [self.n.concrete()]
+            self.items = [ConstV(i) for i in range(*bounds)]
         return super().next()
 
 
@@ -50,9 +55,10 @@ class LoopIndexV(SymV):
 
     site: tuple = ()
     where: str = ""
+    form: str = "range(n)"
 
     def concrete(self):
-        raise RollRefused(self.site, self.where, INDEX_AS_PYTHON)
+        raise RollRefused(self.site, self.where, INDEX_AS_PYTHON, self.form)
 
 
 class RolledListV(Value):
