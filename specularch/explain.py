@@ -29,6 +29,7 @@ class GraphReport:
     note: str = ""            # why the requested backend was not used, if it was not
     loops: list = field(default_factory=list)  # rolled loops (trip counts) and unrolled ones (why)
     tiers: list = field(default_factory=list)  # backend "auto": the tier history (tiering/)
+    tier: object = None  # ... as the live ``tiering.TierHistory`` (times, events, settled)
 
     def _timing(self) -> str:
         return (f"backend={self.backend} runs={self.hits} capture={self.capture_seconds * 1e3:.1f}ms "
@@ -109,7 +110,7 @@ def explain_state(state, verbose: bool = False) -> Explanation:
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
                           e.capture.seconds, e.compile_seconds, e.note,
                           list(getattr(e.capture, "loops", ())),
-                          e.tier.lines() if e.tier is not None else [])
+                          e.tier.lines() if e.tier is not None else [], e.tier)
               for e in reversed(state.entries)]
     from .templates.report import template_lines
     templates = template_lines([e.capture.graph_module for e in state.entries])

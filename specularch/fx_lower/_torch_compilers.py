@@ -37,14 +37,37 @@ def background_tracing():
     would fail). On this thread the patches are skipped: ``make_fx``'s tracer traces at the
     dispatcher and inlines every module (its ``call_module`` calls ``forward``, its
     ``getattr`` returns the attribute), so they change nothing it records. Other threads'
-    traces patch as before. Also keeps ``script_aten_graph`` off the process-wide warning
-    filters (``warnings.catch_warnings`` is not thread-safe)."""
+    traces patch as before.
+
+    Likewise AOT autograd and Inductor save the global random-number state before tracing
+    and put it back after (``torch._dynamo.utils.preserve_rng_state``, which calls
+    ``torch.random.set_rng_state``): from this thread that would rewind the generator under
+    draws the user's thread made meanwhile, so on this thread putting it back is skipped.
+    Only graphs that draw no random numbers are compiled here, so tracing them draws none.
+    Also keeps ``script_aten_graph`` off the process-wide warning filters
+    (``warnings.catch_warnings`` is not thread-safe)."""
     _install_thread_aware_patcher()
+    _install_thread_aware_rng_restore()
     _BACKGROUND.active = True
     try:
         yield
     finally:
         _BACKGROUND.active = False
+
+
+def _install_thread_aware_rng_restore() -> None:
+    with _PATCHER_INSTALLED:
+        for module in (torch.random, torch.cuda):
+            original = module.set_rng_state
+            if getattr(original, "__specularch__", False):
+                continue
+
+            def set_rng_state(*args, _original=original, **kwargs):
+                if getattr(_BACKGROUND, "active", False):
+                    return None
+                return _original(*args, **kwargs)
+            set_rng_state.__specularch__ = True
+            module.set_rng_state = set_rng_state
 
 
 def _install_thread_aware_patcher() -> None:

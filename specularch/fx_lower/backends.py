@@ -9,6 +9,7 @@ Register more with ``register_backend``. ``fx`` takes every graph; the compiling
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +28,10 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {}
+# One compile at a time in the process: AOT autograd and Inductor keep state of their own
+# (functorch's interpreter levels, config patches) that two compiles on two threads, one of
+# them the background tier compiler, would interleave ("Expected current_level > 0").
+COMPILE_LOCK = threading.RLock()
 
 
 class UnknownBackendError(ValueError):
@@ -55,7 +60,8 @@ def _drawing_nothing(compile_fn: Callable) -> Callable:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         since = fx_sources.mark()
         try:
-            return compile_fn(gm, example_inputs)
+            with COMPILE_LOCK:
+                return compile_fn(gm, example_inputs)
         finally:
             fx_sources.release_with(gm, since)  # torch.fx's copies of the compiled code's text
             torch.set_rng_state(cpu)
@@ -73,7 +79,7 @@ def compile_in_background(backend: Backend, gm: torch.fx.GraphModule, example_in
     from ._torch_compilers import background_tracing
     since = fx_sources.mark()
     try:
-        with background_tracing():
+        with COMPILE_LOCK, background_tracing():
             return backend.compile.__wrapped__(gm, example_inputs)
     finally:
         fx_sources.release_with(gm, since)
