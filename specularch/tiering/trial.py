@@ -44,6 +44,7 @@ class Tier:
         self.fn = entry.fn  # the current tier's entry function
         self.history = entry.tier = TierHistory()
         self.hits, self.seconds, self.submitted = 0, 0.0, False
+        self.todo: deque[str] = deque()  # candidates not compiled yet, in order
         self.ready: deque[Candidate] = deque()
         self.compiling = 0
         self.trial: Trial | None = None
@@ -79,8 +80,7 @@ class Tier:
                 if refusal:
                     self.history.add(TierEvent(name, REFUSED, reason=refusal))
                 else:
-                    self.compiling += 1
-                    worker.submit(lambda name=name: self._compile(name))
+                    self.todo.append(name)
             self._next_trial()
 
     def _compile(self, name: str) -> None:
@@ -103,13 +103,21 @@ class Tier:
             self._next_trial()
 
     def _next_trial(self) -> None:
-        """(With ``lock`` held.) Time the next compiled candidate, or, when none is left to
-        come, put the current tier's entry function in place of this wrapper."""
+        """(With ``lock`` held.) Time the next compiled candidate, else compile the next one,
+        or, when none is left, put the current tier's entry function in place of this
+        wrapper. One candidate at a time, compiled then timed: a trial timed while the next
+        candidate compiles beside it measures the compile's contention, not the candidate."""
         if self.trial is not None:
             return
         if self.ready:
             self.trial = Trial(self, self.ready.popleft())
-        elif not self.compiling:
+        elif self.compiling:
+            return
+        elif self.todo:
+            self.compiling += 1
+            name = self.todo.popleft()
+            worker.submit(lambda: self._compile(name))
+        else:
             self.history.settled = True
             self.entry.fn = self.fn
 
@@ -158,7 +166,8 @@ class Trial:
                                                     f"{self.tier.history.tier}"))
             return self.tier.fn(L, C, G, B)
         elapsed = time.perf_counter() - start
-        if timed and result is not MISS:
+        # (not while another graph's candidate compiles: see Tier._next_trial)
+        if timed and result is not MISS and not worker.pending():
             self.samples[side].append(elapsed)
             if min(map(len, self.samples)) >= self.k * policy.ROUNDS:
                 self.tier.decide(self, self._verdict())
