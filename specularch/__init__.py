@@ -12,6 +12,7 @@ from .api import explain, optimize, reset
 # Imported for its effect: it installs the dispatcher's hooks for distributed training steps.
 from . import distributed  # noqa: F401
 from . import templates  # noqa: F401  (registers recursion templates with capture)
+from . import tiering  # noqa: F401  (specularch.tiering.wait: background compiles)
 from .config import ConfigError, config
 from .explain import Explanation
 from .fx_lower import list_backends, register_backend

@@ -31,7 +31,7 @@ def _wire_frames() -> None:
 _wire_frames()
 
 
-def optimize(obj: Any = None, *, backend: str | None = None) -> Any:
+def optimize(obj: Any = None, *, backend: str | None = None, exact: bool = False) -> Any:
     """Run ``obj`` as optimized graphs; results always equal eager PyTorch.
 
     * a function (or ``@specularch.optimize`` / ``@specularch.optimize(backend=...)``):
@@ -45,10 +45,18 @@ def optimize(obj: Any = None, *, backend: str | None = None) -> Any:
       plain one (see ``OptimizedForward``).
 
     ``backend`` names a registered backend (``specularch.list_backends()``); by default
-    ``config.backend`` (``SPECULARCH_BACKEND``, default ``"fx"``).
+    ``config.backend`` (``SPECULARCH_BACKEND``, default ``"auto"``: tiered, each graph starts
+    on ``fx`` and a hot one moves to the fastest compiling backend, measured; equal to eager
+    within float rounding). ``exact=True``: bit-identical to eager (``fx``, and recursion
+    templates and rolled loops in eager's order); it cannot be combined with another backend.
     """
     if obj is None:
-        return functools.partial(optimize, backend=backend)
+        return functools.partial(optimize, backend=backend, exact=exact)
+    if exact:
+        if backend not in (None, "fx"):
+            raise ValueError(f"specularch.optimize(exact=True) runs with backend 'fx' (the "
+                             f"same kernels as eager); backend={backend!r} cannot be exact")
+        backend = "fx"
     try:
         _check_configuration(backend)
     except ConfigError as e:  # the user's line is what matters, not config.py's frames
@@ -59,12 +67,12 @@ def optimize(obj: Any = None, *, backend: str | None = None) -> Any:
     if refusal is not None:
         raise TypeError(refusal)
     if isinstance(obj, nn.Module):
-        return _optimize_module(obj, backend)
+        return _optimize_module(obj, backend, exact)
     if isinstance(obj, types.MethodType):
-        wrapper = _optimize_function(obj.__func__, backend)
+        wrapper = _optimize_function(obj.__func__, backend, exact)
         return types.MethodType(wrapper, obj.__self__)
     if isinstance(obj, types.FunctionType):
-        return _optimize_function(obj, backend)
+        return _optimize_function(obj, backend, exact)
     raise TypeError(f"specularch.optimize expects an nn.Module, a Python function or a bound "
                     f"method, got {type(obj).__qualname__}. Wrap the call in a Python function "
                     f"and optimize that.")
@@ -106,12 +114,12 @@ def _check_configuration(backend: str | None) -> None:
         raise ConfigError(backend_error(config.backend, list_backends()))
 
 
-def _optimize_function(fn: types.FunctionType, backend: str | None):
+def _optimize_function(fn: types.FunctionType, backend: str | None, exact: bool = False):
     original = getattr(fn, ORIGINAL_ATTR, None)
     if original is not None:  # already optimized: re-target the backend only
         fn = original
     target = frames.register(fn)
-    state = dispatch.new_state(target, backend)
+    state = dispatch.new_state(target, backend, exact)
     binder = target.binder_for(fn) if not target.is_generator else None
     closure = fn.__closure__
     code = fn.__code__
@@ -159,13 +167,13 @@ def _optimize_function(fn: types.FunctionType, backend: str | None):
     return wrapper
 
 
-def _optimize_module(module: nn.Module, backend: str | None) -> nn.Module:
+def _optimize_module(module: nn.Module, backend: str | None, exact: bool = False) -> nn.Module:
     forward = type(module).forward
     if not isinstance(forward, types.FunctionType):
         raise TypeError(f"{type(module).__qualname__}.forward is not a Python function; "
                         f"specularch can only optimize Python forward methods")
     target = frames.register(forward)
-    _MODULE_STATES[module] = dispatch.new_state(target, backend)
+    _MODULE_STATES[module] = dispatch.new_state(target, backend, exact)
     dispatch.per_instance(target, _instance_state)
     OptimizedForward(module).install()
     return module
@@ -186,8 +194,9 @@ def _module_state(module: nn.Module):
     forward = type(module).forward
     if state is None or state.target.code is not forward.__code__:
         backend = state.backend if state is not None else None
+        exact = state.exact if state is not None else False
         target = frames.register(forward)
-        state = _MODULE_STATES[module] = dispatch.new_state(target, backend)
+        state = _MODULE_STATES[module] = dispatch.new_state(target, backend, exact)
         dispatch.per_instance(target, _instance_state)  # (e.g. a module just unpickled)
     return state
 
@@ -242,7 +251,8 @@ class OptimizedForward:
                 twin.__setstate__(plain)
             else:
                 twin.__dict__.update(plain)
-        return _optimize_module(twin, state.backend if state is not None else None)
+        return _optimize_module(twin, state.backend if state is not None else None,
+                                state is not None and state.exact)
 
     def __call__(self, *args, **kwargs):
         return _module_forward(self.module, *args, **kwargs)

@@ -142,6 +142,8 @@ def _template_mode(value: Any) -> str:
 
 TEMPLATES = Kind("one of batched/exact/off", "'batched', 'exact' or 'off'", str.strip,
                  _template_mode)
+POSITIVE_SECONDS = Kind("a positive number of seconds", "a positive int or float (seconds)", float,
+                        _positive_number)
 BACKEND = Kind("a backend name", "a registered backend name (str; specularch.list_backends())",
                str, _backend_name)
 
@@ -166,8 +168,20 @@ class Option:
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in [
-        Option("backend", "fx", "Backend that compiles captured graphs (see specularch.list_backends()).",
-               "SPECULARCH_BACKEND", BACKEND),
+        Option("backend", "auto", "Backend that compiles captured graphs (see "
+               "specularch.list_backends()); 'auto': tiered, each graph starts on 'fx' and a hot "
+               "one is compiled in the background by the compiling backends and kept on the "
+               "fastest, measured on live calls (specularch/tiering/).", "SPECULARCH_BACKEND",
+               BACKEND),
+        Option("tier_min_hits", 10, "With backend 'auto': calls of a graph before it may be "
+               "compiled in the background (tier_min_seconds must be reached too).",
+               "SPECULARCH_TIER_MIN_HITS", POSITIVE_INT),
+        Option("tier_min_seconds", 0.2, "With backend 'auto': CPU seconds a graph's calls must "
+               "have taken in all before it is compiled in the background (small graphs stay on "
+               "'fx').", "SPECULARCH_TIER_MIN_SECONDS", POSITIVE_SECONDS),
+        Option("tier_trial_calls", 5, "With backend 'auto': calls per side and round when a "
+               "compiled candidate is timed against the graph's current tier on live calls "
+               "(3 rounds, interleaved; medians).", "SPECULARCH_TIER_TRIAL_CALLS", POSITIVE_INT),
         Option("profile_calls", 3, "Calls of an optimized function that run eagerly while "
                "argument facts are recorded, before the first capture.", "SPECULARCH_PROFILE_CALLS",
                NON_NEGATIVE_INT),

@@ -28,6 +28,8 @@ class GraphReport:
     compile_seconds: float
     note: str = ""            # why the requested backend was not used, if it was not
     loops: list = field(default_factory=list)  # rolled loops (trip counts) and unrolled ones (why)
+    tiers: list = field(default_factory=list)  # backend "auto": the tier history (tiering/)
+    tier: object = None  # ... as the live ``tiering.TierHistory`` (times, events, settled)
 
     def _timing(self) -> str:
         return (f"backend={self.backend} runs={self.hits} capture={self.capture_seconds * 1e3:.1f}ms "
@@ -37,12 +39,14 @@ class GraphReport:
         """One line (two with a backend note): the guards and inputs counted, not listed."""
         line = f"{self._timing()} inputs={len(self.inputs)} guards={len(self.guards)}"
         line += "".join(f"\n    {loop}" for loop in self.loops)
+        line += "".join(f"\n    {tier}" for tier in self.tiers)
         return line + (f"\n    note: {self.note}" if self.note else "")
 
     def __str__(self) -> str:
         lines = [f"  {self._timing()}",
                  *([f"  note: {self.note}"] if self.note else []),
                  *[f"  {loop}" for loop in self.loops],
+                 *[f"  {tier}" for tier in self.tiers],
                  "  inputs: " + (", ".join(self.inputs) or "(none)"),
                  "  guards:"]
         lines += [f"    {g}" for g in self.guards]
@@ -105,7 +109,8 @@ def explain_state(state, verbose: bool = False) -> Explanation:
     graphs = [GraphReport(e.capture.code, e.capture.guards.readable(),
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
                           e.capture.seconds, e.compile_seconds, e.note,
-                          list(getattr(e.capture, "loops", ())))
+                          list(getattr(e.capture, "loops", ())),
+                          e.tier.lines() if e.tier is not None else [], e.tier)
               for e in reversed(state.entries)]
     from .templates.report import template_lines
     templates = template_lines([e.capture.graph_module for e in state.entries])

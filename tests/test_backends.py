@@ -329,11 +329,11 @@ def test_flattening_backends_refuse_parameters_with_gradient_hooks(kind):
 
 
 def test_default_backend_per_device():
-    """The measured default (docs/benchmarks.md): fx on CPU and, until measured, on CUDA; the
-    configuration's default agrees with it."""
+    """The default: tiered (``auto``: fx, then what measures fastest; docs/tiering.md) on CPU
+    and CUDA; the configuration's default agrees with it."""
     from specularch.fx_lower import default_backend
-    assert default_backend(None) == default_backend("cpu") == default_backend(torch.device("cpu")) == "fx"
-    assert default_backend("cuda:1") == default_backend(torch.device("cuda", 0)) == "fx"
+    assert default_backend(None) == default_backend("cpu") == default_backend(torch.device("cpu")) == "auto"
+    assert default_backend("cuda:1") == default_backend(torch.device("cuda", 0)) == "auto"
     assert default_backend("mps") == "fx"  # not measured: the backend that takes every graph
     from specularch.config import OPTIONS
     assert OPTIONS["backend"].default == default_backend("cpu")

@@ -32,17 +32,21 @@ def test_never_seen_regime_reports_every_mode_side_by_side(tmp_path, capsys):
     assert runs["tree_rnn"]["distinct_structures"] == 6  # a new tree every step
     assert 1 <= runs["lstm_lm"]["distinct_structures"] <= 6
     for name, run in runs.items():
-        assert run["steps"] == 6 and list(run["modes"]) == ["eager", "specularch fx"]
-        eager, spec = run["modes"]["eager"], run["modes"]["specularch fx"]
+        # the default mode (auto, tiered) next to the pinned fx
+        assert run["steps"] == 6 and list(run["modes"]) == ["eager", "specularch auto",
+                                                            "specularch fx"]
+        eager = run["modes"]["eager"]
         assert eager["vs_eager"] == 1.0 and "max_param_diff" not in eager
-        for m in (eager, spec):
-            assert m["steps"] == 6 and 0 < m["median_ms"] and 0 < m["first_step_ms"]
-        assert spec["first_compiled_step"] == profiled + 1, spec  # after the profiled calls
-        assert 1 <= spec["graphs"] <= 6 - profiled and spec["cache_limit_fallbacks"] == 0
-        # after the run every parameter equals eager's within float rounding (bit for bit
-        # where every step ran unrolled graphs or eagerly; batched templates round differently)
-        assert spec["max_param_diff"] < 1e-5 and spec["params_close"] is True, (name, spec)
-        assert f"| {name} | specularch fx |" in printed.out
+        assert eager["steps"] == 6 and 0 < eager["median_ms"] and 0 < eager["first_step_ms"]
+        for mode in ("specularch auto", "specularch fx"):
+            spec = run["modes"][mode]
+            assert spec["steps"] == 6 and 0 < spec["median_ms"] and 0 < spec["first_step_ms"]
+            assert spec["first_compiled_step"] == profiled + 1, spec  # after the profiled calls
+            assert 1 <= spec["graphs"] <= 6 - profiled and spec["cache_limit_fallbacks"] == 0
+            # after the run every parameter equals eager's within float rounding (bit for bit
+            # where every step ran unrolled graphs or eagerly; batched templates round differently)
+            assert spec["max_param_diff"] < 1e-5 and spec["params_close"] is True, (name, spec)
+            assert f"| {name} | {mode} |" in printed.out
         assert f"[bench] {name}: step 6/6" in printed.err
     assert "threads=1" in printed.out and results["threads"] == 1
 

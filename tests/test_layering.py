@@ -199,7 +199,8 @@ def package_of(module: str) -> str:
 CROSS_PACKAGE_CYCLES: dict = {}
 
 # Processing order, highest first; a module may import its own layer or lower ones only.
-LAYERS = [("frames",), ("dispatch", "eager_run", "entry_function", "templates"), ("symbolic",),
+LAYERS = [("frames",), ("dispatch", "eager_run", "entry_function", "templates", "tiering"),
+          ("symbolic",),
           ("guards", "shadow_heap", "fx_lower")]
 UPWARD_IMPORTS: dict = {}  # (importer package, imported package): why; the list may only shrink
 

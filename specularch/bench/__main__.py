@@ -6,6 +6,9 @@ pre-generated batches (``--batches`` full batches and the epoch's short last bat
 timing, every mode runs specularch's profiled calls and then one whole cycle, so every
 batch shape has been captured and compiled (that warm-up, and specularch's capture + compile
 seconds, are reported in their own columns); then modes are interleaved round by round.
+The default mode (``auto``: tiered, compiling in the background) runs more cycles after its
+warm-up until its hot graphs' candidates are decided; its row shows the time from its first
+call to its first speedup and the tier each graph ended on.
 Medians over rounds and ratios to eager are printed as a markdown table, with the backend that
 actually ran each specularch graph (a backend that refuses a graph leaves it to ``fx`` with a
 note, printed below the table); everything is written to JSON. Progress goes to stderr.
@@ -96,11 +99,31 @@ def warm_up(step, batches, mode: str) -> int:
     return MAX_WARMUP_CYCLES
 
 
+def settle_tiers(step, batches, budget_s: float = 300.0) -> float | None:
+    """The tiered mode (``auto``): more cycles until no background compile is pending and
+    every hot graph's candidates are decided (at most ``budget_s``), so that the timed rounds
+    measure the tier each graph ends on. Returns the seconds from the mode's first call to
+    its first speedup (a candidate kept), or None."""
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline:
+        tiers = [g.tier for g in specularch.explain(step).graphs if g.tier is not None]
+        if specularch.tiering.pending() == 0 and \
+                all(t.settled or t.submitted_at is None for t in tiers):
+            break
+        for batch in batches:
+            step(batch)
+    tiers = [g.tier for g in specularch.explain(step).graphs if g.tier is not None]
+    kept = [t.promoted_at - t.started for t in tiers if t.promoted_at is not None]
+    return min(kept) if kept else None
+
+
 def backend_report(explanation) -> dict:
-    """Which backend actually ran the graphs, and why another one was not used."""
+    """Which backend actually ran the graphs (for ``auto``: the tier each graph ended on),
+    and why another one was not used."""
     used = collections.Counter(g.backend for g in explanation.graphs)
     notes = list(dict.fromkeys(g.note for g in explanation.graphs if g.note))
-    return {"backends": dict(used), "notes": notes}
+    tiers = [line for g in explanation.graphs for line in g.tiers if "not hot enough" not in line]
+    return {"backends": dict(used), "notes": notes, **({"tiers": tiers} if tiers else {})}
 
 
 def bench_workload(name, workload, args, log):
@@ -108,12 +131,14 @@ def bench_workload(name, workload, args, log):
     modes = build_modes(workload, args.preset, args.device, args.backends, args.torch_compile,
                         args.torchscript)
     result = {"workload": name, "unit": workload.unit, "preset": args.preset, "modes": {}}
-    first, cycles, alive, failed = {}, {}, {}, {}
+    first, cycles, alive, failed, speedup = {}, {}, {}, {}, {}
     for mode, step in modes.items():
         log(f"{name}: warm-up over every batch shape ({mode})")
         try:
             start = time.perf_counter()
             cycles[mode] = warm_up(step, batches, mode)
+            if mode == "specularch auto":
+                speedup[mode] = settle_tiers(step, batches)
             sync(args.device)
             first[mode] = time.perf_counter() - start
             alive[mode] = step
@@ -147,6 +172,7 @@ def bench_workload(name, workload, args, log):
                          fallback_calls=e.stats.fallback_calls,
                          fallback_kinds=sorted({f.kind for f in e.fallbacks}),
                          compile_s=e.stats.capture_seconds + e.stats.compile_seconds,
+                         first_speedup_s=speedup.get(mode),
                          captures_while_timed=e.stats.captures - captures[mode],
                          **backend_report(e))
             if entry["captures_while_timed"]:
@@ -180,22 +206,25 @@ def _ran_with(m) -> str:
 def table(results) -> str:
     """The markdown table, then one line per distinct backend note."""
     lines = ["| workload | unit | mode | throughput | vs eager | warm-up (all shapes) | "
-             "capture + compile | graphs | ran with | recompiles | fallback calls |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "capture + compile | first speedup | graphs | ran with | recompiles | fallback calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for r in results:
         eager = r["modes"].get("eager", {}).get("throughput")
         for mode, m in r["modes"].items():
             if "error" in m:
                 lines.append(f"| {r['workload']} | {r['unit']} | {mode} | error: {m['error'][:60]} "
-                             f"| | | | | | | |")
+                             f"| | | | | | | | |")
                 continue
             ratio = f"{m['throughput'] / eager:.2f}x" if eager else "-"
             compile_s = f"{m['compile_s']:.2f}s" if "compile_s" in m else "-"
+            fast = m.get("first_speedup_s")
+            fast = f"{fast:.2f}s" if fast is not None else "-"
             lines.append(f"| {r['workload']} | {r['unit']} | {mode} | {m['throughput']:.1f} | {ratio} | "
-                         f"{m['warmup_s']:.2f}s | {compile_s} | {m.get('graphs', '-')} | {_ran_with(m)} | "
+                         f"{m['warmup_s']:.2f}s | {compile_s} | {fast} | {m.get('graphs', '-')} | {_ran_with(m)} | "
                          f"{m.get('recompiles', '-')} | {m.get('fallback_calls', '-')} |")
             notes += [f"* {r['workload']}, {mode}: {note}" for note in m.get("notes", ())]
+            notes += [f"* {r['workload']}, {mode}: {line}" for line in m.get("tiers", ())]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -210,7 +239,8 @@ def _parser(workloads) -> argparse.ArgumentParser:
     parser.add_argument("--preset", default=None, choices=("tiny", "cpu", "paper", never_seen.PRESET),
                         help="workload sizes (tiny: a smoke run); default: cpu for the cycle "
                              f"regime, {never_seen.PRESET} for the never-seen one")
-    parser.add_argument("--backends", default="fx", help="specularch backends, comma-separated")
+    parser.add_argument("--backends", default="auto,fx",
+                        help="specularch backends, comma-separated (auto: the default, tiered)")
     parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                         help="also run torch.compile (default: in the never-seen regime only)")
     parser.add_argument("--torchscript", action="store_true",

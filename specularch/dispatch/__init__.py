@@ -4,6 +4,7 @@ new one, or run the original Python — and record why.
 * ``cache.py``: the hot path (entries tried in turn, eager entries, the run wrapper);
 * ``misses.py``: profiling, relaxing, capturing and compiling, recompiles, ``cache_limit``;
 * ``fallback.py``: runs of the original, fallback records, eager entries, strict mode;
+* ``exact.py``: what ``optimize(..., exact=True)`` changes for its state;
 * ``state.py``: per-object caches (``CodeState``) and the registries that find them;
 * ``hooks.py``: the hook points ``specularch.distributed`` fills in (never imported here).
 

@@ -10,13 +10,14 @@ refuses or fails on a graph, at compile time or at run time, is replaced by ``fx
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 from typing import Any, Callable
 
 import torch
 
-from .. import log
+from .. import log, tiering
 from ..config import config
 from ..eager_run import FRAME_HOOK, locked_entry
 from ..entry_function import MISS, build_entry_function
@@ -29,7 +30,7 @@ from ..symbolic.speculation import budget
 from ..symbolic.assumptions import Assumptions
 from ..symbolic.capture import Capture, capture
 from ..symbolic.values import RelaxationRefused
-from . import hooks
+from . import exact, hooks
 from .fallback import fallback
 from .state import LOCK, CodeState, GraphEntry
 
@@ -66,7 +67,7 @@ def miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callabl
         hooks.distributed.start_capture()
         try:
             # eager_cost: gives up on long loops early
-            with budget.eager_cost(state.eager_seconds), gc_paused():
+            with budget.eager_cost(state.eager_seconds), gc_paused(), exact.capturing(state):
                 cap = capture_with_relaxations(state, slots, cells, globals_)
         except Unsupported as e:
             return fallback(state, slots, cells, e,
@@ -84,7 +85,7 @@ def miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callabl
         buffers = [t for _, t in named if not isinstance(t, torch.nn.Parameter)
                    and not any(t is leaf for leaf in cap.distributed_leaves)]
         try:
-            with gc_paused(state.backend == "fx"):
+            with gc_paused(tiering.first_tier(state.backend) == "fx"):
                 entry = compile_entry(state, cap, buffers=buffers)
         except Exception as e:
             return fallback(state, slots, cells, Unsupported(
@@ -210,6 +211,7 @@ def fx_instead(state: CodeState, entry: GraphEntry, error: Exception) -> GraphEn
         replacement = compile_entry(state, entry.capture, backend_name="fx",
                                     note=f"backend {entry.backend!r} raised at run time "
                                          f"({type(error).__name__}); ran it with 'fx'")
+        tiering.ran_back_to_fx(entry, replacement, error)
         state.entries[index] = replacement
     return replacement
 
@@ -220,13 +222,9 @@ def compile_entry(state: CodeState, cap: Capture, fast_tensors: bool = True,
     """Compile ``cap`` with the state's backend (``fx`` where that refuses or fails) and
     wrap it in its generated entry: guards, graph call, assertions, commit, rebuild."""
     start = time.perf_counter()
-    graph_fn, backend, note = _backend_compile(state, cap.graph_module, backend_name, note)
-    fn, text = build_entry_function(cap.guards, cap.input_sources, cap.output, graph_fn, fast_tensors,
-                           cap.writes, cap.assertions, graph_uses_randomness(cap.graph_module))
-    if cap.distributed_leaves:
-        fn = hooks.distributed.wrap_entry(fn, list(buffers))
-    if cap.writes:  # guards to commit atomic for threads sharing what it writes
-        fn = locked_entry(fn)
+    graph_fn, backend, note = _backend_compile(
+        state, cap.graph_module, backend_name or tiering.first_tier(state.backend), note)
+    fn, text = _entry_function(state, cap, graph_fn, fast_tensors, buffers)
     seconds = time.perf_counter() - start
     state.stats.compile_seconds += seconds
     grad = next((g.grad_enabled for g in cap.guards if hasattr(g, "grad_enabled")), True)
@@ -235,7 +233,24 @@ def compile_entry(state: CodeState, cap: Capture, fast_tensors: bool = True,
     log.emit("graphs", f"{state.target.name} ({backend}{'; ' + note if note else ''}):\n"
              f"{cap.code}")
     log.emit("guards", f"{state.target.name}:\n  " + "\n  ".join(cap.guards.readable()))
-    return GraphEntry(cap, backend, fn, text, grad, seconds, note=note, graph_fn=graph_fn)
+    entry = GraphEntry(cap, backend, fn, text, grad, seconds, note=note, graph_fn=graph_fn)
+    if backend_name is None and tiering.tiered(state.backend) and not cap.distributed_leaves:
+        tiering.watch(entry, cap.graph_module, functools.partial(
+            _entry_function, state, cap, fast_tensors=fast_tensors, buffers=buffers))
+    return entry
+
+
+def _entry_function(state: CodeState, cap: Capture, graph_fn: Callable, fast_tensors: bool,
+                    buffers: list) -> tuple[Callable, str]:
+    """The entry function of ``cap`` calling ``graph_fn``, and its source."""
+    fn, text = build_entry_function(cap.guards, cap.input_sources, cap.output, graph_fn, fast_tensors,
+                           cap.writes, cap.assertions, graph_uses_randomness(cap.graph_module))
+    fn = exact.entry(state, cap.graph_module, fn)
+    if cap.distributed_leaves:
+        fn = hooks.distributed.wrap_entry(fn, list(buffers))
+    if cap.writes:  # guards to commit atomic for threads sharing what it writes
+        fn = locked_entry(fn)
+    return fn, text
 
 
 def _backend_compile(state: CodeState, gm, backend_name: str | None, note: str):

@@ -52,6 +52,7 @@ class GraphEntry:
     hits: int = 0
     note: str = ""  # why the chosen backend was not used, if it was not
     graph_fn: Callable | None = None  # what the backend compiled (``fn`` wraps it in guards)
+    tier: Any = None  # backend "auto": the graph's tiering history (tiering/history.py)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class CodeState:
     builtins: dict = None
     value_dependent_failures: int = 0  # captures that failed on tensor values, not remembered
     eager_seconds: list = field(default_factory=list)  # profiled calls' durations (budget.py)
+    exact: bool = False  # optimize(exact=True): bit-identical to eager (dispatch/exact.py)
 
     def __post_init__(self):
         self.builtins = _builtins_of(self.target.globals)
@@ -97,12 +99,12 @@ _STATES: dict[int, CodeState] = {}  # shared states: target key -> state
 _OWNED: "weakref.WeakSet[CodeState]" = weakref.WeakSet()  # states of optimized objects
 
 
-def new_state(target, backend: str | None = None) -> CodeState:
+def new_state(target, backend: str | None = None, exact: bool = False) -> CodeState:
     """A cache of its own for one optimized object (function wrapper or module instance);
     frames reached only through the frame hook share one state per code object."""
     if backend is not None:
         get_backend(backend)  # fail early on a bad name
-    state = CodeState(target, backend or config.backend)
+    state = CodeState(target, backend or config.backend, exact=exact)
     _OWNED.add(state)
     return state
 
@@ -135,6 +137,6 @@ def reset() -> None:
     """Forget graphs, records and stats; keep each state's target and chosen backend."""
     with LOCK:
         for state in all_states():
-            fresh = CodeState(state.target, state.backend)
+            fresh = CodeState(state.target, state.backend, exact=state.exact)
             state.__dict__.update(fresh.__dict__)
         log.forget_warnings()

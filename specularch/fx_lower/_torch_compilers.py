@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from typing import Callable
 
@@ -21,6 +22,88 @@ import torch
 import torch.fx
 
 from .passes import as_tensor_input, scalar_inputs_as_tensors
+
+
+_BACKGROUND = threading.local()  # .active: this thread compiles beside the user's program
+_PATCHER_INSTALLED = threading.Lock()
+
+
+@contextlib.contextmanager
+def background_tracing():
+    """Compiling on a thread beside the user's program. ``torch.fx``'s tracer (which
+    ``make_fx``, AOT autograd and Inductor run) patches ``nn.Module.__call__`` and
+    ``__getattr__`` process-wide while it traces, so the user's thread would meanwhile call
+    every module through the tracer (and a captured graph's guards on ``Module.__call__``
+    would fail). On this thread the patches are skipped: ``make_fx``'s tracer traces at the
+    dispatcher and inlines every module (its ``call_module`` calls ``forward``, its
+    ``getattr`` returns the attribute), so they change nothing it records. Other threads'
+    traces patch as before.
+
+    Likewise AOT autograd and Inductor save the global random-number state before tracing
+    and put it back after (``torch._dynamo.utils.preserve_rng_state``, which calls
+    ``torch.random.set_rng_state``): from this thread that would rewind the generator under
+    draws the user's thread made meanwhile, so on this thread putting it back is skipped.
+    Only graphs that draw no random numbers are compiled here, so tracing them draws none.
+    Also keeps ``script_aten_graph`` off the process-wide warning filters
+    (``warnings.catch_warnings`` is not thread-safe)."""
+    _install_thread_aware_patcher()
+    _install_thread_aware_rng_restore()
+    _BACKGROUND.active = True
+    try:
+        yield
+    finally:
+        _BACKGROUND.active = False
+
+
+def _install_thread_aware_rng_restore() -> None:
+    with _PATCHER_INSTALLED:
+        for module in (torch.random, torch.cuda):
+            original = module.set_rng_state
+            if getattr(original, "__specularch__", False):
+                continue
+
+            def set_rng_state(*args, _original=original, **kwargs):
+                if getattr(_BACKGROUND, "active", False):
+                    return None
+                return _original(*args, **kwargs)
+            set_rng_state.__specularch__ = True
+            module.set_rng_state = set_rng_state
+
+
+def _install_thread_aware_patcher() -> None:
+    from torch.fx import _symbolic_trace as st
+    with _PATCHER_INSTALLED:
+        if getattr(st._new_patcher, "__specularch__", False):
+            return
+        original = st._new_patcher
+
+        class NoPatches(st._Patcher):
+            def patch(self, *args, **kwargs) -> None:
+                pass
+
+            def patch_method(self, *args, **kwargs) -> None:
+                pass
+
+        @contextlib.contextmanager
+        def no_patches():
+            yield NoPatches()
+
+        def new_patcher():
+            return no_patches() if getattr(_BACKGROUND, "active", False) else original()
+        new_patcher.__specularch__ = True
+        st._new_patcher = new_patcher
+
+
+@contextlib.contextmanager
+def _quiet_torchscript():
+    """TorchScript's deprecation and annotation warnings silenced, except in a background
+    compile (``warnings.catch_warnings`` swaps the process-wide filters)."""
+    if getattr(_BACKGROUND, "active", False):
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def aot_torchscript(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -152,8 +235,7 @@ def script_aten_graph(gm: torch.fx.GraphModule) -> torch.jit.ScriptModule:
                        for k, v in node.kwargs.items()}
     gm.graph.lint()
     gm.recompile()
-    with warnings.catch_warnings():  # TorchScript's deprecation and annotation warnings
-        warnings.simplefilter("ignore")
+    with _quiet_torchscript():
         scripted = torch.jit.script(gm)
         torch._C._jit_pass_remove_mutation(scripted.graph)
         return torch.jit.freeze(scripted.eval())

@@ -9,6 +9,7 @@ Register more with ``register_backend``. ``fx`` takes every graph; the compiling
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +28,10 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {}
+# One compile at a time in the process: AOT autograd and Inductor keep state of their own
+# (functorch's interpreter levels, config patches) that two compiles on two threads, one of
+# them the background tier compiler, would interleave ("Expected current_level > 0").
+COMPILE_LOCK = threading.RLock()
 
 
 class UnknownBackendError(ValueError):
@@ -55,13 +60,29 @@ def _drawing_nothing(compile_fn: Callable) -> Callable:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         since = fx_sources.mark()
         try:
-            return compile_fn(gm, example_inputs)
+            with COMPILE_LOCK:
+                return compile_fn(gm, example_inputs)
         finally:
             fx_sources.release_with(gm, since)  # torch.fx's copies of the compiled code's text
             torch.set_rng_state(cpu)
             if cuda is not None:
                 torch.cuda.set_rng_state_all(cuda)
     return compile
+
+
+def compile_in_background(backend: Backend, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """``backend.compile`` for a thread other than the user's (``tiering/worker.py``): without
+    ``_drawing_nothing``'s save and restore of the global random-number state, which would put
+    back, in the middle of the user's program, a state from before draws it made meanwhile.
+    So only for graphs that draw no random numbers (``randomness.graph_uses_randomness``):
+    a compiler that runs such a graph while compiling draws nothing either."""
+    from ._torch_compilers import background_tracing
+    since = fx_sources.mark()
+    try:
+        with COMPILE_LOCK, background_tracing():
+            return backend.compile.__wrapped__(gm, example_inputs)
+    finally:
+        fx_sources.release_with(gm, since)
 
 
 def get_backend(name: str) -> Backend:
@@ -198,6 +219,11 @@ def _cudagraphs_supported(gm):
 
 
 register_backend("fx", _fx, help="Run the FX graph's generated Python code (no compilation).")
+register_backend("auto", _fx,
+                 help="Tiered (the default): each graph runs at once with 'fx'; a graph that keeps "
+                      "being hit is compiled in the background by the compiling backends that "
+                      "take it, each timed on live calls and kept only if faster "
+                      "(docs/tiering.md). Equal to eager within float rounding.")
 register_backend("torchscript", _torchscript, supports=_torchscript_supports,
                  help="TorchScript: forward graphs through AOT autograd (functorch), forward and "
                       "backward each scripted; whole training steps flattened to one ATen graph "

@@ -10,10 +10,15 @@ sizes, and pay off only after thousands of steps at one shape: a measured opt-in
 
 CUDA: ``fx`` until measured (no GPU on the team's machines); see docs/benchmarks.md for what
 ``cudagraphs`` and ``inductor`` are expected to give and how to measure them.
+
+Since no single backend wins everywhere, the default on both is ``auto`` (tiered,
+``specularch/tiering/``): ``fx`` first, and per graph the compiling backend measured fastest
+on the program's own calls, compiled in the background (docs/tiering.md). Device types not
+measured at all keep ``fx``.
 """
 from __future__ import annotations
 
-DEFAULTS: dict[str, str] = {"cpu": "fx", "cuda": "fx"}
+DEFAULTS: dict[str, str] = {"cpu": "auto", "cuda": "auto"}
 
 
 def default_backend(device=None) -> str:

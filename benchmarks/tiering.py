@@ -1,0 +1,150 @@
+"""Tiered execution (the default, ``backend="auto"``) over a minute of training, against eager
+and the pinned backends, for the MLP and LeNet of ``train_step.py``.
+
+    python benchmarks/tiering.py [--seconds 60] [--models mlp,lenet] [--pinned fx,torchscript,inductor]
+        [--switch-interval 0.0005] [--json PATH]
+
+One thread (``torch.set_num_threads(1)``), unmodified Adam training steps. Per model:
+
+* eager: the median step;
+* tiered: every step of ``--seconds`` timed from the first call; the slowest step while a
+  background compile was pending, over the eager median (the GIL cost of compiling beside
+  the program); the time from the first call to the first speedup (a candidate kept); the
+  tier each graph ended on;
+* then eager, tiered and each pinned backend interleaved round by round (medians): the final
+  ratio of tiered to eager and to the best pinned backend.
+
+``--switch-interval`` sets the thread switch interval the background compiler uses
+(``specularch.tiering.worker.SWITCH_INTERVAL``; CPython's default is 0.005 s).
+Inductor compiles into a fresh cache directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import specularch  # noqa: E402
+from specularch.tiering import worker  # noqa: E402
+from train_step import MODELS, build, make_step  # noqa: E402
+
+
+def _batches(name, count=4):
+    torch.manual_seed(1)
+    return [MODELS[name][1]() for _ in range(count)]
+
+
+def _median_step(step, batches, seconds):
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        x, y = batches[len(times) % len(batches)]
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def tiered_run(name, batches, seconds, eager_s):
+    """Every step of a fresh tiered step for ``seconds``."""
+    model, opt = build(name)
+    step = specularch.optimize(make_step(model, opt))
+    first = time.perf_counter()
+    rows = []  # (seconds since the first call, step seconds, compiling?)
+    while time.perf_counter() - first < seconds:
+        x, y = batches[len(rows) % len(batches)]
+        compiling = worker.pending() > 0
+        start = time.perf_counter()
+        step(x, y)
+        end = time.perf_counter()
+        rows.append((start - first, end - start, compiling or worker.pending() > 0))
+    graphs = specularch.explain(step).graphs
+    tiers = [g.tier for g in graphs if g.tier is not None]
+    kept = [t.promoted_at - first for t in tiers if t.promoted_at is not None]
+    while_compiling = [s for _, s, c in rows if c]
+    steady = [s for t, s, c in rows if not c and t > rows[-1][0] - 10]  # the last 10 s
+    return step, {
+        "steps": len(rows),
+        "first_call_s": rows[0][1],
+        "slowest_while_compiling_over_eager": max(while_compiling) / eager_s if while_compiling else None,
+        "p90_while_compiling_over_eager":
+            statistics.quantiles(while_compiling, n=10)[-1] / eager_s if len(while_compiling) > 10 else None,
+        "steps_while_compiling": len(while_compiling),
+        "first_speedup_s": min(kept) if kept else None,
+        "last_10s_over_eager": eager_s / statistics.median(steady) if steady else None,
+        "tiers": [line for g in graphs for line in g.tiers],
+        "ended_on": [g.backend for g in graphs],
+    }
+
+
+def interleaved(modes, batches, rounds=5, steps=20):
+    times = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode, step in modes.items():
+            start = time.perf_counter()
+            for i in range(steps):
+                step(*batches[i % len(batches)])
+            times[mode].append((time.perf_counter() - start) / steps)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def bench(name, args):
+    batches = _batches(name)
+    model, opt = build(name)
+    eager = make_step(model, opt)
+    eager_s = _median_step(eager, batches, 5)
+    print(f"[{name}] eager step {eager_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    tiered, result = tiered_run(name, batches, args.seconds, eager_s)
+    print(f"[{name}] tiered: {json.dumps(result, indent=1)}", file=sys.stderr, flush=True)
+    specularch.tiering.wait()
+    modes = {"eager": eager, "tiered": tiered}
+    for backend in args.pinned:
+        model, opt = build(name)
+        step = specularch.optimize(make_step(model, opt), backend=backend)
+        start = time.perf_counter()
+        for i in range(6):  # profiled calls, the capture and compile, the .grad-set graph
+            step(*batches[i % len(batches)])
+        result[f"{backend}_warm_up_s"] = time.perf_counter() - start
+        modes[backend] = step
+    medians = interleaved(modes, batches)
+    best = min(args.pinned, key=lambda b: medians[b])
+    result.update(eager_ms=medians["eager"] * 1e3,
+                  **{f"{m}_vs_eager": medians["eager"] / medians[m] for m in modes if m != "eager"},
+                  best_pinned=best, tiered_vs_best_pinned=medians[best] / medians["tiered"])
+    return {"model": name, **result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--models", default="mlp,lenet")
+    parser.add_argument("--pinned", default="fx,torchscript,inductor")
+    parser.add_argument("--switch-interval", type=float, default=worker.SWITCH_INTERVAL)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    args.pinned = [b for b in args.pinned.split(",") if b]
+    worker.SWITCH_INTERVAL = args.switch_interval
+    torch.set_num_threads(1)
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    try:
+        results = [bench(name, args) for name in args.models.split(",")]
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    print(f"torch={torch.__version__} threads=1 switch_interval={args.switch_interval} "
+          f"seconds={args.seconds}")
+    for r in results:
+        print(json.dumps(r, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""One graph under tiering: its calls counted until it is hot, its candidates compiled in the
+background, each timed on live calls against the current tier, the fastest kept.
+
+The ``Tier`` stands in the graph entry's ``fn`` (what the hot path calls) only while there is
+something to measure or decide; once every candidate is decided the entry's ``fn`` is the
+winner's entry function itself, with no wrapper left. Every change of the entry is one
+attribute assignment, which a call on another thread sees either before or after.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import config
+from ..entry_function import MISS
+from ..fx_lower import get_backend
+from ..fx_lower.backends import compile_in_background
+from . import policy, worker
+from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, TierEvent, TierHistory
+
+
+SAMPLE = 4  # calls per CPU-time reading while a graph is not yet hot
+
+
+@dataclass
+class Candidate:
+    backend: str
+    fn: Callable          # its entry function (guards, compiled graph, commit)
+    graph_fn: Callable
+    source: str
+    compile_seconds: float
+
+
+class Tier:
+    """``build(graph_fn) -> (entry fn, source)`` wraps a compiled graph in the entry's guards
+    and commit (``dispatch/misses.py``, which this package does not import)."""
+
+    def __init__(self, entry, gm, build: Callable):
+        self.entry, self.gm, self.build = entry, gm, build
+        self.fn = entry.fn  # the current tier's entry function
+        self.history = entry.tier = TierHistory()
+        self.hits, self.seconds, self.submitted = 0, 0.0, False
+        self.todo: deque[str] = deque()  # candidates not compiled yet, in order
+        self.ready: deque[Candidate] = deque()
+        self.compiling = 0
+        self.trial: Trial | None = None
+        self.lock = threading.Lock()
+        self.trial_calls = config.tier_trial_calls  # read here: config.patch is per thread
+        entry.fn = self
+
+    def __call__(self, L, C, G, B):
+        trial = self.trial
+        if trial is not None:
+            return trial.call(L, C, G, B)
+        if self.submitted:  # candidates compiling: nothing to measure yet
+            return self.fn(L, C, G, B)
+        self.hits += 1
+        if self.hits % SAMPLE:
+            return self.fn(L, C, G, B)
+        # CPU time of this thread, not wall time: on a busy machine a preempted call would
+        # make a small graph look hot. Read on one call in SAMPLE: reading it is a system
+        # call (µs), as much as a small graph's whole call.
+        start = time.thread_time()
+        result = self.fn(L, C, G, B)
+        if result is not MISS:
+            self.seconds += (time.thread_time() - start) * SAMPLE
+            if policy.hot(self.hits, self.seconds):
+                self._submit()
+        return result
+
+    def _submit(self) -> None:
+        self.submitted = True
+        self.history.submitted_at = time.perf_counter()
+        with self.lock:
+            for name, refusal in policy.candidates(self.gm):
+                if refusal:
+                    self.history.add(TierEvent(name, REFUSED, reason=refusal))
+                else:
+                    self.todo.append(name)
+            self._next_trial()
+
+    def _compile(self, name: str) -> None:
+        """On the worker thread: compile, build the entry function, queue it for a trial."""
+        start = time.perf_counter()
+        examples = [n.meta.get("example") for n in self.gm.graph.nodes if n.op == "placeholder"]
+        try:
+            graph_fn = compile_in_background(get_backend(name), self.gm, examples)
+            fn, source = self.build(graph_fn)
+        except Exception as e:
+            with self.lock:
+                self.compiling -= 1
+                self.history.add(TierEvent(name, FAILED, time.perf_counter() - start,
+                                           reason=f"{type(e).__name__}: {e}"))
+                self._next_trial()
+            return
+        with self.lock:
+            self.compiling -= 1
+            self.ready.append(Candidate(name, fn, graph_fn, source, time.perf_counter() - start))
+            self._next_trial()
+
+    def _next_trial(self) -> None:
+        """(With ``lock`` held.) Time the next compiled candidate, else compile the next one,
+        or, when none is left, put the current tier's entry function in place of this
+        wrapper. One candidate at a time, compiled then timed: a trial timed while the next
+        candidate compiles beside it measures the compile's contention, not the candidate."""
+        if self.trial is not None:
+            return
+        if self.ready:
+            self.trial = Trial(self, self.ready.popleft())
+        elif self.compiling:
+            return
+        elif self.todo:
+            self.compiling += 1
+            name = self.todo.popleft()
+            worker.submit(lambda: self._compile(name))
+        else:
+            self.history.settled = True
+            self.entry.fn = self.fn
+
+    def decide(self, trial: Trial, event: TierEvent) -> None:
+        with self.lock:
+            if self.trial is not trial:
+                return
+            self.history.add(event)
+            if event.decision == KEPT:
+                c, entry = trial.candidate, self.entry
+                self.fn = c.fn
+                entry.backend, entry.graph_fn, entry.entry_source = c.backend, c.graph_fn, c.source
+            self.trial = None
+            self._next_trial()
+
+
+class Trial:
+    """A candidate against the current tier on live calls: ``policy.WARM_UP`` untimed calls
+    of the candidate, then ``policy.ROUNDS`` rounds of ``k`` calls each side, interleaved (so
+    that a slow phase of the program, or a compile running beside it, weighs on both),
+    compared by median."""
+
+    def __init__(self, tier: Tier, candidate: Candidate):
+        self.tier, self.candidate = tier, candidate
+        self.calls = 0
+        self.samples: tuple[list, list] = ([], [])  # seconds per call: current, candidate
+        self.k = tier.trial_calls
+
+    def call(self, L, C, G, B):
+        n = self.calls
+        self.calls = n + 1
+        timed = n >= policy.WARM_UP
+        side = ((n - policy.WARM_UP) // self.k) % 2 if timed else 1
+        fn = self.candidate.fn if side else self.tier.fn
+        start = time.perf_counter()
+        try:
+            result = fn(L, C, G, B)
+        except Exception as e:
+            if not side:
+                raise
+            # The candidate's graph raised: nothing was committed (the entry function
+            # commits after the graph), so the current tier runs the call instead.
+            self.tier.decide(self, TierEvent(self.candidate.backend, RAISED,
+                                             self.candidate.compile_seconds,
+                                             reason=f"{type(e).__name__}: {e}; stays on "
+                                                    f"{self.tier.history.tier}"))
+            return self.tier.fn(L, C, G, B)
+        elapsed = time.perf_counter() - start
+        # (not while another graph's candidate compiles: see Tier._next_trial)
+        if timed and result is not MISS and not worker.pending():
+            self.samples[side].append(elapsed)
+            if min(map(len, self.samples)) >= self.k * policy.ROUNDS:
+                self.tier.decide(self, self._verdict())
+        return result
+
+    def _verdict(self) -> TierEvent:
+        current_us, candidate_us = (statistics.median(s) * 1e6 for s in self.samples)
+        decision = KEPT if policy.faster(candidate_us, current_us) else REJECTED
+        return TierEvent(self.candidate.backend, decision, self.candidate.compile_seconds,
+                         candidate_us, current_us, self.tier.history.tier)

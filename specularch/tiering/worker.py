@@ -1,0 +1,104 @@
+"""The background compiler: one daemon thread that runs compile jobs one after another, so
+that no call of the user's program waits for a compile.
+
+While it compiles, the thread switch interval is lowered (``SWITCH_INTERVAL``): a compiler
+runs long stretches of Python (``make_fx``, TorchScript's frontend, Inductor's lowering), and
+with CPython's default of 5 ms the user's thread, once it asks for the GIL, waits up to that
+long each time the worker holds it. The thread also runs at a lower priority (Linux
+``setpriority`` on the thread), so that the C++ parts of a compile yield the core first.
+A process would leave the GIL alone but must send the compiled artefact back, which
+TorchScript's frozen modules and Inductor's loaded kernels do not survive cheaply.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import sys
+import threading
+from typing import Callable
+
+from .. import log
+
+SWITCH_INTERVAL = 0.0005  # seconds, while a compile runs (CPython's default: 0.005)
+NICENESS = 10
+
+_jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
+_idle = threading.Condition()
+_busy = 0  # jobs submitted and not finished
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+_saved_interval: float | None = None  # the user's switch interval while compiles run
+
+
+def submit(job: Callable[[], None]) -> None:
+    """Run ``job()`` on the background thread (it must not raise: it records its failures)."""
+    global _busy
+    with _idle:
+        _busy += 1
+    _ensure_thread()
+    _jobs.put(job)
+
+
+def pending() -> int:
+    """Jobs submitted and not finished."""
+    return _busy
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Block until every submitted compile finished (True), or ``timeout`` seconds passed
+    (False). For tests and benchmarks: the program itself never needs to."""
+    with _idle:
+        return _idle.wait_for(lambda: _busy == 0, timeout)
+
+
+@atexit.register
+def _drain() -> None:
+    """At exit: forget the compiles not started, and let the running one finish (a thread
+    stopped inside a C++ compiler when the interpreter goes away aborts the process)."""
+    global _busy
+    while True:
+        try:
+            _jobs.get_nowait()
+        except queue.Empty:
+            break
+        with _idle:
+            _busy -= 1
+    wait()
+
+
+def _ensure_thread() -> None:
+    global _thread
+    with _start_lock:
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_run, name="specularch-tier-compiler", daemon=True)
+            _thread.start()
+
+
+def _run() -> None:
+    global _busy, _saved_interval
+    _lower_priority()
+    while True:
+        job = _jobs.get()
+        if _saved_interval is None:
+            _saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(_saved_interval, SWITCH_INTERVAL))
+        try:
+            job()
+        except Exception as e:  # a job records its own failures; this is a bug in one
+            log.emit("graphs", f"background compile job failed: {type(e).__name__}: {e}")
+        finally:
+            if _jobs.empty():
+                sys.setswitchinterval(_saved_interval)
+                _saved_interval = None
+            with _idle:
+                _busy -= 1
+                _idle.notify_all()
+
+
+def _lower_priority() -> None:
+    if hasattr(os, "setpriority") and sys.platform.startswith("linux"):
+        try:  # on Linux a thread id is a process id for setpriority: this thread only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        except OSError:
+            pass
