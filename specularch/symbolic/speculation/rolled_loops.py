@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ...fx_lower import rolled_cells
 from ...fx_lower.randomness import is_random_node
 from ...records import Unsupported
-from . import rolled_hoist
+from . import rolled_fast, rolled_hoist
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
 from ..values.symint import SymV, arithmetic, compare
@@ -83,13 +82,13 @@ class RolledLoop:
                  report: LoopReport):
         self.body, self.carried, self.outputs, self.report = body, carried, outputs, report
         self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
-        self.prepare = None       # per call, invariants -> the body's (fx_lower/rolled_cells.py)
+        self.prepare = None       # per call: (n, invariants) -> the body's (rolled_fast.py)
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
         step, k, o = self.body.forward, self.carried, self.outputs
         if self.prepare is not None:
-            invariants = self.prepare(invariants)
+            invariants = self.prepare(n, invariants)
         outs: tuple = tuple([] for _ in range(o))
         for t in range(1, n):
             results = step(t, *carried, *invariants)
@@ -491,8 +490,7 @@ class _Roll:
         target = RolledLoop(body, len(self.entries), len(self.per_iteration),
                             tuple(expected for _, expected, _, _ in self.checks), report)
         if not self.tracer.assumptions.exact_loops:
-            target.prepare = rolled_cells.fuse(body, [f"invariant_{i + 1}" for i in
-                                                      range(len(self.invariants))])
+            target.prepare = rolled_fast.speed_up(body, self.invariants)
         node = self.graph.call_function(target, (n.node, tuple(h.node for h, _, _ in self.entries),
                                                  tuple(self.invariants)))
         node.meta["where"] = self.loop.where
