@@ -68,16 +68,20 @@ class _FusedCell(torch.autograd.Function):
         tanh_cy = cy.tanh()
         hy = o * tanh_cy
         ctx.grads, ctx.site = grads, site
-        ctx.save_for_backward(x, h, c, w_ih, w_hh, i, f, g, o, tanh_cy)
+        ctx.save_for_backward(x, h, c, w_ih, w_hh, gates, tanh_cy)
         return hy, cy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dhy, dcy):
-        x, h, c, w_ih, w_hh, i, f, g, o, tanh_cy = ctx.saved_tensors
-        dc = dcy + dhy * o * (1 - tanh_cy * tanh_cy)
-        dgates = torch.cat([dc * g * i * (1 - i), dc * c * f * (1 - f), dc * i * (1 - g * g),
-                            dhy * tanh_cy * o * (1 - o)], 1)
+        x, h, c, w_ih, w_hh, gates, tanh_cy = ctx.saved_tensors
+        i, f, g, o = gates.chunk(4, 1)
+        dho = dhy * o
+        dc = torch.addcmul(dcy + dho, dho, tanh_cy * tanh_cy, value=-1)  # dcy + dho (1 - tanh²)
+        # d activation: a (1 - a) for the sigmoid gates, 1 - a² for the tanh one
+        slope = gates - gates * gates
+        slope[:, g.shape[1] * 2:g.shape[1] * 3].add_(1).sub_(g)
+        dgates = torch.cat([dc * g, dc * c, dc * i, dhy * tanh_cy], 1).mul_(slope)
         needs = ctx.needs_input_grad
         if any(needs[5:]):
             ctx.grads.rows[ctx.site].append((dgates, x, h))

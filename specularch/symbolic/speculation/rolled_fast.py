@@ -8,14 +8,14 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
   rows ``1 .. n-1`` of the indexed tensor, and the body picks its row per iteration. An
   embedding looked up per iteration costs a full-table gradient (zeros plus a scatter) and
   a full-table addition per iteration in backward; looked up once it costs one.
-  Only ops that act on each row independently move (``rolled_hoist.why_not_row_wise``:
-  elementwise ops, products by an invariant matrix, embeddings), never a random draw
-  (dropout with ``p=0`` draws nothing and moves).
+  Only ops that act on each row independently and compute each row's numbers as they would
+  alone move (``rolled_hoist.why_not_row_wise`` without the matrix products: elementwise ops,
+  embeddings), never a random draw (dropout with ``p=0`` draws nothing and moves).
 * **cells**: ``torch.lstm_cell`` with invariant weights becomes one autograd node per
   iteration, with one weight-gradient product per call (``fx_lower/rolled_cells.py``).
 
-Values stay eager's up to rounding: the prelude's rows are computed together, gradients
-summed in another order.
+Forward values stay eager's bit for bit; gradients are eager's up to rounding (summed in
+another order).
 """
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ class Prepare:
     def __init__(self, prelude: torch.fx.GraphModule | None, reads: list,
                  cells: rolled_cells.FusedCells | None):
         self.prelude, self.reads, self.cells = prelude, reads, cells
+
+    def __str__(self) -> str:
+        done = []
+        if self.prelude is not None:
+            done.append(f"{len(self.prelude.frontier)} per-iteration values computed before the "
+                        f"loop ({', '.join(self.prelude.frontier)})")
+        if self.cells is not None:
+            done.append(f"{len(self.cells.sites)} LSTM cells fused (one weight-gradient product "
+                        "per call)")
+        return "; ".join(done)
 
     def __call__(self, n: int, invariants: tuple) -> tuple:
         if self.prelude is not None and n > 1:
@@ -73,6 +83,13 @@ def _is_identity_dropout(node: torch.fx.Node) -> bool:
     return not inplace and (p == 0 or training is False)
 
 
+def _is_product(node: torch.fx.Node) -> bool:
+    """A matrix product: on all rows at once it may round differently from row by row, and
+    the loop's other ops do not (``_accumulate`` in test_rolled_loops.py is bit-equal)."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in ("linear", "matmul", "mm", "bmm", "einsum") or node.target is operator.matmul
+
+
 def _prelude_nodes(graph: torch.fx.Graph, index, invariants: set) -> list:
     pre: list = []
     row: set = set()
@@ -87,7 +104,7 @@ def _prelude_nodes(graph: torch.fx.Graph, index, invariants: set) -> list:
         elif not inputs or not all(a in row or a in invariants for a in inputs) \
                 or not any(a in row for a in inputs):
             continue
-        elif not _is_identity_dropout(node) and \
+        elif _is_product(node) or not _is_identity_dropout(node) and \
                 rolled_hoist.why_not_row_wise(node, row, index) is not None:
             continue
         pre.append(node)

@@ -60,6 +60,7 @@ class LoopReport:
     outputs: int = 0
     hoisted: int = 0                     # body ops moved after the loop (rolled_hoist.py)
     not_hoisted: str = ""                # why an appended value is computed in the body
+    faster: str = ""                     # how the body was rewritten to run faster (rolled_fast.py)
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
 
     def __str__(self) -> str:
@@ -68,7 +69,7 @@ class LoopReport:
         hoisted = (f", {self.hoisted} ops hoisted after the loop" if self.hoisted else
                    f" (nothing hoisted: {self.not_hoisted})" if self.not_hoisted else "")
         return (f"rolled loop at {self.where}: body {self.body_ops} ops, {self.carried} carried, "
-                f"{self.outputs} stacked{hoisted}; trip counts of the last calls: "
+                f"{self.outputs} stacked{hoisted}{self.faster}; trip counts of the last calls: "
                 f"{list(self.trips)}")
 
 
@@ -491,6 +492,7 @@ class _Roll:
                             tuple(expected for _, expected, _, _ in self.checks), report)
         if not self.tracer.assumptions.exact_loops:
             target.prepare = rolled_fast.speed_up(body, self.invariants)
+            report.faster = f", {target.prepare}" if target.prepare is not None else ""
         node = self.graph.call_function(target, (n.node, tuple(h.node for h, _, _ in self.entries),
                                                  tuple(self.invariants)))
         node.meta["where"] = self.loop.where
