@@ -30,7 +30,7 @@ def _lm_step(model, opt):
     return step
 
 
-def _train_both(lengths, *, dropout, templates, rtol, momentum=0.0, layers=2):
+def _train_both(lengths, *, dropout, templates, rtol, momentum=0.0, layers=2, backend="fx"):
     torch.manual_seed(0)
     eager_model = lstm_lm.LSTMLM(40, 12, layers, dropout=dropout)
     opt_model = copy.deepcopy(eager_model)
@@ -39,7 +39,7 @@ def _train_both(lengths, *, dropout, templates, rtol, momentum=0.0, layers=2):
         return torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum)
     eager_step = _lm_step(eager_model, sgd(eager_model))
     with specularch.config.patch(templates=templates):
-        opt_step = specularch.optimize(_lm_step(opt_model, sgd(opt_model)))
+        opt_step = specularch.optimize(_lm_step(opt_model, sgd(opt_model)), backend=backend)
         data = torch.Generator().manual_seed(1)
         for i, n in enumerate(lengths):
             tokens = torch.randint(0, 40, (n, 5), generator=data)

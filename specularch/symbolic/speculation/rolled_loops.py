@@ -84,10 +84,11 @@ class RolledLoop:
         self.body, self.carried, self.outputs, self.report = body, carried, outputs, report
         self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
         self.prepare = None       # per call: (n, invariants) -> the body's (rolled_fast.py)
+        self.run_body = None      # or the body compiled (fx_lower/rolled_compile.py)
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
-        step, k, o = self.body.forward, self.carried, self.outputs
+        step, k, o = self.run_body or self.body.forward, self.carried, self.outputs
         if self.prepare is not None:
             invariants = self.prepare(n, invariants)
         outs: tuple = tuple([] for _ in range(o))
