@@ -21,10 +21,9 @@ import operator
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 from . import rolled_cells
-from .randomness import is_random_node
+from .randomness import is_identity_dropout, is_random_node
 
 _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
               operator.neg}
@@ -42,12 +41,6 @@ def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
             else:
                 loop.run_body = compiled
                 loop.report.faster += f"; body compiled by {backend} (once per input shapes)"
-
-
-def _identity_dropout(node: torch.fx.Node) -> bool:
-    args = (*node.args, None, None, None)
-    p, training = node.kwargs.get("p", args[1]), node.kwargs.get("training", args[2])
-    return node.target is F.dropout and (p == 0 or training is False)
 
 
 def _value_dependent(check: torch.fx.Node) -> bool:
@@ -95,7 +88,7 @@ class CompiledBody:
             if not isinstance(n.meta.get("example"), torch.Tensor):
                 numbers.add(n)
         for n in graph.nodes:
-            if is_random_node(n) and not _identity_dropout(n):
+            if is_random_node(n) and not is_identity_dropout(n):
                 return f"it draws random numbers (`{n.name}`)"
         checks = [r for r in results if isinstance(r, torch.fx.Node)
                   and not isinstance(r.meta.get("example"), torch.Tensor)]

@@ -23,9 +23,9 @@ import operator
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 from ...fx_lower import rolled_cells
+from ...fx_lower.randomness import is_identity_dropout
 from . import rolled_hoist
 
 
@@ -63,24 +63,18 @@ class Prepare:
         return self.cells(invariants) if self.cells is not None else invariants
 
 
-def speed_up(body: torch.fx.GraphModule, invariants: list) -> Prepare | None:
-    """Rewrite ``body`` in place (see the module docstring); ``invariants``: the outer graph's
-    nodes the body's ``invariant_<k>`` placeholders stand for. None when nothing changed."""
+def speed_up(body: torch.fx.GraphModule, invariants: list, report) -> Prepare | None:
+    """Rewrite ``body`` in place (see the module docstring) and say so in the loop's
+    ``report``; ``invariants``: the outer graph's nodes the body's ``invariant_<k>``
+    placeholders stand for. None when nothing changed."""
     names = [f"invariant_{k + 1}" for k in range(len(invariants))]
     prelude, reads = _prelude(body, names)
     cells = rolled_cells.fuse(body, names)
     if prelude is None and cells is None:
         return None
-    return Prepare(prelude, reads, cells)
-
-
-def _is_identity_dropout(node: torch.fx.Node) -> bool:
-    if node.target is not F.dropout:
-        return False
-    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-    inplace = node.kwargs.get("inplace", node.args[3] if len(node.args) > 3 else False)
-    return not inplace and (p == 0 or training is False)
+    prepare = Prepare(prelude, reads, cells)
+    report.faster = f", {prepare}"
+    return prepare
 
 
 def _is_product(node: torch.fx.Node) -> bool:
@@ -104,7 +98,7 @@ def _prelude_nodes(graph: torch.fx.Graph, index, invariants: set) -> list:
         elif not inputs or not all(a in row or a in invariants for a in inputs) \
                 or not any(a in row for a in inputs):
             continue
-        elif _is_product(node) or not _is_identity_dropout(node) and \
+        elif _is_product(node) or not is_identity_dropout(node) and \
                 rolled_hoist.why_not_row_wise(node, row, index) is not None:
             continue
         pre.append(node)

@@ -89,8 +89,7 @@ class RolledLoop:
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
         step, k, o = self.run_body or self.body.forward, self.carried, self.outputs
-        if self.prepare is not None:
-            invariants = self.prepare(n, invariants)
+        invariants = self.prepare(n, invariants) if self.prepare is not None else invariants
         outs: tuple = tuple([] for _ in range(o))
         for t in range(1, n):
             results = step(t, *carried, *invariants)
@@ -492,8 +491,7 @@ class _Roll:
         target = RolledLoop(body, len(self.entries), len(self.per_iteration),
                             tuple(expected for _, expected, _, _ in self.checks), report)
         if not self.tracer.assumptions.exact_loops:
-            target.prepare = rolled_fast.speed_up(body, self.invariants)
-            report.faster = f", {target.prepare}" if target.prepare is not None else ""
+            target.prepare = rolled_fast.speed_up(body, self.invariants, report)
         node = self.graph.call_function(target, (n.node, tuple(h.node for h, _, _ in self.entries),
                                                  tuple(self.invariants)))
         node.meta["where"] = self.loop.where
