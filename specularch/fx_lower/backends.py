@@ -186,23 +186,35 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
     return gradient_hooks(gm)
 
 
+def _rolled_bodies(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> Callable:
+    """A graph with rolled loops: the graph runs as ``fx``, each loop body compiled by
+    ``backend`` (``rolled_compile.py``)."""
+    from .rolled_compile import compile_bodies
+    compile_bodies(gm, backend)
+    return _fx(gm, example_inputs)
+
+
 def _torchscript_supports(gm: torch.fx.GraphModule) -> str | None:
-    return flattening_reason(gm, "TorchScript")
+    return None if gm.meta.get("rolled_loops") else flattening_reason(gm, "TorchScript")
 
 
 def _torchscript(gm, example_inputs):
     from ._torch_compilers import aot_torchscript, torchscript_without_autograd
+    if gm.meta.get("rolled_loops"):
+        return _rolled_bodies(gm, example_inputs, "torchscript")
     if _flattened(gm):
         return torchscript_without_autograd(gm, example_inputs)
     return aot_torchscript(gm, example_inputs)
 
 
 def _inductor_supports(gm: torch.fx.GraphModule) -> str | None:
-    return flattening_reason(gm, "Inductor")
+    return None if gm.meta.get("rolled_loops") else flattening_reason(gm, "Inductor")
 
 
 def _inductor(gm, example_inputs):
     from ._torch_compilers import inductor, inductor_without_autograd
+    if gm.meta.get("rolled_loops"):
+        return _rolled_bodies(gm, example_inputs, "inductor")
     if _flattened(gm):
         return inductor_without_autograd(gm, example_inputs)
     return inductor(gm, example_inputs)

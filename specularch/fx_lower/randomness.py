@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 _RANDOM_OPS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform",
                "exponential", "poisson", "geometric", "cauchy", "log_normal", "rrelu",
@@ -17,6 +18,18 @@ def is_random_node(node: torch.fx.Node) -> bool:
         return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return any(r in str(name) for r in _RANDOM_OPS)
+
+
+def is_identity_dropout(node: torch.fx.Node) -> bool:
+    """``F.dropout`` with ``p=0`` or ``training=False``: it returns its input and draws
+    nothing, so it may move or be compiled like any op."""
+    if node.target is not F.dropout:
+        return False
+    args = (*node.args, None, None, None)
+    p = node.kwargs.get("p", args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", args[2] if len(node.args) > 2 else True)
+    inplace = node.kwargs.get("inplace", args[3] if len(node.args) > 3 else False)
+    return not inplace and (p == 0 or training is False)
 
 
 def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:

@@ -60,7 +60,7 @@ def plan(body_nodes: list, index_node, needed: list, appended: list, carried_hea
         return HoistPlan(why_not="templates='exact' keeps the body in eager's order")
     in_body = set(body_nodes)
     row = set(in_body) | set(carried_heads)
-    why = {node: _why_not_row_wise(node, row, index_node) for node in body_nodes}
+    why = {node: why_not_row_wise(node, row, index_node) for node in body_nodes}
     carried = _ancestors([n for n in needed if n in in_body], in_body)
     feeding = _ancestors([n for n in appended if n in in_body], in_body)
     # a node that stays needs what it reads in the body too
@@ -93,7 +93,7 @@ def _ancestors(roots: list, within: set) -> set:
     return seen
 
 
-def _why_not_row_wise(node: torch.fx.Node, row: set, index_node) -> str | None:
+def why_not_row_wise(node: torch.fx.Node, row: set, index_node) -> str | None:
     """None when running ``node`` once on its per-iteration operands stacked along a new
     leading dimension gives each iteration's result in that dimension."""
     if node.op not in ("call_function", "call_method"):

@@ -32,7 +32,7 @@ import torch.fx
 
 from ...fx_lower.randomness import is_random_node
 from ...records import Unsupported
-from . import rolled_hoist
+from . import rolled_fast, rolled_hoist
 from .rolled_match import Match, Snapshot, append_only, set_slot
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
@@ -58,6 +58,7 @@ class LoopReport:
     outputs: int = 0
     hoisted: int = 0                     # body ops moved after the loop (rolled_hoist.py)
     not_hoisted: str = ""                # why an appended value is computed in the body
+    faster: str = ""                     # how the body was rewritten to run faster (rolled_fast.py)
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
     form: str = "range(n)"               # what the loop iterates
     within: str = ""                     # where an inner loop is, in its outer loop
@@ -72,7 +73,7 @@ class LoopReport:
         hoisted = (f", {self.hoisted} ops hoisted after the loop" if self.hoisted else
                    f" (nothing hoisted: {self.not_hoisted})" if self.not_hoisted else "")
         return (f"rolled loop at {self.where} ({form}): body {self.body_ops} ops, {self.carried} carried, "
-                f"{self.outputs} stacked{hoisted}; trip counts of the last calls: "
+                f"{self.outputs} stacked{hoisted}{self.faster}; trip counts of the last calls: "
                 f"{list(self.trips)}")
 
 
@@ -86,10 +87,13 @@ class RolledLoop:
                  report: LoopReport):
         self.body, self.carried, self.outputs, self.report = body, carried, outputs, report
         self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
+        self.prepare = None       # per call: (n, invariants) -> the body's (rolled_fast.py)
+        self.run_body = None      # or the body compiled (fx_lower/rolled_compile.py)
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
-        step, k, o = self.body.forward, self.carried, self.outputs
+        step, k, o = self.run_body or self.body.forward, self.carried, self.outputs
+        invariants = self.prepare(n, invariants) if self.prepare is not None else invariants
         outs: tuple = tuple([] for _ in range(o))
         for t in range(1, n):
             results = step(t, *carried, *invariants)
@@ -365,6 +369,8 @@ class _Roll:
         self.graph.erase_node(self.index_node)
         target = RolledLoop(body, len(self.entries), len(self.per_iteration),
                             tuple(expected for _, expected, _, _ in self.checks), report)
+        if not self.tracer.assumptions.exact_loops:
+            target.prepare = rolled_fast.speed_up(body, self.invariants, report)
         node = self.graph.call_function(target, (n.node, tuple(h.node for h, _, _ in self.entries),
                                                  tuple(self.invariants)))
         node.meta["where"] = self.loop.where
