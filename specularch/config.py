@@ -140,6 +140,18 @@ def _template_mode(value: Any) -> str:
     return value
 
 
+def _cache_dir(value: Any) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError
+    if not value.strip():
+        raise ValueError
+    return value
+
+
+CACHE_DIR = Kind("a directory, or auto or off", "a directory (str or path), 'auto' or 'off'",
+                 str.strip, _cache_dir)
 TEMPLATES = Kind("one of batched/exact/off", "'batched', 'exact' or 'off'", str.strip,
                  _template_mode)
 BACKEND = Kind("a backend name", "a registered backend name (str; specularch.list_backends())",
@@ -206,10 +218,26 @@ OPTIONS: dict[str, Option] = {
                "training step all-reduces during backward (like DDP's bucket_cap_mb; the first "
                "bucket is at most 1 MiB). Every rank must use the same value.",
                "SPECULARCH_BUCKET_MB", POSITIVE_MIB),
+        Option("compile_cache_dir", "auto", "Directory of the persistent compile cache: "
+               "TorchScript graphs saved there and Inductor's own on-disk caches, so a second "
+               "run starts with the first run's compiled code; 'auto' is "
+               "$XDG_CACHE_HOME/specularch (default ~/.cache/specularch), 'off' disables it.",
+               "SPECULARCH_CACHE_DIR", CACHE_DIR),
         Option("max_fallback_records", 32, "Distinct fallback records kept per code object.",
                None, POSITIVE_INT),
     ]
 }
+
+
+def cache_directory() -> str | None:
+    """``config.compile_cache_dir`` as a path (``auto`` resolved), or None when it is off."""
+    value = config.compile_cache_dir
+    if value.lower() == "off":
+        return None
+    if value.lower() == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "specularch")
+    return os.path.abspath(os.path.expanduser(value))
 
 
 def _option(name: str) -> Option:

@@ -28,14 +28,20 @@ class GraphReport:
     compile_seconds: float
     note: str = ""            # why the requested backend was not used, if it was not
     loops: list = field(default_factory=list)  # rolled loops (trip counts) and unrolled ones (why)
+    cached: bool = False      # the compiled graph came from the persistent compile cache
+    guard_us: float | None = None  # µs one check of the guards took (timed at compile time)
 
     def _timing(self) -> str:
         return (f"backend={self.backend} runs={self.hits} capture={self.capture_seconds * 1e3:.1f}ms "
-                f"compile={self.compile_seconds * 1e3:.1f}ms")
+                f"compile={self.compile_seconds * 1e3:.1f}ms{' (cached)' if self.cached else ''}")
+
+    def _guards(self) -> str:
+        cost = f" ({self.guard_us:.1f}µs)" if self.guard_us is not None else ""
+        return f"guards={len(self.guards)}{cost}"
 
     def summary(self) -> str:
         """One line (two with a backend note): the guards and inputs counted, not listed."""
-        line = f"{self._timing()} inputs={len(self.inputs)} guards={len(self.guards)}"
+        line = f"{self._timing()} inputs={len(self.inputs)} {self._guards()}"
         line += "".join(f"\n    {loop}" for loop in self.loops)
         return line + (f"\n    note: {self.note}" if self.note else "")
 
@@ -44,7 +50,7 @@ class GraphReport:
                  *([f"  note: {self.note}"] if self.note else []),
                  *[f"  {loop}" for loop in self.loops],
                  "  inputs: " + (", ".join(self.inputs) or "(none)"),
-                 "  guards:"]
+                 f"  guards: {self._guards()}"]
         lines += [f"    {g}" for g in self.guards]
         lines += ["  code:"] + [f"    {line}" for line in self.code.splitlines()]
         return "\n".join(lines)
@@ -102,12 +108,14 @@ class Explanation:
 
 
 def explain_state(state, verbose: bool = False) -> Explanation:
+    from .fx_lower.compile_cache import from_cache
+    from .templates.report import template_lines
     graphs = [GraphReport(e.capture.code, e.capture.guards.readable(),
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
                           e.capture.seconds, e.compile_seconds, e.note,
-                          list(getattr(e.capture, "loops", ())))
+                          list(getattr(e.capture, "loops", ())), from_cache(e.graph_fn),
+                          e.capture.guards.micros)
               for e in reversed(state.entries)]
-    from .templates.report import template_lines
     templates = template_lines([e.capture.graph_module for e in state.entries])
     return Explanation(state.target.name, graphs, [replace(f) for f in state.fallbacks.values()],
                        list(state.recompiles), replace(state.stats),

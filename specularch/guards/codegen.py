@@ -84,6 +84,15 @@ class GuardSet:
 
     def __init__(self) -> None:
         self._by_key: dict[tuple, Guard] = {}
+        self.micros: float | None = None  # one check's cost, timed on the capturing call
+        self.timer = None  # set by the entry function's builder: (L, C, G, B) -> µs or None
+
+    def measure(self, L, C, G, B) -> None:
+        """Time the guard check on the call it was captured from (``explain()`` reports it);
+        the timer is dropped after, so nothing of that call is kept."""
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            self.micros = timer(L, C, G, B)
 
     def add(self, guard: Guard) -> None:
         self._by_key.setdefault(guard.key(), guard)
