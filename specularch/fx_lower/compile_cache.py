@@ -22,6 +22,7 @@ import io
 import json
 import os
 import tempfile
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -97,7 +98,9 @@ def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
         return None
     extra = {"specularch.json": ""}
     try:
-        module = torch.jit.load(path, _extra_files=extra)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = torch.jit.load(path, _extra_files=extra)
         return module, json.loads(extra["specularch.json"])
     except Exception as e:
         log.warn(f"compile cache: ignoring unreadable entry {path} "
@@ -112,7 +115,9 @@ def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
         return
     buffer = io.BytesIO()
     try:
-        torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
+        with warnings.catch_warnings():  # torch.jit.save's deprecation: it still works
+            warnings.simplefilter("ignore")
+            torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
         _write_atomically(os.path.join(folder, f"{key}.pt"), buffer.getvalue())
     except Exception as e:
         log.warn(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
