@@ -141,17 +141,20 @@ def _template_mode(value: Any) -> str:
 
 
 def _cache_dir(value: Any) -> str:
+    # An absolute directory only: a relative one would follow the working directory.
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
         raise TypeError
-    if not value.strip():
+    if value.lower() in ("auto", "off"):
+        return value.lower()
+    if not (os.path.isabs(value) or value.startswith("~")):
         raise ValueError
     return value
 
 
-CACHE_DIR = Kind("a directory, or auto or off", "a directory (str or path), 'auto' or 'off'",
-                 str.strip, _cache_dir)
+CACHE_DIR = Kind("an absolute directory, auto or off",
+                 "an absolute directory (str or path), 'auto' or 'off'", str.strip, _cache_dir)
 TEMPLATES = Kind("one of batched/exact/off", "'batched', 'exact' or 'off'", str.strip,
                  _template_mode)
 BACKEND = Kind("a backend name", "a registered backend name (str; specularch.list_backends())",
@@ -232,9 +235,9 @@ OPTIONS: dict[str, Option] = {
 def cache_directory() -> str | None:
     """``config.compile_cache_dir`` as a path (``auto`` resolved), or None when it is off."""
     value = config.compile_cache_dir
-    if value.lower() == "off":
+    if value == "off":
         return None
-    if value.lower() == "auto":
+    if value == "auto":
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(base, "specularch")
     return os.path.abspath(os.path.expanduser(value))
