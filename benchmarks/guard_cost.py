@@ -7,7 +7,9 @@ Per model and N: the step's guards and checked tensors, the guard check's µs pe
 ``explain()`` reports it: timed at compile time on the capturing call), and the cached-call
 overhead: the µs from calling the optimized step until its graph starts (dispatch, guards,
 reads of the graph's inputs; the graph and the commit excluded), median over ``--calls``
-cached calls, then µs per checked tensor. ``torch.set_num_threads(1)``.
+cached calls, then per graph input (parameters, their gradients and optimizer state: the
+tensors the guards check), and how the overhead grows per extra input from the smallest to
+the largest N. ``torch.set_num_threads(1)``.
 """
 from __future__ import annotations
 
@@ -66,9 +68,10 @@ def _entry_namespace(fn):
 
 
 def overhead_us(optimized, x, calls: int) -> float:
-    """Median µs from the call until the graph starts, over ``calls`` cached calls."""
+    """Median µs from the call until the graph starts, over ``calls`` cached calls of the
+    newest graph (the steady-state step)."""
     from specularch.api import _state_of  # the benchmark looks inside the cache
-    (entry,) = _state_of(optimized).entries
+    entry = _state_of(optimized).entries[0]
     ns = _entry_namespace(entry.fn)
     graph, started = ns["GRAPH"], []
 
@@ -93,20 +96,15 @@ def measure(kind: str, layers: int, calls: int) -> dict:
     step, x = make_step(kind, layers)
     optimized = specularch.optimize(step)
     with config.patch(profile_calls=0):
-        for _ in range(3):  # Adam's first step (no state) is its own graph; then the cached one
+        for _ in range(2):  # Adam's first step (no state yet) is a graph of its own
             optimized(x)
-    specularch.reset()  # keep only the steady-state graph
-    with config.patch(profile_calls=0):
-        optimized(x)
     report = specularch.explain(optimized)
-    if len(report.graphs) != 1 or report.fallbacks:
-        raise SystemExit(f"{kind} N={layers}: expected one graph and no fallback:\n{report}")
-    graph = report.graphs[0]
-    tensors = sum(1 for g in graph.guards if g.startswith("tensor ") or "Tensor" in g.split(":")[0])
+    if len(report.graphs) != 2 or report.fallbacks:
+        raise SystemExit(f"{kind} N={layers}: expected two graphs and no fallback:\n{report}")
+    graph = report.graphs[-1]  # the newest: the steady-state step
     row = {"model": kind, "N": layers, "guards": len(graph.guards), "inputs": len(graph.inputs),
-           "guard_us": graph.guard_us, "overhead_us": overhead_us(optimized, x, calls)}
-    row["per_tensor_us"] = row["overhead_us"] / max(row["inputs"], 1)
-    del tensors
+           "guard_us": getattr(graph, "guard_us", None), "overhead_us": overhead_us(optimized, x, calls)}
+    row["per_input_us"] = row["overhead_us"] / max(row["inputs"], 1)
     return row
 
 
@@ -114,8 +112,9 @@ def print_table(rows: list[dict]) -> None:
     print("| model | N | guards | graph inputs | guard µs (explain) | cached-call overhead µs | µs per input |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['N']} | {r['guards']} | {r['inputs']} | {r['guard_us']:.1f} | "
-              f"{r['overhead_us']:.1f} | {r['per_tensor_us']:.3f} |")
+        guard = "-" if r["guard_us"] is None else f"{r['guard_us']:.1f}"
+        print(f"| {r['model']} | {r['N']} | {r['guards']} | {r['inputs']} | {guard} | "
+              f"{r['overhead_us']:.1f} | {r['per_input_us']:.3f} |")
     for kind in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == kind]
         if len(mine) > 1:

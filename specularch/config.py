@@ -232,6 +232,11 @@ OPTIONS: dict[str, Option] = {
 }
 
 
+# Whether the program chose Inductor's cache directory itself: read when specularch is
+# imported, since importing Inductor sets the variable to its default directory.
+INDUCTOR_DIR_CHOSEN = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+
+
 def cache_directory() -> str | None:
     """``config.compile_cache_dir`` as a path (``auto`` resolved), or None when it is off."""
     value = config.compile_cache_dir

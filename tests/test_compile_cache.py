@@ -2,7 +2,6 @@
 compiling backend is saved, and a later run (a fresh cache in this process, or another
 process) loads it instead of compiling; a corrupt or stale entry is ignored with one log
 line and compiled again. Each test compares eager with the optimized step."""
-import copy
 import json
 import logging
 import os

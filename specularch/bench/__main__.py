@@ -6,7 +6,8 @@ pre-generated batches (``--batches`` full batches and the epoch's short last bat
 timing, every mode runs specularch's profiled calls and then one whole cycle, so every
 batch shape has been captured and compiled (that warm-up, and specularch's capture + compile
 seconds, are reported in their own columns); then modes are interleaved round by round.
-Medians over rounds and ratios to eager are printed as a markdown table, with the backend that
+Medians over rounds and ratios to eager are printed as a markdown table, with one check of
+the guards in µs (the costliest graph's, as ``explain()`` reports it) and the backend that
 actually ran each specularch graph (a backend that refuses a graph leaves it to ``fx`` with a
 note, printed below the table); everything is written to JSON. Progress goes to stderr.
 ``--profile DIR`` writes PyTorch profiler traces (TensorBoard, torch-tb-profiler).
@@ -148,6 +149,8 @@ def bench_workload(name, workload, args, log):
                          fallback_kinds=sorted({f.kind for f in e.fallbacks}),
                          compile_s=e.stats.capture_seconds + e.stats.compile_seconds,
                          captures_while_timed=e.stats.captures - captures[mode],
+                         guard_us=max((g.guard_us for g in e.graphs if g.guard_us is not None),
+                                      default=None),
                          **backend_report(e))
             if entry["captures_while_timed"]:
                 log(f"{name}: {mode} captured {entry['captures_while_timed']} graphs during the "
@@ -180,20 +183,21 @@ def _ran_with(m) -> str:
 def table(results) -> str:
     """The markdown table, then one line per distinct backend note."""
     lines = ["| workload | unit | mode | throughput | vs eager | warm-up (all shapes) | "
-             "capture + compile | graphs | ran with | recompiles | fallback calls |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "capture + compile | graphs | guard µs | ran with | recompiles | fallback calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for r in results:
         eager = r["modes"].get("eager", {}).get("throughput")
         for mode, m in r["modes"].items():
             if "error" in m:
                 lines.append(f"| {r['workload']} | {r['unit']} | {mode} | error: {m['error'][:60]} "
-                             f"| | | | | | | |")
+                             f"| | | | | | | | |")
                 continue
             ratio = f"{m['throughput'] / eager:.2f}x" if eager else "-"
             compile_s = f"{m['compile_s']:.2f}s" if "compile_s" in m else "-"
+            guard = f"{m['guard_us']:.1f}" if m.get("guard_us") is not None else "-"
             lines.append(f"| {r['workload']} | {r['unit']} | {mode} | {m['throughput']:.1f} | {ratio} | "
-                         f"{m['warmup_s']:.2f}s | {compile_s} | {m.get('graphs', '-')} | {_ran_with(m)} | "
+                         f"{m['warmup_s']:.2f}s | {compile_s} | {m.get('graphs', '-')} | {guard} | {_ran_with(m)} | "
                          f"{m.get('recompiles', '-')} | {m.get('fallback_calls', '-')} |")
             notes += [f"* {r['workload']}, {mode}: {note}" for note in m.get("notes", ())]
     return "\n".join(lines + ([""] + notes if notes else []))

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.fx
 
+from ..config import INDUCTOR_DIR_CHOSEN
 from . import compile_cache
 from .passes import as_tensor_input, scalar_inputs_as_tensors
 
@@ -67,12 +68,27 @@ def _inductor_caches():
     if folder is None:
         yield lambda: False
         return
-    own_dir = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     hits = counters["inductor"]["fxgraph_cache_hit"]
     with inductor_config.patch(fx_graph_cache=True), \
             functorch_config.patch(enable_autograd_cache=True), \
-            (temporary_cache_dir(folder) if own_dir else contextlib.nullcontext()):
+            (contextlib.nullcontext() if INDUCTOR_DIR_CHOSEN else temporary_cache_dir(folder)), \
+            _static_shape_env():
         yield lambda: counters["inductor"]["fxgraph_cache_hit"] > hits
+
+
+@contextlib.contextmanager
+def _static_shape_env():
+    """The tracing context Inductor's caches look for (they bypass a compile whose context
+    has no shape environment, as one outside ``torch.compile`` has), with static shapes:
+    the shapes the graph was captured with, as without it."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    if TracingContext.try_get() is not None:
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(static_shapes=True, shape_env=ShapeEnv()))):
+        yield
 
 
 def _tagged(compiled: Callable, cached: bool) -> Callable:
