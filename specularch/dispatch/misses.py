@@ -92,6 +92,7 @@ def miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callabl
                 at_def=True, reaches_backward=bool(cap.distributed_leaves))
         if named:
             hooks.distributed.start_from_rank0(state, named)
+        cap.guards.measure(slots, cells, globals_, builtins_)  # explain()'s guard µs
         state.entries.insert(0, entry)
     return _first_run(state, entry, buffers, slots, cells, globals_, builtins_, try_entry)
 
@@ -135,13 +136,11 @@ def _first_run(state: CodeState, entry: GraphEntry, buffers: list, slots, cells,
                try_entry: Callable) -> Any:
     """A fresh graph's first call: the one it was captured from, so its guards must pass."""
     cap = entry.capture
-    cap.guards.measure(slots, cells, globals_, builtins_)  # explain()'s guard µs
     result = try_entry(state, entry, slots, cells, globals_, builtins_, count_hit=False)
     if result is MISS:  # the fast C++ tensor check disagrees with torch's own: use Python's
         state.entries.remove(entry)
         entry = compile_entry(state, cap, fast_tensors=False, buffers=buffers)
         state.entries.insert(0, entry)
-        cap.guards.measure(slots, cells, globals_, builtins_)
         result = try_entry(state, entry, slots, cells, globals_, builtins_, count_hit=False)
     if result is MISS:  # the guards we just built reject the call they came from: a bug
         state.entries.remove(entry)
