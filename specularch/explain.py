@@ -35,9 +35,9 @@ class GraphReport:
         return (f"backend={self.backend} runs={self.hits} capture={self.capture_seconds * 1e3:.1f}ms "
                 f"compile={self.compile_seconds * 1e3:.1f}ms{' (cached)' if self.cached else ''}")
 
-    def _guards(self) -> str:
+    def _guards(self, sep: str = "=") -> str:
         cost = f" ({self.guard_us:.1f}µs)" if self.guard_us is not None else ""
-        return f"guards={len(self.guards)}{cost}"
+        return f"guards{sep}{len(self.guards)}{cost}"
 
     def summary(self) -> str:
         """One line (two with a backend note): the guards and inputs counted, not listed."""
@@ -50,7 +50,7 @@ class GraphReport:
                  *([f"  note: {self.note}"] if self.note else []),
                  *[f"  {loop}" for loop in self.loops],
                  "  inputs: " + (", ".join(self.inputs) or "(none)"),
-                 f"  guards: {self._guards()}"]
+                 f"  {self._guards(': ')}"]
         lines += [f"    {g}" for g in self.guards]
         lines += ["  code:"] + [f"    {line}" for line in self.code.splitlines()]
         return "\n".join(lines)

@@ -46,13 +46,6 @@ def warn_fallback(record) -> None:
                    record.hint)
 
 
-def warn(message: str) -> None:
-    """One WARNING, whatever topics are logged: something went wrong that specularch works
-    around (e.g. an unreadable compile-cache entry, compiled again)."""
-    _ensure_handler()
-    logger.warning("%s", message)
-
-
 def forget_warnings() -> None:
     """``specularch.reset()``: warn again about fallbacks seen before."""
     _WARNED.clear()

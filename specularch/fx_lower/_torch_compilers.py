@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 import torch.fx
 
-from ..config import INDUCTOR_DIR_CHOSEN
 from . import compile_cache
 from .passes import as_tensor_input, scalar_inputs_as_tensors
 
@@ -71,7 +70,8 @@ def _inductor_caches():
     hits = counters["inductor"]["fxgraph_cache_hit"]
     with inductor_config.patch(fx_graph_cache=True), \
             functorch_config.patch(enable_autograd_cache=True), \
-            (contextlib.nullcontext() if INDUCTOR_DIR_CHOSEN else temporary_cache_dir(folder)), \
+            (contextlib.nullcontext() if compile_cache.inductor_dir_chosen()
+             else temporary_cache_dir(folder)), \
             _static_shape_env():
         yield lambda: counters["inductor"]["fxgraph_cache_hit"] > hits
 

@@ -17,9 +17,12 @@ place, so a reader never sees half an entry.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib.metadata
 import io
 import json
+import logging
 import os
 import tempfile
 import warnings
@@ -28,22 +31,34 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .. import log
-from ..config import cache_directory
+# Set by specularch/__init__.py (``configure``): config sits above fx_lower (it imports the
+# backend registry to check a backend name), so fx_lower does not import it.
+_SETTINGS = {"directory": lambda: None, "inductor_dir_chosen": False}
+_LOG = logging.getLogger("specularch")
+
+
+def configure(directory: Callable[[], str | None], inductor_dir_chosen: bool) -> None:
+    """``directory()``: the cache directory now (None: off); ``inductor_dir_chosen``: the
+    program set ``TORCHINDUCTOR_CACHE_DIR`` itself (Inductor's caches stay there)."""
+    _SETTINGS.update(directory=directory, inductor_dir_chosen=inductor_dir_chosen)
+
+
+def inductor_dir_chosen() -> bool:
+    return _SETTINGS["inductor_dir_chosen"]
 
 FORMAT = 1  # bumped when what an entry holds changes
 
 
 def directory(kind: str) -> str | None:
     """``<cache dir>/<kind>``, created; None when the cache is off or cannot be created."""
-    root = cache_directory()
+    root = _SETTINGS["directory"]()
     if root is None:
         return None
     path = os.path.join(root, kind)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        log.warn(f"compile cache disabled: cannot create {path} ({e})")
+        _LOG.warning(f"compile cache disabled: cannot create {path} ({e})")
         return None
     return path
 
@@ -76,14 +91,29 @@ def _constants(gm: torch.fx.GraphModule) -> dict:
     return out
 
 
+@functools.cache
+def _specularch_version() -> str:
+    """specularch's version, and a hash of the modules that make the saved artefacts (a
+    checkout whose flattening changed must not load what an older one saved)."""
+    try:
+        version = importlib.metadata.version("specularch")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256(version.encode())
+    for name in ("_torch_compilers.py", "passes.py", "compile_cache.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
 def entry_key(gm: torch.fx.GraphModule, example_inputs: list, backend: str, path: str) -> str:
     """The key of ``gm`` compiled by ``backend`` along ``path`` (e.g. ``flattened``): its code
     text, every input's metadata, and the versions of torch and specularch."""
-    from .. import __version__
     facts = {"format": FORMAT, "code": gm.code, "backend": backend, "path": path,
              "constants": _constants(gm),
              "inputs": [_placeholder_facts(v) for v in example_inputs],
-             "torch": torch.__version__, "specularch": __version__}
+             "torch": torch.__version__, "specularch": _specularch_version()}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
@@ -103,7 +133,7 @@ def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
             module = torch.jit.load(path, _extra_files=extra)
         return module, json.loads(extra["specularch.json"])
     except Exception as e:
-        log.warn(f"compile cache: ignoring unreadable entry {path} "
+        _LOG.warning(f"compile cache: ignoring unreadable entry {path} "
                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling again")
         return None
 
@@ -120,7 +150,7 @@ def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
             torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
         _write_atomically(os.path.join(folder, f"{key}.pt"), buffer.getvalue())
     except Exception as e:
-        log.warn(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
+        _LOG.warning(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
 
 
 def _write_atomically(path: str, data: bytes) -> None:
