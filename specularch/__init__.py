@@ -18,6 +18,10 @@ from .explain import Explanation
 from .fx_lower import list_backends, register_backend
 from .records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError
 from .symbolic.ops.registry import fallback_opcodes, unhandled_opcodes
+from .config import INDUCTOR_DIR_CHOSEN as _INDUCTOR_DIR_CHOSEN, cache_directory as _cache_directory
+from .fx_lower import compile_cache as _compile_cache
+
+_compile_cache.configure(_cache_directory, _INDUCTOR_DIR_CHOSEN)
 
 __version__ = "0.1.0"
 

@@ -140,6 +140,21 @@ def _template_mode(value: Any) -> str:
     return value
 
 
+def _cache_dir(value: Any) -> str:
+    # An absolute directory only: a relative one would follow the working directory.
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError
+    if value.lower() in ("auto", "off"):
+        return value.lower()
+    if not (os.path.isabs(value) or value.startswith("~")):
+        raise ValueError
+    return value
+
+
+CACHE_DIR = Kind("an absolute directory, auto or off",
+                 "an absolute directory (str or path), 'auto' or 'off'", str.strip, _cache_dir)
 TEMPLATES = Kind("one of batched/exact/off", "'batched', 'exact' or 'off'", str.strip,
                  _template_mode)
 POSITIVE_SECONDS = Kind("a positive number of seconds", "a positive int or float (seconds)", float,
@@ -220,10 +235,31 @@ OPTIONS: dict[str, Option] = {
                "training step all-reduces during backward (like DDP's bucket_cap_mb; the first "
                "bucket is at most 1 MiB). Every rank must use the same value.",
                "SPECULARCH_BUCKET_MB", POSITIVE_MIB),
+        Option("compile_cache_dir", "auto", "Directory of the persistent compile cache: "
+               "TorchScript graphs saved there and Inductor's own on-disk caches, so a second "
+               "run starts with the first run's compiled code; 'auto' is "
+               "$XDG_CACHE_HOME/specularch (default ~/.cache/specularch), 'off' disables it.",
+               "SPECULARCH_CACHE_DIR", CACHE_DIR),
         Option("max_fallback_records", 32, "Distinct fallback records kept per code object.",
                None, POSITIVE_INT),
     ]
 }
+
+
+# Whether the program chose Inductor's cache directory itself: read when specularch is
+# imported, since importing Inductor sets the variable to its default directory.
+INDUCTOR_DIR_CHOSEN = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+
+
+def cache_directory() -> str | None:
+    """``config.compile_cache_dir`` as a path (``auto`` resolved), or None when it is off."""
+    value = config.compile_cache_dir
+    if value == "off":
+        return None
+    if value == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "specularch")
+    return os.path.abspath(os.path.expanduser(value))
 
 
 def _option(name: str) -> Option:

@@ -30,14 +30,20 @@ class GraphReport:
     loops: list = field(default_factory=list)  # rolled loops (trip counts) and unrolled ones (why)
     tiers: list = field(default_factory=list)  # backend "auto": the tier history (tiering/)
     tier: object = None  # ... as the live ``tiering.TierHistory`` (times, events, settled)
+    cached: bool = False      # the compiled graph came from the persistent compile cache
+    guard_us: float | None = None  # µs one check of the guards took (timed at compile time)
 
     def _timing(self) -> str:
         return (f"backend={self.backend} runs={self.hits} capture={self.capture_seconds * 1e3:.1f}ms "
-                f"compile={self.compile_seconds * 1e3:.1f}ms")
+                f"compile={self.compile_seconds * 1e3:.1f}ms{' (cached)' if self.cached else ''}")
+
+    def _guards(self, sep: str = "=") -> str:
+        cost = f" ({self.guard_us:.1f}µs)" if self.guard_us is not None else ""
+        return f"guards{sep}{len(self.guards)}{cost}"
 
     def summary(self) -> str:
         """One line (two with a backend note): the guards and inputs counted, not listed."""
-        line = f"{self._timing()} inputs={len(self.inputs)} guards={len(self.guards)}"
+        line = f"{self._timing()} inputs={len(self.inputs)} {self._guards()}"
         line += "".join(f"\n    {loop}" for loop in self.loops)
         line += "".join(f"\n    {tier}" for tier in self.tiers)
         return line + (f"\n    note: {self.note}" if self.note else "")
@@ -48,7 +54,7 @@ class GraphReport:
                  *[f"  {loop}" for loop in self.loops],
                  *[f"  {tier}" for tier in self.tiers],
                  "  inputs: " + (", ".join(self.inputs) or "(none)"),
-                 "  guards:"]
+                 f"  {self._guards(': ')}"]
         lines += [f"    {g}" for g in self.guards]
         lines += ["  code:"] + [f"    {line}" for line in self.code.splitlines()]
         return "\n".join(lines)
@@ -106,13 +112,15 @@ class Explanation:
 
 
 def explain_state(state, verbose: bool = False) -> Explanation:
+    from .fx_lower.compile_cache import from_cache
+    from .templates.report import template_lines
     graphs = [GraphReport(e.capture.code, e.capture.guards.readable(),
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
                           e.capture.seconds, e.compile_seconds, e.note,
                           list(getattr(e.capture, "loops", ())),
-                          e.tier.lines() if e.tier is not None else [], e.tier)
+                          e.tier.lines() if e.tier is not None else [], e.tier,
+                          cached=from_cache(e.graph_fn), guard_us=e.capture.guards.micros)
               for e in reversed(state.entries)]
-    from .templates.report import template_lines
     templates = template_lines([e.capture.graph_module for e in state.entries])
     return Explanation(state.target.name, graphs, [replace(f) for f in state.fallbacks.values()],
                        list(state.recompiles), replace(state.stats),

@@ -1,5 +1,6 @@
 """Shared test setup: ``tests/`` importable (``from differential import check``), and every test
 starts and ends with specularch's caches and records cleared and torch's RNG seeded."""
+import os
 import pathlib
 import sys
 
@@ -12,6 +13,11 @@ if str(_TESTS) not in sys.path:
 if str(_TESTS.parent) not in sys.path:
     # Appended, so an installed specularch still wins; lets plain `pytest` work from a checkout.
     sys.path.append(str(_TESTS.parent))
+
+# No persistent compile cache unless a test asks for one (it uses tmp_path): a graph compiled
+# by an earlier test, or an earlier run, must not stand in for the compile a test exercises.
+# Through the variable, so subprocesses of tests inherit it.
+os.environ["SPECULARCH_CACHE_DIR"] = "off"
 
 import specularch  # noqa: E402
 

@@ -16,7 +16,7 @@ import specularch
 from specularch.explain import DETAIL_HINT
 
 GRAPH_LINE = re.compile(r"^  graph (\d+): backend=(\S+) runs=(\d+) capture=[\d.]+ms "
-                        r"compile=[\d.]+ms inputs=(\d+) guards=(\d+)$", re.M)
+                        r"compile=[\d.]+ms inputs=(\d+) guards=(\d+) \(([\d.]+)µs\)$", re.M)
 
 
 def _mlp_adam():
@@ -53,12 +53,14 @@ def _trained_adam_step():
 
 
 def _check_graph_lines(e, summary):
-    """One summary line per graph, with the graph's own backend, runs, input and guard counts."""
+    """One summary line per graph, with the graph's own backend, runs, input and guard counts,
+    and what one check of its guards costs."""
     found = GRAPH_LINE.findall(summary)
     assert [int(i) for i, *_ in found] == list(range(len(e.graphs))), summary
-    for (_, backend, runs, inputs, guards), g in zip(found, e.graphs):
+    for (_, backend, runs, inputs, guards, micros), g in zip(found, e.graphs):
         assert (backend, int(runs), int(inputs), int(guards)) == (
             g.backend, g.hits, len(g.inputs), len(g.guards)), summary
+        assert 0 < float(micros) < 10_000 and abs(float(micros) - g.guard_us) <= 0.05, summary
 
 
 def test_mlp_adam_step_summary_is_short_and_counts_guards():
@@ -169,7 +171,7 @@ def test_cli_report_is_the_summary_and_the_log_gives_the_guards(tmp_path):
     logged, report = out.stderr.split("\nspecularch report for train_step\n", 1)
     report = report.split("\n\n", 1)[0]
     assert len(report.splitlines()) <= 10 and report.splitlines()[-1] == DETAIL_HINT, report
-    (_, _, _, _, guards), = GRAPH_LINE.findall("\n" + report)
+    (_, _, _, _, guards, _), = GRAPH_LINE.findall("\n" + report)
     # The [guards] log message: a header line, then one indented line per guard.
     guard_lines = logged.split("specularch: [guards] train_step:\n", 1)[1].split("\n")
     guard_lines = [line for line in guard_lines[:int(guards) + 1] if line.startswith("  ")]

@@ -9,7 +9,8 @@ seconds, are reported in their own columns); then modes are interleaved round by
 The default mode (``auto``: tiered, compiling in the background) runs more cycles after its
 warm-up until its hot graphs' candidates are decided; its row shows the time from its first
 call to its first speedup and the tier each graph ended on.
-Medians over rounds and ratios to eager are printed as a markdown table, with the backend that
+Medians over rounds and ratios to eager are printed as a markdown table, with one check of
+the guards in µs (the costliest graph's, as ``explain()`` reports it) and the backend that
 actually ran each specularch graph (a backend that refuses a graph leaves it to ``fx`` with a
 note, printed below the table); everything is written to JSON. Progress goes to stderr.
 ``--profile DIR`` writes PyTorch profiler traces (TensorBoard, torch-tb-profiler).
@@ -174,6 +175,8 @@ def bench_workload(name, workload, args, log):
                          compile_s=e.stats.capture_seconds + e.stats.compile_seconds,
                          first_speedup_s=speedup.get(mode),
                          captures_while_timed=e.stats.captures - captures[mode],
+                         guard_us=max((g.guard_us for g in e.graphs if g.guard_us is not None),
+                                      default=None),
                          **backend_report(e))
             if entry["captures_while_timed"]:
                 log(f"{name}: {mode} captured {entry['captures_while_timed']} graphs during the "
@@ -206,22 +209,24 @@ def _ran_with(m) -> str:
 def table(results) -> str:
     """The markdown table, then one line per distinct backend note."""
     lines = ["| workload | unit | mode | throughput | vs eager | warm-up (all shapes) | "
-             "capture + compile | first speedup | graphs | ran with | recompiles | fallback calls |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "capture + compile | first speedup | graphs | guard µs | ran with | recompiles | fallback calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for r in results:
         eager = r["modes"].get("eager", {}).get("throughput")
         for mode, m in r["modes"].items():
             if "error" in m:
                 lines.append(f"| {r['workload']} | {r['unit']} | {mode} | error: {m['error'][:60]} "
-                             f"| | | | | | | | |")
+                             f"| | | | | | | | | |")
                 continue
             ratio = f"{m['throughput'] / eager:.2f}x" if eager else "-"
             compile_s = f"{m['compile_s']:.2f}s" if "compile_s" in m else "-"
             fast = m.get("first_speedup_s")
             fast = f"{fast:.2f}s" if fast is not None else "-"
+            guard = f"{m['guard_us']:.1f}" if m.get("guard_us") is not None else "-"
             lines.append(f"| {r['workload']} | {r['unit']} | {mode} | {m['throughput']:.1f} | {ratio} | "
-                         f"{m['warmup_s']:.2f}s | {compile_s} | {fast} | {m.get('graphs', '-')} | {_ran_with(m)} | "
+                         f"{m['warmup_s']:.2f}s | {compile_s} | {fast} | {m.get('graphs', '-')} | {guard} | "
+                         f"{_ran_with(m)} | "
                          f"{m.get('recompiles', '-')} | {m.get('fallback_calls', '-')} |")
             notes += [f"* {r['workload']}, {mode}: {note}" for note in m.get("notes", ())]
             notes += [f"* {r['workload']}, {mode}: {line}" for line in m.get("tiers", ())]

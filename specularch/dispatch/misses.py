@@ -93,6 +93,7 @@ def miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callabl
                 at_def=True, reaches_backward=bool(cap.distributed_leaves))
         if named:
             hooks.distributed.start_from_rank0(state, named)
+        cap.guards.measure(slots, cells, globals_, builtins_)  # explain()'s guard µs
         state.entries.insert(0, entry)
     return _first_run(state, entry, buffers, slots, cells, globals_, builtins_, try_entry)
 

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.fx
 
+from . import compile_cache
 from .passes import as_tensor_input, scalar_inputs_as_tensors
 
 
@@ -135,6 +136,48 @@ def _no_leaked_pointer():
             os.environ[_INDUCTOR_POINTER] = before
 
 
+@contextlib.contextmanager
+def _inductor_caches():
+    """Inductor's own on-disk caches (FX graph cache, AOT autograd cache) on, in
+    ``<compile cache>/inductor`` unless the program chose a directory itself
+    (``TORCHINDUCTOR_CACHE_DIR``). Yields a function telling whether the compile was
+    answered from the FX graph cache."""
+    from torch._dynamo.utils import counters
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    folder = compile_cache.directory("inductor")
+    if folder is None:
+        yield lambda: False
+        return
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    with inductor_config.patch(fx_graph_cache=True), \
+            functorch_config.patch(enable_autograd_cache=True), \
+            (contextlib.nullcontext() if compile_cache.inductor_dir_chosen()
+             else temporary_cache_dir(folder)), \
+            _static_shape_env():
+        yield lambda: counters["inductor"]["fxgraph_cache_hit"] > hits
+
+
+@contextlib.contextmanager
+def _static_shape_env():
+    """The tracing context Inductor's caches look for (they bypass a compile whose context
+    has no shape environment, as one outside ``torch.compile`` has), with static shapes:
+    the shapes the graph was captured with, as without it."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    if TracingContext.try_get() is not None:
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(static_shapes=True, shape_env=ShapeEnv()))):
+        yield
+
+
+def _tagged(compiled: Callable, cached: bool) -> Callable:
+    return compile_cache.mark_cached(compiled) if cached else compiled
+
+
 def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """Inductor with eager-identical random numbers (``fallback_random``); the backward graph
     is compiled now too, not lazily in the first ``backward()``."""
@@ -142,8 +185,10 @@ def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
     with inductor_config.patch(fallback_random=True), \
-            functorch_config.patch(force_non_lazy_backward_lowering=True), _no_leaked_pointer():
-        return compile_fx(gm, example_inputs)
+            functorch_config.patch(force_non_lazy_backward_lowering=True), _no_leaked_pointer(), \
+            _inductor_caches() as hit:
+        compiled = compile_fx(gm, example_inputs)
+        return _tagged(compiled, hit())
 
 
 class Flattened:
@@ -214,9 +259,11 @@ def inductor_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) ->
     from torch._inductor.compile_fx import compile_fx
 
     flat = flatten(gm, example_inputs, tracing_mode="symbolic")
-    with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer():
+    with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer(), \
+            _inductor_caches() as hit:
         compiled = compile_fx(flat.graph, flat.inputs)
-    return _without_autograd(flat, compiled)
+        cached = hit()
+    return _tagged(_without_autograd(flat, compiled), cached)
 
 
 def script_aten_graph(gm: torch.fx.GraphModule) -> torch.jit.ScriptModule:
@@ -242,16 +289,30 @@ def script_aten_graph(gm: torch.fx.GraphModule) -> torch.jit.ScriptModule:
 
 
 def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """``flatten`` (fake tensors: static shapes) compiled by TorchScript. It runs in grad mode,
-    as it was traced (some kernels, e.g. oneDNN's LSTM, keep what the flattened backward reads
-    only in grad mode), on detached inputs, so autograd records nothing."""
+    """``flatten`` (fake tensors: static shapes) compiled by TorchScript, or loaded from the
+    compile cache where an earlier run saved it. It runs in grad mode, as it was traced (some
+    kernels, e.g. oneDNN's LSTM, keep what the flattened backward reads only in grad mode),
+    on detached inputs, so autograd records nothing."""
+    key = compile_cache.entry_key(gm, example_inputs, "torchscript", "flattened")
+    loaded = compile_cache.load_script(key)
+    if loaded is not None:
+        scripted, meta = loaded
+        return compile_cache.mark_cached(_run_scripted(scripted, meta["converted"], meta["devices"]))
     flat = flatten(gm, example_inputs, tracing_mode="fake")
     scripted = script_aten_graph(flat.graph)
-    converted = flat.converted
+    devices = [str(flat.inputs[i].device) for i in flat.converted]
+    compile_cache.save_script(key, scripted, {"converted": flat.converted, "devices": devices})
+    return _run_scripted(scripted, flat.converted, devices)
 
+
+def _run_scripted(scripted, converted: list[int], devices: list[str]) -> Callable:
+    """The flattened scripted graph called with the captured graph's inputs: Python numbers
+    at ``converted`` made 0-d tensors on ``devices``."""
     def run(*args):
         if converted:
-            args = flat.arguments(args)
+            args = list(args)
+            for i, device in zip(converted, devices):
+                args[i] = as_tensor_input(args[i], device)
         with torch.enable_grad():
             return distinct_outputs(
                 scripted(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args]))

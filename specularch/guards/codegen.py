@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from ._torch_guards import tensor_checker
-from .guard import DistinctGuard, Guard, TensorGuard, same_value
+from .guard import AliasGuard, DistinctGuard, Guard, InferenceGuard, TensorGuard, same_value
 
 _FAST_TYPES = (torch.Tensor, torch.nn.Parameter)
 from .sources import PINNED, Source
@@ -32,8 +32,9 @@ class SourceNamer:
             return found
         parent = source.parent
         base = self.name(parent) if parent is not None else ""
+        rendered = source.render_named(base, self.name)
         var = f"s{len(self._names)}"
-        self.lines.append(f"{var} = {source.render(base)}")
+        self.lines.append(f"{var} = {rendered}")
         self._names[source] = var
         return var
 
@@ -47,10 +48,20 @@ def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, A
     out: list[str] = []
     tensor_guards: list[TensorGuard] = []
     tensor_vars: list[str] = []
+    guards = list(guards)
+    fast_sources = {g.source for g in guards if fast_tensors and isinstance(g, TensorGuard)
+                    and g.tensor_type in _FAST_TYPES}
+    # "Not an inference tensor" of a tensor in the C++ check: its dispatch keys say so
+    # already (an inference tensor lacks the autograd keys a template has); checked in
+    # Python only if the C++ check is unavailable.
+    not_inference: list[str] = []
     for g in guards:
         v = namer.name(g.source) if g.source is not None else "None"
         out.extend(namer.lines)
         namer.lines.clear()
+        if isinstance(g, InferenceGuard) and not g.expected and g.source in fast_sources:
+            not_inference.append(f"if not ({' and '.join(g.conditions(v, consts))}): return MISS")
+            continue
         if fast_tensors and isinstance(g, TensorGuard) and g.tensor_type in _FAST_TYPES:
             tensor_guards.append(g)
             tensor_vars.append(v)
@@ -59,7 +70,7 @@ def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, A
             if g.leaf is not None:  # not part of torch's C++ tensor check
                 out.append(f"if not {g.leaf_condition(v)}: return MISS")
             continue
-        if isinstance(g, DistinctGuard):  # sources of its own: named like every other source
+        if isinstance(g, (AliasGuard, DistinctGuard)):  # sources of its own: named like every other source
             conds = g.conditions(v, consts, namer.name)
             out.extend(namer.lines)
             namer.lines.clear()
@@ -70,6 +81,7 @@ def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, A
     if tensor_guards:
         checker = tensor_checker(tensor_guards)
         if checker is None:
+            out.extend(not_inference)
             for g, v in zip(tensor_guards, tensor_vars):
                 out.append(f"if not ({' and '.join(g.conditions(v, consts))}): return MISS")
         else:
@@ -84,6 +96,15 @@ class GuardSet:
 
     def __init__(self) -> None:
         self._by_key: dict[tuple, Guard] = {}
+        self.micros: float | None = None  # one check's cost, timed on the capturing call
+        self.timer = None  # set by the entry function's builder: (L, C, G, B) -> µs or None
+
+    def measure(self, L, C, G, B) -> None:
+        """Time the guard check on the call it was captured from (``explain()`` reports it);
+        the timer is dropped after, so nothing of that call is kept."""
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            self.micros = timer(L, C, G, B)
 
     def add(self, guard: Guard) -> None:
         self._by_key.setdefault(guard.key(), guard)

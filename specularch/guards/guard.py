@@ -458,8 +458,9 @@ class AliasGuard(Guard):
     def key(self):
         return ("Alias", str(self.source), str(self.other))
 
-    def conditions(self, v, consts):
-        return [f"{v} is {self.other.expr()}"]
+    def conditions(self, v, consts, name_of=lambda s: s.expr()):
+        """``name_of(source)``: as in ``DistinctGuard.conditions``."""
+        return [f"{v} is {name_of(self.other)}"]
 
     def describe(self):
         return f"{self.source} is {self.other}"
@@ -472,9 +473,24 @@ class AliasGuard(Guard):
         return None if same else f"{self.source} is no longer the same object as {self.other}{self._at()}"
 
 
+_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
+
+
 def storages_distinct(written: tuple, others: tuple) -> bool:
-    """No two of ``written`` share memory, and none shares memory with any of ``others``."""
-    keys = set()  # plain loops: this runs on every call of a graph that writes tensors
+    """No two of ``written`` share memory, and none shares memory with any of ``others``.
+
+    It runs on every call of a graph that writes tensors: the common answer (all storages
+    distinct) comes from ``map`` over unbound methods, without a Python-level loop; any
+    coincidence (possibly of empty tensors, which share no memory) is decided exactly."""
+    keys = set(map(_STORAGE_PTR, map(_STORAGE, written)))
+    if len(keys) == len(written) and keys.isdisjoint(map(_STORAGE_PTR, map(_STORAGE, others))):
+        return True
+    return _storages_distinct_exact(written, others)
+
+
+def _storages_distinct_exact(written: tuple, others: tuple) -> bool:
+    keys = set()
     for t in written:
         if t.numel():
             key = t.untyped_storage().data_ptr()

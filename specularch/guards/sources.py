@@ -29,6 +29,11 @@ class Source:
         """The expression, given the expression (or local name) of ``base``."""
         raise NotImplementedError
 
+    def render_named(self, base: str, name_of) -> str:
+        """``render``, where the other sources it reads (a key) are the names ``name_of``
+        gives them: a generated check reads each source once."""
+        return self.render(base)
+
     def root(self) -> "Source":
         parent = self.parent
         return self if parent is None else parent.root()
@@ -208,6 +213,9 @@ class KeyedSource(Source):
 
     def render(self, base: str) -> str:
         return f"{base}.get({self.key.expr()})"
+
+    def render_named(self, base: str, name_of) -> str:
+        return f"{base}.get({name_of(self.key)})"
 
     def __str__(self) -> str:
         return f"{self.base}[{self.key}]"

@@ -1,0 +1,181 @@
+"""The persistent compile cache: compiled graphs saved on disk, so that a second run of the
+same program starts with the first run's compiled code instead of compiling again.
+
+* TorchScript: a flattened graph's frozen scripted module is saved with ``torch.jit.save``
+  under a key hashing everything the compiled code depends on (``entry_key``) and loaded
+  with ``torch.jit.load`` on a later run. Graphs compiled through AOT autograd (a forward
+  and a backward function, glued by an autograd.Function) are not cached: that glue is
+  Python, not a serializable artefact.
+* Inductor keeps its own on-disk caches (FX graph cache, AOT autograd cache); they are
+  pointed into ``<cache dir>/inductor`` by ``_torch_compilers``.
+
+``config.compile_cache_dir`` chooses the directory (``off``: no cache). An entry that cannot
+be read (corrupt, truncated, written by another torch) is ignored with one log line and
+compiled again; the fresh artefact replaces it. Writes go to a temporary file renamed into
+place, so a reader never sees half an entry.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import io
+import json
+import logging
+import os
+import tempfile
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+# Set by specularch/__init__.py (``configure``): config sits above fx_lower (it imports the
+# backend registry to check a backend name), so fx_lower does not import it.
+_SETTINGS = {"directory": lambda: None, "inductor_dir_chosen": False}
+_LOG = logging.getLogger("specularch")
+
+
+def configure(directory: Callable[[], str | None], inductor_dir_chosen: bool) -> None:
+    """``directory()``: the cache directory now (None: off); ``inductor_dir_chosen``: the
+    program set ``TORCHINDUCTOR_CACHE_DIR`` itself (Inductor's caches stay there)."""
+    _SETTINGS.update(directory=directory, inductor_dir_chosen=inductor_dir_chosen)
+
+
+def inductor_dir_chosen() -> bool:
+    return _SETTINGS["inductor_dir_chosen"]
+
+FORMAT = 1  # bumped when what an entry holds changes
+
+
+def directory(kind: str) -> str | None:
+    """``<cache dir>/<kind>``, created; None when the cache is off or cannot be created."""
+    root = _SETTINGS["directory"]()
+    if root is None:
+        return None
+    path = os.path.join(root, kind)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        _LOG.warning(f"compile cache disabled: cannot create {path} ({e})")
+        return None
+    return path
+
+
+def _placeholder_facts(value: Any) -> list:
+    """What the compiled code may have specialised on, of one graph input."""
+    if isinstance(value, torch.Tensor):
+        return [type(value).__name__, str(value.dtype), list(value.shape), list(value.stride()),
+                str(value.device), value.requires_grad]
+    return [type(value).__name__]
+
+
+def _constants(gm: torch.fx.GraphModule) -> dict:
+    """The values the graph reads with ``get_attr`` (capture-time constants), hashed: the
+    code text names them only."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous()
+            digest = hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                    if data.numel() else b"").hexdigest()
+            out[node.target] = _placeholder_facts(value) + [digest]
+        else:
+            out[node.target] = repr(value)
+    return out
+
+
+@functools.cache
+def _specularch_version() -> str:
+    """specularch's version, and a hash of the modules that make the saved artefacts (a
+    checkout whose flattening changed must not load what an older one saved)."""
+    try:
+        version = importlib.metadata.version("specularch")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256(version.encode())
+    for name in ("_torch_compilers.py", "passes.py", "compile_cache.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def entry_key(gm: torch.fx.GraphModule, example_inputs: list, backend: str, path: str) -> str:
+    """The key of ``gm`` compiled by ``backend`` along ``path`` (e.g. ``flattened``): its code
+    text, every input's metadata, and the versions of torch and specularch."""
+    facts = {"format": FORMAT, "code": gm.code, "backend": backend, "path": path,
+             "constants": _constants(gm),
+             "inputs": [_placeholder_facts(v) for v in example_inputs],
+             "torch": torch.__version__, "specularch": _specularch_version()}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
+def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
+    """The scripted module saved under ``key`` and its metadata, or None (none saved, or an
+    entry that cannot be read: logged, and left for ``save_script`` to replace)."""
+    folder = directory("torchscript")
+    if folder is None:
+        return None
+    path = os.path.join(folder, f"{key}.pt")
+    if not os.path.exists(path):
+        return None
+    extra = {"specularch.json": ""}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = torch.jit.load(path, _extra_files=extra)
+        return module, json.loads(extra["specularch.json"])
+    except Exception as e:
+        _LOG.warning(f"compile cache: ignoring unreadable entry {path} "
+                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling again")
+        return None
+
+
+def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
+    """Save ``module`` under ``key`` (atomically); a failure only costs the next run a compile."""
+    folder = directory("torchscript")
+    if folder is None:
+        return
+    buffer = io.BytesIO()
+    try:
+        with warnings.catch_warnings():  # torch.jit.save's deprecation: it still works
+            warnings.simplefilter("ignore")
+            torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
+        _write_atomically(os.path.join(folder, f"{key}.pt"), buffer.getvalue())
+    except Exception as e:
+        _LOG.warning(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def mark_cached(fn: Callable) -> Callable:
+    """Tag a compiled graph loaded from the cache (``explain()`` shows ``(cached)``)."""
+    try:
+        fn.from_compile_cache = True
+        return fn
+    except (AttributeError, TypeError):  # an object that takes no attributes: wrap it
+        def cached(*args):
+            return fn(*args)
+        cached.from_compile_cache = True
+        return cached
+
+
+def from_cache(fn: Callable | None) -> bool:
+    return bool(getattr(fn, "from_compile_cache", False))
