@@ -23,7 +23,7 @@ from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
-from .speculation import budget, item_args, view_writes
+from .speculation import budget, item_args, rolled_lists, view_writes
 from . import inputs
 from .assumptions import Assumptions
 from .speculation.leaf_writes import connect_reads
@@ -191,6 +191,11 @@ class Tracer:
             value = KeyedDictV(source, real=obj)
             self._by_container_id[id(obj)] = value
             return value
+        if t is list and source is not None and any(s == source for s, _, _ in self.assumptions.rolled_lists):
+            value = rolled_lists.wrap_list(self, obj, source)
+            if value is not None:
+                self._by_container_id[id(obj)] = value
+                return value
         if t is list:
             if source is not None:
                 self.add_guard(LenGuard, source, list, len(obj))

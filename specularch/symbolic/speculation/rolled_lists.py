@@ -1,0 +1,128 @@
+"""Rolled ``for x in xs`` loops over a list of tensors from the call: captured once, whatever
+the list's length.
+
+Unrolled, such a loop guards the list's length and every item, one graph per length. Rolled:
+
+1. at ``GET_ITER`` of a list read from the call (an argument, an attribute) whose items are
+   tensors sharing item 0's metadata, followed by ``FOR_ITER``, capture raises ``RollList``;
+   ``capture.py`` starts again with the list's source in ``Assumptions.rolled_lists``;
+2. read again, the list becomes one graph input, a ``TensorListV``: guarded by
+   ``TensorListGuard`` (every item like item 0; the length not guarded), its length a
+   ``SymV`` (``len(xs)``);
+3. its iterator (``ListIterV``) rolls the loop as ``range(len(xs))`` does
+   (``rolled_loops.py``): ``x`` is ``xs[0]`` in iteration 0 and ``xs[k]`` (the body indexes the
+   list with the loop counter) in the body.
+
+Anything else done with the list (an item read, a write, ``xs.append``) or a body that does
+not roll makes capture start again with the loop unrolled, and ``explain()`` says why.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ...guards.lists import TensorListGuard
+from ...guards.sources import ItemSource
+from ...records import Unsupported
+from .._torch_dispatch import storage_key
+from ..inputs import leaf_state, node_name, placeholder
+from ..values.rolled import ListIterV, RollRefused, TensorListV
+from ..values.symint import SymV
+from ..values import ConstV, ListV, TensorV, Value
+
+
+class RollList(Unsupported):
+    """Capture starts again with the list at ``source`` passed whole (``capture.py``)."""
+
+    def __init__(self, source, site: tuple, where: str):
+        super().__init__("unsupported_call", f"the loop at {where} over {source} is rolled")
+        self.source, self.site, self.where = source, site, where
+
+
+def form(source) -> str:
+    return f"for x in {source}"
+
+
+def get_iter(frame, iterated: Value):
+    """``GET_ITER``: the iterator that rolls a ``for x in xs`` loop, or None (as before)."""
+    if isinstance(iterated, TensorListV):
+        if not _for_loop_next(frame):
+            raise Unsupported("unsupported_call", f"{iterated.source} passed whole is iterated "
+                              "other than by a for loop")
+        return ListIterV([], n=iterated.length, start=ConstV(0), step=1, of=iterated)
+    if type(iterated) is ListV and iterated.source is not None and _rollable(frame, iterated):
+        site = (id(frame.code), frame.info.instructions[frame.ip].offset)
+        raise RollList(iterated.source, site, f"{frame.code.co_filename}:{frame.lineno}")
+    return None
+
+
+def _for_loop_next(frame) -> bool:
+    code = frame.info.instructions
+    return frame.ip < len(code) and code[frame.ip].opname == "FOR_ITER"
+
+
+def _rollable(frame, lst: ListV) -> bool:
+    tracer = frame.tracer
+    if not _for_loop_next(frame) or frame.code.co_name.startswith("<") or tracer.rolling \
+            or tracer.merging or tracer.template is not None:
+        return False  # a comprehension's list is most often the model's fixed one
+    site = (id(frame.code), frame.info.instructions[frame.ip].offset)
+    if site in tracer.assumptions.unrolled_loops or ("rolled_loop", *site) in tracer.unstable_sites \
+            or any(s == lst.source for s, _, _ in tracer.assumptions.rolled_lists):
+        return False
+    items = lst.items
+    if len(items) < 2 or not all(isinstance(v, TensorV) and not v.dynamic and v.real is not None
+                                 and v.source == ItemSource(lst.source, k)
+                                 for k, v in enumerate(items)):
+        return False  # too short to compare two iterations, or an item read another way too
+    first = _metadata(items[0].real)
+    return all(_metadata(v.real) == first for v in items[1:])
+
+
+def _metadata(t: torch.Tensor) -> tuple:
+    return (type(t), t.dtype, t.device, t.shape, t.stride(), t.requires_grad, leaf_state(t),
+            t.is_inference())
+
+
+def wrap_list(tracer, obj: list, source) -> Value:
+    """The list at ``source`` (rolled in an earlier attempt) as one graph input; as before
+    when it no longer fits (it changed since)."""
+    if not obj or not all(isinstance(t, torch.Tensor) for t in obj) \
+            or any(_metadata(t) != _metadata(obj[0]) for t in obj) or obj[0].is_inference():
+        return None
+    tracer.guards.add(TensorListGuard.of(source, obj[0], leaf_state(obj[0]), tracer.where()))
+    node = placeholder(tracer, node_name(source))
+    node.meta["example"] = list(obj)
+    tracer.input_sources.append(source)
+    length = tracer.graph.call_function(len, (node,))
+    length.meta["example"] = len(obj)
+    where = next((w for s, _, w in tracer.assumptions.rolled_lists if s == source), "")
+    value = TensorListV(node, list(obj), SymV(len(obj), length, f"len({source.expr()})", tracer,
+                                              f"len({source})"), where, source)
+    for t in obj:  # a write into an item is refused: no source could commit it
+        if t.numel():
+            key = storage_key(t)
+            if key in tracer._external:  # another input: the graph would read the old value
+                tracer.viewed.add(key)
+            tracer._external.setdefault(key, TensorV(node, t))
+    return value
+
+
+def item(loop, index: Value) -> TensorV:
+    """``xs[index]`` of the list a rolled loop iterates: its value in that iteration."""
+    lst = loop.items
+    at = index.node if isinstance(index, SymV) else index.value
+    node = loop.graph.call_function(operator.getitem, (lst.node, at))
+    example = lst.examples[index.value]
+    node.meta["example"] = example
+    return TensorV(node, example)
+
+
+def refused(error: Exception, rolled: frozenset) -> dict:
+    """(source, site, where) of the lists passed whole -> why to pass them item by item again
+    after ``error`` (every one: what failed may be any use of them)."""
+    if isinstance(error, RollRefused):  # the loop over it, or another loop (kept as it is)
+        return {entry: error.why for entry in rolled if entry[1] == error.site}
+    why = getattr(error, "explanation", None) or f"{type(error).__name__}: {error}"
+    return {entry: f"capture failed with {entry[0]} passed whole ({why})" for entry in rolled}

@@ -1,0 +1,193 @@
+"""``for x in xs`` over a list of tensors from the call, rolled by rolled_lists.py: the list is
+one graph input (every item like item 0, the length unguarded), the body captured once,
+whatever the length. Each case is compared with eager over 30 lengths (values, gradients,
+the arguments after the call, exceptions): one capture, no ``cache_limit`` fallback; bit for
+bit with ``templates="exact"``, within rounding by default. Lists that cannot be passed whole
+are unrolled, still equal to eager, and ``explain()`` says why."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import specularch
+
+from differential import A, T, assert_same, check
+
+LENGTHS = list(range(2, 32))  # 30 lengths
+MODES = [("exact", 0.0), ("batched", 1e-5)]
+FORM = "for x in L['xs']"
+
+
+def _loops(report) -> list:
+    return [loop for graph in report.graphs for loop in graph.loops]
+
+
+def _assert_rolled_once(report, form=FORM):
+    assert report.stats.captures == 1, report
+    assert not [f for f in report.fallbacks if f.kind == "cache_limit"], report
+    (loop,) = [loop for loop in _loops(report) if loop.rolled]
+    assert loop.form == form and len(loop.trips) == 16, report
+    assert f"({form}): body" in str(report) and "trip counts of the last calls" in str(report)
+
+
+def _rnn(xs, w, h):
+    outs = []
+    for x in xs:
+        h = torch.tanh(x @ w + h)
+        outs.append(h.sum(1))
+    return torch.stack(outs), h, x
+
+
+def _accumulate(xs, w, h):
+    total = torch.zeros(())
+    for x in xs:
+        h = torch.sigmoid(x @ w) * h
+        total = total + (h * x).sum()
+    return total, h, len(xs)
+
+
+def _args(i, requires_grad=False):
+    n = LENGTHS[i % len(LENGTHS)]
+    xs = [T(3, 5, requires_grad=requires_grad) for _ in range(n)]
+    return A(xs, T(5, 5, requires_grad=True), T(3, 5))
+
+
+@pytest.mark.parametrize("templates, rtol", MODES)
+@pytest.mark.parametrize("fn, make_args", [
+    (_rnn, _args),
+    (_accumulate, lambda i: _args(i, requires_grad=True)),
+])
+def test_a_loop_over_a_list_of_tensors_is_rolled_once(fn, make_args, templates, rtol):
+    with specularch.config.patch(templates=templates):
+        report = check(fn, make_args, calls=len(LENGTHS), grad=True, expect="graph", rtol=rtol,
+                       atol=rtol * 1e-2)
+    _assert_rolled_once(report)
+
+
+def _lengths_with_short_ones(i):
+    (xs, w, h), _ = _args(i)
+    return A(xs[:[0, 1, len(xs)][i % 3]], w, h)  # empty, one item, or the whole list
+
+
+def test_an_empty_or_one_item_list_is_equal_to_eager():
+    report = check(_rnn_or_none, _lengths_with_short_ones, calls=12, grad=True)
+    assert any(loop.rolled for loop in _loops(report)), report
+    assert not [f for f in report.fallbacks if f.kind == "cache_limit"], report
+
+
+def _rnn_or_none(xs, w, h):
+    for x in xs:
+        h = torch.tanh(x @ w + h)
+    return h * w.sum()
+
+
+def _mixed_args(i):
+    (xs, w, h), _ = _args(i)
+    if i % 4 == 3:  # one item differs in shape (broadcasts), another in requires_grad
+        xs[1] = T(1, 5)
+        xs[-1] = T(3, 5, requires_grad=True)
+    return A(xs, w, h)
+
+
+def test_a_list_whose_items_differ_is_never_wrong():
+    report = check(_rnn, _mixed_args, calls=16, grad=True)
+    assert any(loop.rolled for loop in _loops(report)), report
+    assert "L['xs'] [1] .shape[0] expected 3, got 1" in str(report), report  # the list guard
+
+
+def _appends_to_its_list(xs, w, h):
+    for x in xs:
+        h = torch.tanh(x @ w + h)
+        if len(xs) < 40:
+            xs.append(h.detach())  # noqa: B909 -- the list grows while iterated, as eager's
+        if len(xs) > 6:
+            break
+    return h
+
+
+def _writes_into_items(xs, w, h):
+    for x in xs:
+        x.mul_(2)  # a write into an input the rolled form could not commit
+        h = torch.tanh(x @ w + h)
+    return h
+
+
+def _reads_an_item(xs, w, h):
+    for x in xs:
+        h = torch.tanh(x @ w + h)
+    return h + xs[1]
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_appends_to_its_list, "passed whole"),
+    (_writes_into_items, "writes in place"),
+    (_reads_an_item, "passed whole"),
+])
+def test_a_list_changed_or_read_item_by_item_unrolls_the_loop_and_says_why(fn, why):
+    report = check(fn, _args, calls=6, grad=True)
+    loops = _loops(report)
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert any(loop.form == FORM and why in loop.why for loop in loops), report
+
+
+def _past_the_end(xs, w, h, k):
+    for x in xs:
+        h = torch.tanh(x[:, :k] @ w + h)  # k == 4 on every 7th call: the shapes do not fit
+    return h
+
+
+def test_an_exception_inside_a_rolled_list_loop_is_eagers():
+    def make_args(i):
+        (xs, w, h), _ = _args(i)
+        return A(xs, w, h, 4 if i % 7 == 6 else 5)
+    report = check(_past_the_end, make_args, calls=len(LENGTHS), grad=True)
+    assert any(loop.rolled for loop in _loops(report)), report
+
+
+class _Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(3, 4)
+        self.out = nn.Linear(4, 2)
+        self.last = torch.zeros(2, 4)
+
+    def forward(self, xs):
+        h = torch.zeros(2, 4)
+        for x in xs:
+            h = self.cell(x, h)
+        self.last = h.detach()  # a heap write after the loop, committed as eager's
+        return self.out(h)
+
+
+def _train(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(xs, y):
+        opt.zero_grad()
+        loss = ((model(xs) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("templates, rtol", MODES)
+def test_a_training_step_over_a_list_of_tensors_is_captured_once(templates, rtol):
+    torch.manual_seed(0)
+    eager_model = _Classifier()
+    opt_model = copy.deepcopy(eager_model)
+    eager_step, opt_step = _train(eager_model), specularch.optimize(_train(opt_model))
+    data = torch.Generator().manual_seed(4)
+    close = {"rtol": rtol, "atol": rtol * 1e-2}
+    with specularch.config.patch(templates=templates):
+        for n in LENGTHS:
+            xs = [torch.randn(2, 3, generator=data) for _ in range(n)]
+            y = torch.randn(2, 2, generator=data)
+            assert_same(eager_step(xs, y), opt_step(xs, y), f"loss at {n}", **close)
+            assert_same(eager_model.last, opt_model.last, f"last after length {n}", **close)
+            for (name, p), q in zip(eager_model.named_parameters(), opt_model.parameters()):
+                assert_same(p, q, f"{name} after length {n}", **close)
+                assert_same(p.grad, q.grad, f"{name}.grad after length {n}", **close)
+    report = specularch.explain(opt_step)
+    _assert_rolled_once(report, "for x in L['xs']")
