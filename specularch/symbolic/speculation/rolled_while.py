@@ -131,8 +131,9 @@ class _While(_Loop):
         return index
 
     def is_next(self, h: Value, a: Value, index: Value) -> bool:
-        if not (isinstance(a, SymV) and a.node.target is operator.add
-                and a.node.args == (index.node, self.step)):
+        stepped = {(operator.add, (index.node, self.step)), (operator.add, (self.step, index.node)),
+                   (operator.sub, (index.node, -self.step))}  # ``i += c``, ``i = c + i``, ``i -= c``
+        if not isinstance(a, SymV) or (a.node.target, a.node.args) not in stepped:
             return False
         if not (isinstance(h, ConstV) and h.value == self.start.value + self.step):
             self.refuse(f"`{self.var}` is the counter only from the second iteration on")
