@@ -191,3 +191,31 @@ def test_a_training_step_over_a_list_of_tensors_is_captured_once(templates, rtol
                 assert_same(p.grad, q.grad, f"{name}.grad after length {n}", **close)
     report = specularch.explain(opt_step)
     _assert_rolled_once(report, "for x in L['xs']")
+
+
+def _pairs_loss(pairs, w):
+    loss = torch.zeros(())
+    for x, y in pairs:
+        loss = loss + ((x @ w - y) ** 2).mean()
+    return loss, x, y
+
+
+def _pairs_args(i):
+    n = LENGTHS[i % len(LENGTHS)]
+    pairs = [(T(3, 5), T(3, 2)) for _ in range(n)]
+    if i % 9 == 8:  # one pair of another structure: the list guard fails, never a wrong result
+        pairs[2] = (T(3, 5), T(3, 2), T(1))
+    return A(pairs, T(5, 2, requires_grad=True))
+
+
+@pytest.mark.parametrize("templates, rtol", MODES)
+def test_a_loop_over_input_target_pairs_is_rolled_once(templates, rtol):
+    with specularch.config.patch(templates=templates):
+        report = check(_pairs_loss, _pairs_args, calls=len(LENGTHS), grad=True, rtol=rtol,
+                       atol=rtol * 1e-2)
+    (loop,) = [loop for loop in _loops(report) if loop.rolled]
+    assert loop.form == "for x in L['pairs']" and len(loop.trips) == 16, report
+    guards = [g for graph in report.graphs if graph.loops and graph.loops[0].rolled
+              for g in graph.guards]
+    assert any("L['pairs']: a list of (Tensor(" in g for g in guards), report
+    assert "L['pairs'] [2] expected a tuple of 2" in str(report), report  # the odd list

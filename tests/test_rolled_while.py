@@ -56,6 +56,19 @@ def _count_down(x, w, h, n):
     return h, i
 
 
+def _over_the_rows(x, w, h):
+    t = 0
+    while t < x.size(0) - 1:  # the bound read by a call, in every test as in the first
+        h = torch.tanh(x[t] @ w + x[t + 1] @ w + h)
+        t += 1
+    return h, t
+
+
+def _rows_args(i):
+    (x, w, h, _), _ = _args(i)
+    return A(x, w, h)
+
+
 def _args(i):
     n = COUNTS[i % len(COUNTS)]
     return A(T(n, 3, 5, requires_grad=True), T(5, 5, requires_grad=True), T(3, 5), n)
@@ -71,6 +84,7 @@ def _down_args(i):
     (_count_up, _args, "while i < L['n']"),
     (_odd_steps, _args, "while i <= L['n']"),
     (_count_down, _down_args, "while i > L['n']"),
+    (_over_the_rows, _rows_args, "while t < (L['x'].shape[0] - 1)"),
 ])
 def test_a_while_loop_with_a_counter_is_rolled_once(fn, make_args, form, templates, rtol):
     with specularch.config.patch(templates=templates):
@@ -131,6 +145,23 @@ def _steps_by_the_data(x, w, h, n):
         h = torch.tanh(x[i] @ w + h)
         i += 1 if i < 2 else 2
     return h, i
+
+
+def _moves_its_bound(x, w, h, n):
+    i = 0
+    while i < n:
+        h = torch.tanh(x[i] @ w + h)
+        i += 1
+        n = n - 1  # the bound changes per iteration: not the form rolled_while.py rolls
+    return h, i, n
+
+
+def test_a_while_loop_whose_bound_changes_is_unrolled_and_noted():
+    report = check(_moves_its_bound, _args, calls=8, grad=True)
+    loops = _loops(report)
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert all(loop.form == "while loop" and "its condition is decided by Python values"
+               in loop.why for loop in loops), report
 
 
 @pytest.mark.parametrize("fn, why", [

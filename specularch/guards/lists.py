@@ -1,6 +1,7 @@
-"""The guard of a list of tensors passed whole into a graph (a rolled ``for x in xs`` loop,
-``symbolic/speculation/rolled_lists.py``): every item shares item 0's metadata; the length is
-not guarded (the loop's trip count is a run-time value)."""
+"""The guard of a list passed whole into a graph (a rolled ``for x in xs`` loop,
+``symbolic/speculation/rolled_lists.py``): every item is like item 0 (a tensor with its
+metadata, or a tuple of such tensors); the length is not guarded (the loop's trip count is a
+run-time value)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,29 +13,49 @@ from .guard import Guard, TensorGuard, _short, const_name
 
 @dataclass(frozen=True, eq=False)
 class TensorListGuard(Guard):
-    """``type(v) is list`` and each item a tensor like ``item`` (a ``TensorGuard`` without a
-    source: type, dtype, device, shape, strides, requires_grad, leaf state)."""
+    """``type(v) is list`` and each item like ``item``: a ``TensorGuard`` without a source
+    (type, dtype, device, shape, strides, requires_grad, leaf state), or a tuple of them (an
+    item of ``(input, target)`` pairs)."""
 
-    item: TensorGuard = None
+    item: TensorGuard | tuple = None
 
     def conditions(self, v, consts):
-        each = " and ".join(self.item.conditions("x", consts))
-        return [f"type({v}) is {const_name(consts, list)}", f"all({each} for x in {v})"]
+        if isinstance(self.item, tuple):
+            each = [f"type(x) is {const_name(consts, tuple)}", f"len(x) == {len(self.item)}"]
+            for j, g in enumerate(self.item):
+                each += g.conditions(f"x[{j}]", consts)
+        else:
+            each = self.item.conditions("x", consts)
+        return [f"type({v}) is {const_name(consts, list)}", f"all({' and '.join(each)} for x in {v})"]
 
     def describe(self):
-        text = self.item.describe().split(": ", 1)[1]
+        shown = [g.describe().split(": ", 1)[1] for g in self._guards()]
+        text = f"({', '.join(shown)})" if isinstance(self.item, tuple) else shown[0]
         return f"{self.source}: a list of {text} (any length)"
+
+    def _guards(self) -> tuple:
+        return self.item if isinstance(self.item, tuple) else (self.item,)
 
     def mismatch(self, value):
         if type(value) is not list:
             return f"expected a list, got {type(value).__qualname__}"
+        pairs = isinstance(self.item, tuple)
         for k, x in enumerate(value):
-            if not isinstance(x, torch.Tensor) or self.item.mismatch(x) != "did not match":
-                return f"[{k}] {self.item.mismatch(x)} (got {_short(x)})"
+            if pairs and (type(x) is not tuple or len(x) != len(self.item)):
+                return f"[{k}] expected a tuple of {len(self.item)}, got {_short(x)}"
+            for j, (g, t) in enumerate(zip(self._guards(), x if pairs else (x,))):
+                at = f"[{k}][{j}]" if pairs else f"[{k}]"
+                if not isinstance(t, torch.Tensor):
+                    return f"{at} expected a tensor, got {_short(t)}"
+                if g.mismatch(t) != "did not match":
+                    return f"{at} {g.mismatch(t)} (got {_short(t)})"
         return "did not match"
 
     @staticmethod
-    def of(source, t: torch.Tensor, leaf: bool | None, where: str = "") -> "TensorListGuard":
-        item = TensorGuard(None, type(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()),
-                           t.requires_grad, leaf=leaf)
-        return TensorListGuard(source, item=item, where=where)
+    def of(source, item, leaf, where: str = "") -> "TensorListGuard":
+        """The guard for a list whose item 0 is ``item`` (a tensor or a tuple of tensors)."""
+        def one(t: torch.Tensor) -> TensorGuard:
+            return TensorGuard(None, type(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()),
+                               t.requires_grad, leaf=leaf(t))
+        spec = tuple(one(t) for t in item) if isinstance(item, tuple) else one(item)
+        return TensorListGuard(source, item=spec, where=where)

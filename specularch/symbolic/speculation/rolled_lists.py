@@ -29,7 +29,7 @@ from .._torch_dispatch import storage_key
 from ..inputs import leaf_state, node_name, placeholder
 from ..values.rolled import ListIterV, RollRefused, TensorListV
 from ..values.symint import SymV
-from ..values import ConstV, ListV, TensorV, Value
+from ..values import ConstV, ListV, TensorV, TupleV, Value
 
 
 class RollList(Unsupported):
@@ -72,26 +72,40 @@ def _rollable(frame, lst: ListV) -> bool:
             or any(s == lst.source for s, _, _ in tracer.assumptions.rolled_lists):
         return False
     items = lst.items
-    if len(items) < 2 or not all(isinstance(v, TensorV) and not v.dynamic and v.real is not None
-                                 and v.source == ItemSource(lst.source, k)
-                                 for k, v in enumerate(items)):
+    if len(items) < 2 or not all(_fresh(v, ItemSource(lst.source, k)) for k, v in enumerate(items)):
         return False  # too short to compare two iterations, or an item read another way too
-    first = _metadata(items[0].real)
-    return all(_metadata(v.real) == first for v in items[1:])
+    return _uniform([v.concrete() for v in items])
 
 
-def _metadata(t: torch.Tensor) -> tuple:
-    return (type(t), t.dtype, t.device, t.shape, t.stride(), t.requires_grad, leaf_state(t),
-            t.is_inference())
+def _fresh(v: Value, source) -> bool:
+    """A tensor read only as this item of the list (or a tuple of such tensors)."""
+    if isinstance(v, TupleV) and v.cls is tuple and v.items:
+        return all(_fresh(t, ItemSource(source, j)) for j, t in enumerate(v.items))
+    return isinstance(v, TensorV) and not v.dynamic and v.real is not None and v.source == source
+
+
+def _uniform(items: list) -> bool:
+    """Tensors (or plain tuples of tensors) that all share item 0's metadata."""
+    def metadata(x):
+        if type(x) is tuple and x and all(isinstance(t, torch.Tensor) for t in x):
+            return tuple(metadata(t) for t in x)
+        if not isinstance(x, torch.Tensor) or x.is_inference():
+            return None
+        return (type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad, leaf_state(x))
+    first = metadata(items[0]) if items else None
+    return first is not None and all(metadata(x) == first for x in items[1:])
+
+
+def _tensors(items: list) -> list:
+    return [t for x in items for t in (x if type(x) is tuple else (x,))]
 
 
 def wrap_list(tracer, obj: list, source) -> Value:
     """The list at ``source`` (rolled in an earlier attempt) as one graph input; as before
     when it no longer fits (it changed since)."""
-    if not obj or not all(isinstance(t, torch.Tensor) for t in obj) \
-            or any(_metadata(t) != _metadata(obj[0]) for t in obj) or obj[0].is_inference():
+    if not _uniform(obj):
         return None
-    tracer.guards.add(TensorListGuard.of(source, obj[0], leaf_state(obj[0]), tracer.where()))
+    tracer.guards.add(TensorListGuard.of(source, obj[0], leaf_state, tracer.where()))
     node = placeholder(tracer, node_name(source))
     node.meta["example"] = list(obj)
     tracer.input_sources.append(source)
@@ -100,7 +114,7 @@ def wrap_list(tracer, obj: list, source) -> Value:
     where = next((w for s, _, w in tracer.assumptions.rolled_lists if s == source), "")
     value = TensorListV(node, list(obj), SymV(len(obj), length, f"len({source.expr()})", tracer,
                                               f"len({source})"), where, source)
-    for t in obj:  # a write into an item is refused: no source could commit it
+    for t in _tensors(obj):  # a write into an item is refused: no source could commit it
         if t.numel():
             key = storage_key(t)
             if key in tracer._external:  # another input: the graph would read the old value
@@ -109,14 +123,22 @@ def wrap_list(tracer, obj: list, source) -> Value:
     return value
 
 
-def item(loop, index: Value) -> TensorV:
-    """``xs[index]`` of the list a rolled loop iterates: its value in that iteration."""
+def item(loop, index: Value) -> Value:
+    """``xs[index]`` of the list a rolled loop iterates: its value in that iteration (a
+    tensor, or a tuple of tensors)."""
     lst = loop.items
     at = index.node if isinstance(index, SymV) else index.value
     node = loop.graph.call_function(operator.getitem, (lst.node, at))
     example = lst.examples[index.value]
-    node.meta["example"] = example
-    return TensorV(node, example)
+    if type(example) is not tuple:
+        node.meta["example"] = example
+        return TensorV(node, example)
+    parts = []
+    for j, t in enumerate(example):
+        part = loop.graph.call_function(operator.getitem, (node, j))
+        part.meta["example"] = t
+        parts.append(TensorV(part, t))
+    return TupleV(parts)
 
 
 def refused(error: Exception, rolled: frozenset) -> dict:

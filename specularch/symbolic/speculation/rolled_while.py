@@ -59,24 +59,45 @@ def _holds(op: str, x, y) -> bool:
 
 def _loop_shape(frame, ins, a: Value, b: Value):
     """(body, bottom test, exit) instruction indices and the counter's name of a loop whose
-    head test is ``LOAD_FAST i; LOAD_FAST n; COMPARE_OP`` with an int ``i`` and symbolic ``n``."""
+    head test is ``i < bound`` with an int ``i`` and a symbolic bound read the same way in
+    every iteration (a local, ``len(xs)``, ``x.size(0)``, ``x.shape[0]``, arithmetic)."""
     code, at = frame.info.instructions, frame.ip  # ``at``: the jump after the test
     if ins.argval not in _SYMBOL or not isinstance(a, ConstV) or type(a.value) is not int \
             or not isinstance(b, SymV) or type(b.value) is not int or at < 3 \
-            or at >= len(code) or code[at].opname != "POP_JUMP_FORWARD_IF_FALSE":
+            or at >= len(code) or code[at].opname != "POP_JUMP_FORWARD_IF_FALSE" \
+            or frame.code.co_name.startswith("<"):
         return None
-    test = code[at - 3:at]
-    if [i.opname for i in test] != ["LOAD_FAST", "LOAD_FAST", "COMPARE_OP"] \
-            or test[0].argval == test[1].argval or frame.code.co_name.startswith("<"):
-        return None
+    start = next((k for k in range(at - 2, max(at - 14, 0), -1) if code[k].opname == "LOAD_FAST"
+                  and frame.locals.get(code[k].argval) is a), None)
     exit_ = frame.info.index_of[code[at].argval]
     jump = code[exit_ - 1]
-    if jump.opname != "POP_JUMP_BACKWARD_IF_TRUE" or jump.argval != code[at + 1].offset:
-        return None  # a ``while ... else`` or another shape
-    bottom = exit_ - 4
+    if start is None or jump.opname != "POP_JUMP_BACKWARD_IF_TRUE" \
+            or jump.argval != code[at + 1].offset:
+        return None  # a ``while ... else``, a test of another form
+    test, bottom = code[start:at], exit_ - 1 - (at - start)
     if [(i.opname, i.argval) for i in code[bottom:exit_ - 1]] != [(i.opname, i.argval) for i in test]:
         return None
+    if not _same_in_every_test(code[start + 1:at - 1], code[at + 1:bottom], test[0].argval):
+        return None
     return at + 1, bottom, exit_, test[0].argval
+
+
+# what a bound may be computed with: reads, ``len()``, a tensor's sizes, arithmetic
+_BOUND_OPS = {"LOAD_FAST", "LOAD_CONST", "LOAD_DEREF", "LOAD_ATTR", "BINARY_SUBSCR", "BINARY_OP",
+              "PRECALL", "CALL", "LOAD_GLOBAL", "LOAD_METHOD"}
+_BOUND_CALLS = {"len", "size", "numel", "dim"}
+
+
+def _same_in_every_test(bound: list, body: list, counter: str) -> bool:
+    """Whether the bound's code reads nothing the body rebinds and calls only ``len()`` or a
+    tensor's size methods: the rolled loop computes it once, eager before every iteration."""
+    names = {i.argval for i in bound if i.opname in ("LOAD_FAST", "LOAD_DEREF")}
+    if counter in names or any(i.opname not in _BOUND_OPS for i in bound) or any(
+            i.opname in ("LOAD_GLOBAL", "LOAD_METHOD") and i.argval not in _BOUND_CALLS
+            for i in bound):
+        return False
+    return not any(i.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF") and i.argval in names
+                   for i in body)
 
 
 class _While(_Loop):
