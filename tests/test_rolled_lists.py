@@ -219,3 +219,33 @@ def test_a_loop_over_input_target_pairs_is_rolled_once(templates, rtol):
               for g in graph.guards]
     assert any("L['pairs']: a list of (Tensor(" in g for g in guards), report
     assert "L['pairs'] [2] expected a tuple of 2" in str(report), report  # the odd list
+
+
+def _numbered(xs, w, h):
+    outs = []
+    for k, x in enumerate(xs):
+        h = torch.tanh(x @ w + h) * (k + 1)
+        outs.append(h.sum(0))
+    return torch.stack(outs), h, k, x
+
+
+@pytest.mark.parametrize("templates, rtol", MODES)
+def test_a_loop_over_enumerate_of_a_list_is_rolled_once(templates, rtol):
+    with specularch.config.patch(templates=templates):
+        report = check(_numbered, _args, calls=len(LENGTHS), grad=True, expect="graph", rtol=rtol,
+                       atol=rtol * 1e-2)
+    _assert_rolled_once(report, "for k, x in enumerate(L['xs'])")
+
+
+def _numbered_branch(xs, w, h):
+    for k, x in enumerate(xs):
+        h = torch.tanh(x @ w + h) if k % 2 else h * 0.5  # the counter as a Python value
+    return h
+
+
+def test_enumerate_whose_counter_steers_python_unrolls_and_says_why():
+    report = check(_numbered_branch, _args, calls=6, grad=True)
+    loops = _loops(report)
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert any(loop.form == "for k, x in enumerate(L['xs'])" and "the loop index as a Python value"
+               in loop.why for loop in loops), report

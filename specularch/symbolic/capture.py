@@ -109,8 +109,8 @@ def _refused_loops(error: Exception, attempt: list, lists: frozenset) -> dict:
     over_lists = {site: LoopReport(where, False, why, site=site, form=rolled_lists.form(source))
                   for (source, site, where), why in rolled_lists.refused(error, lists).items()}
     if isinstance(error, RollRefused):
-        return {error.site: LoopReport(error.where, False, error.why, site=error.site,
-                                          form=error.form), **over_lists}
+        return {**over_lists, error.site: LoopReport(error.where, False, error.why,
+                                                     site=error.site, form=error.form)}
     rolled = [r for r in attempt[0].loops if r.rolled] if attempt else []
     why = getattr(error, "explanation", None) or f"{type(error).__name__}: {error}"
     return {**{r.site: LoopReport(r.where, False, f"capture failed with it rolled ({why})",

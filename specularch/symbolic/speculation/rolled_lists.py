@@ -40,8 +40,8 @@ class RollList(Unsupported):
         self.source, self.site, self.where = source, site, where
 
 
-def form(source) -> str:
-    return f"for x in {source}"
+def form(source, enumerated: bool = False) -> str:
+    return f"for k, x in enumerate({source})" if enumerated else f"for x in {source}"
 
 
 def get_iter(frame, iterated: Value):
@@ -55,6 +55,23 @@ def get_iter(frame, iterated: Value):
         site = (id(frame.code), frame.info.instructions[frame.ip].offset)
         raise RollList(iterated.source, site, f"{frame.code.co_filename}:{frame.lineno}")
     return None
+
+
+def enumerate_list(tracer, args: list, kwargs: dict):
+    """``enumerate(xs)`` (from 0) consumed right away by a ``for`` loop: rolled as ``for x in
+    xs`` is, handing out ``(k, xs[k])``; None where the loop is unrolled as before."""
+    frame = tracer.frames[-1] if tracer.frames else None
+    if frame is None or len(args) != 1 or kwargs or frame.ip + 1 >= len(frame.info.instructions) \
+            or frame.info.instructions[frame.ip].opname != "GET_ITER":
+        return None
+    frame.ip += 1  # as at the GET_ITER: what follows must be the loop's FOR_ITER
+    try:
+        it = get_iter(frame, args[0])
+    finally:
+        frame.ip -= 1
+    if it is not None:
+        it.enumerated = True
+    return it
 
 
 def _for_loop_next(frame) -> bool:

@@ -37,7 +37,7 @@ from .rolled_match import Match, Snapshot, append_only, set_slot
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
 from ..values.symint import SymV, arithmetic, compare
-from ..values import ConstV, TensorV, Value
+from ..values import ConstV, TensorV, TupleV, Value
 
 # Bytecode that makes an iteration leave the loop or write state the frame does not show.
 _NOT_IN_BODY = {"RETURN_VALUE", "YIELD_VALUE", "STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL",
@@ -199,8 +199,10 @@ class _Loop:
         self.frame, self.tracer, self.n = frame, frame.tracer, it.n
         self.start, self.step = it.start, it.step
         self.items = getattr(it, "of", None)          # ``for x in xs``: the TensorListV
-        self.form = rolled_lists.form(self.items.source) if self.items is not None else \
-            _form(it.bounds or [it.n])
+        self.enumerated = getattr(it, "enumerated", False)
+        self.counter = None                           # the index of iteration 1
+        self.form = rolled_lists.form(self.items.source, self.enumerated) \
+            if self.items is not None else _form(it.bounds or [it.n])
         self.first = None                             # what iteration 0 bound the target to
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
@@ -256,14 +258,24 @@ class _Loop:
 
     def _value(self, index: Value) -> Value:
         """What the loop hands out in the iteration of ``index``: the index, or ``xs[index]``."""
-        return index if self.items is None else rolled_lists.item(self, index)
+        if self.items is None:
+            return index
+        if not self.enumerated:
+            return rolled_lists.item(self, index)
+        self.counter = index if self.counter is None and isinstance(index, SymV) else self.counter
+        return TupleV([index, rolled_lists.item(self, index)])
 
     def _after_first(self) -> None:
         """What iteration 0 tells of the loop (``rolled_while.py``: its step, its trip count)."""
 
     def is_next(self, h: Value, a: Value, index: Value) -> bool:
-        """Whether ``h -> a`` is the loop's own counter stepping (``rolled_while.py``)."""
-        return False
+        """Whether ``h -> a`` is the loop's own counter stepping (``rolled_while.py``, the
+        ``k`` of ``for k, x in enumerate(xs)``)."""
+        if a is not self.counter or a is None:
+            return False
+        if not (isinstance(h, ConstV) and h.value == 0):
+            self.refuse("the enumerate() counter is held only from the second iteration on")
+        return True
 
     def is_first(self, h: Value) -> bool:
         """Whether ``h`` is what iteration 0 handed out (a slot that holds the loop's value)."""
@@ -290,7 +302,7 @@ class _Loop:
 
     def last_index(self, last: Value) -> Value:
         """The index after the loop (of iteration ``n - 1``), or ``xs[n - 1]``."""
-        if self.items is not None:
+        if self.items is not None and not self.enumerated:
             return rolled_lists.item(self, last)
         if self.plain():
             return last

@@ -121,6 +121,7 @@ class ListIterV(SymRangeIterV):
     as ``range(len(xs))`` does, handing out ``xs[k]`` instead of ``k``."""
 
     of: Any = None             # the TensorListV
+    enumerated: bool = False   # ``enumerate(xs)``: hands out ``(k, xs[k])``
 
     def next(self) -> Value | None:
         raise Unsupported("unsupported_call", f"the iterator of {self.of.source} is used other "
