@@ -249,3 +249,22 @@ def test_enumerate_whose_counter_steers_python_unrolls_and_says_why():
     assert loops and not any(loop.rolled for loop in loops), report
     assert any(loop.form == "for k, x in enumerate(L['xs'])" and "the loop index as a Python value"
                in loop.why for loop in loops), report
+
+
+def _writes_then_loops(xs, acc):
+    acc.add_(1)  # eager's loop sees this write when acc is one of the items
+    s = torch.zeros(3, 5)
+    for x in xs:
+        s = s + x * 2
+    return s
+
+
+def _aliased_args(i):
+    xs = [T(3, 5) for _ in range(2 + i % 4)]
+    return A(xs, xs[1] if i >= 6 and i % 2 else T(3, 5))  # from call 7 on: acc is xs[1]
+
+
+def test_a_write_into_an_input_that_is_an_item_of_the_list_is_seen_as_eager_sees_it():
+    report = check(_writes_then_loops, _aliased_args, calls=12)
+    assert any(loop.rolled for loop in _loops(report)), report
+    assert "share no memory with the items of L['xs']" in str(report), report

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .guard import Guard, TensorGuard, _short, const_name
+from .guard import DistinctGuard, Guard, TensorGuard, _short, const_name, storages_distinct
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,3 +59,28 @@ class TensorListGuard(Guard):
                                t.requires_grad, leaf=leaf(t))
         spec = tuple(one(t) for t in item) if isinstance(item, tuple) else one(item)
         return TensorListGuard(source, item=spec, where=where)
+
+
+def list_tensors(lst) -> list:
+    """The tensors of a list passed whole (its items, or the items of its tuples)."""
+    return [t for x in lst for t in (x if type(x) is tuple else (x,))]
+
+
+@dataclass(frozen=True, eq=False)
+class ListDistinctGuard(DistinctGuard):
+    """Tensors the call writes share no memory with the items of lists passed whole
+    (``others``): the rolled body reads those items when the graph runs, before the commit,
+    so it would not see a write eager's loop sees."""
+
+    def key(self):
+        return ("ListDistinct", tuple(map(str, self.written)), tuple(map(str, self.others)))
+
+    def conditions(self, v, consts, name_of=lambda s: s.expr()):
+        check, flat = const_name(consts, storages_distinct), const_name(consts, list_tensors)
+        written = "".join(f"{name_of(s)}, " for s in self.written)
+        items = " + ".join(f"{flat}({name_of(s)})" for s in self.others)
+        return [f"{check}(({written}), {items})"]
+
+    def describe(self):
+        return (f"written {', '.join(map(str, self.written))} share no memory with the items of "
+                f"{', '.join(map(str, self.others))}")
