@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from .guard import DistinctGuard, Guard, TensorGuard, _short, const_name, storages_distinct
 
@@ -84,3 +85,24 @@ class ListDistinctGuard(DistinctGuard):
     def describe(self):
         return (f"written {', '.join(map(str, self.written))} share no memory with the items of "
                 f"{', '.join(map(str, self.others))}")
+
+
+def leaf_state(t: torch.Tensor) -> bool | None:
+    """Whether ``t`` has no autograd history, for a tensor that requires grad and is not a
+    Parameter (always a leaf); None: not guarded."""
+    if not t.requires_grad or isinstance(t, nn.Parameter):
+        return None
+    return t.grad_fn is None
+
+
+def uniform(items: list) -> bool:
+    """Whether ``items`` are tensors (or plain tuples of tensors) that all share item 0's
+    metadata: what ``TensorListGuard.of(item 0)`` lets through."""
+    def metadata(x):
+        if type(x) is tuple and x and all(isinstance(t, torch.Tensor) for t in x):
+            return tuple(metadata(t) for t in x)
+        if not isinstance(x, torch.Tensor) or x.is_inference():
+            return None
+        return (type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad, leaf_state(x))
+    first = metadata(items[0]) if items else None
+    return first is not None and all(metadata(x) == first for x in items[1:])

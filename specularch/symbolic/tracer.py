@@ -23,7 +23,7 @@ from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
-from .speculation import budget, item_args, rolled_lists, view_writes
+from .speculation import budget, item_args, view_writes
 from . import inputs
 from .assumptions import Assumptions
 from .speculation.leaf_writes import connect_reads
@@ -192,7 +192,8 @@ class Tracer:
             self._by_container_id[id(obj)] = value
             return value
         if t is list and source is not None and any(s == source for s, _, _ in self.assumptions.rolled_lists):
-            value = rolled_lists.wrap_list(self, obj, source)
+            where = next(w for s, _, w in self.assumptions.rolled_lists if s == source)
+            value = inputs.wrap_tensor_list(self, obj, source, where)
             if value is not None:
                 self._by_container_id[id(obj)] = value
                 return value

@@ -4,11 +4,12 @@ the list's length.
 Unrolled, such a loop guards the list's length and every item, one graph per length. Rolled:
 
 1. at ``GET_ITER`` of a list read from the call (an argument, an attribute) whose items are
-   tensors sharing item 0's metadata, followed by ``FOR_ITER``, capture raises ``RollList``;
-   ``capture.py`` starts again with the list's source in ``Assumptions.rolled_lists``;
-2. read again, the list becomes one graph input, a ``TensorListV``: guarded by
-   ``TensorListGuard`` (every item like item 0; the length not guarded), its length a
-   ``SymV`` (``len(xs)``);
+   tensors (or tuples of tensors) sharing item 0's metadata, followed by ``FOR_ITER``,
+   capture raises ``RollList``; ``capture.py`` starts again with the list's source in
+   ``Assumptions.rolled_lists``;
+2. read again, the list becomes one graph input (``inputs.wrap_tensor_list``), a
+   ``TensorListV`` guarded by ``TensorListGuard`` (every item like item 0; the length not
+   guarded), its length a ``SymV`` (``len(xs)``);
 3. its iterator (``ListIterV``) rolls the loop as ``range(len(xs))`` does
    (``rolled_loops.py``): ``x`` is ``xs[0]`` in iteration 0 and ``xs[k]`` (the body indexes the
    list with the loop counter) in the body.
@@ -20,13 +21,9 @@ from __future__ import annotations
 
 import operator
 
-import torch
-
-from ...guards.lists import TensorListGuard
+from ...guards.lists import uniform
 from ...guards.sources import ItemSource
 from ...records import Unsupported
-from .._torch_dispatch import storage_key
-from ..inputs import leaf_state, node_name, placeholder
 from ..values.rolled import ListIterV, RollRefused, TensorListV
 from ..values.symint import SymV
 from ..values import ConstV, ListV, TensorV, TupleV, Value
@@ -91,7 +88,7 @@ def _rollable(frame, lst: ListV) -> bool:
     items = lst.items
     if len(items) < 2 or not all(_fresh(v, ItemSource(lst.source, k)) for k, v in enumerate(items)):
         return False  # too short to compare two iterations, or an item read another way too
-    return _uniform([v.concrete() for v in items])
+    return uniform([v.concrete() for v in items])
 
 
 def _fresh(v: Value, source) -> bool:
@@ -99,45 +96,6 @@ def _fresh(v: Value, source) -> bool:
     if isinstance(v, TupleV) and v.cls is tuple and v.items:
         return all(_fresh(t, ItemSource(source, j)) for j, t in enumerate(v.items))
     return isinstance(v, TensorV) and not v.dynamic and v.real is not None and v.source == source
-
-
-def _uniform(items: list) -> bool:
-    """Tensors (or plain tuples of tensors) that all share item 0's metadata."""
-    def metadata(x):
-        if type(x) is tuple and x and all(isinstance(t, torch.Tensor) for t in x):
-            return tuple(metadata(t) for t in x)
-        if not isinstance(x, torch.Tensor) or x.is_inference():
-            return None
-        return (type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad, leaf_state(x))
-    first = metadata(items[0]) if items else None
-    return first is not None and all(metadata(x) == first for x in items[1:])
-
-
-def _tensors(items: list) -> list:
-    return [t for x in items for t in (x if type(x) is tuple else (x,))]
-
-
-def wrap_list(tracer, obj: list, source) -> Value:
-    """The list at ``source`` (rolled in an earlier attempt) as one graph input; as before
-    when it no longer fits (it changed since)."""
-    if not _uniform(obj):
-        return None
-    tracer.guards.add(TensorListGuard.of(source, obj[0], leaf_state, tracer.where()))
-    node = placeholder(tracer, node_name(source))
-    node.meta["example"] = list(obj)
-    tracer.input_sources.append(source)
-    length = tracer.graph.call_function(len, (node,))
-    length.meta["example"] = len(obj)
-    where = next((w for s, _, w in tracer.assumptions.rolled_lists if s == source), "")
-    value = TensorListV(node, list(obj), SymV(len(obj), length, f"len({source.expr()})", tracer,
-                                              f"len({source})"), where, source)
-    for t in _tensors(obj):  # a write into an item is refused: no source could commit it
-        if t.numel():
-            key = storage_key(t)
-            if key in tracer._external:  # another input: the graph would read the old value
-                tracer.viewed.add(key)
-            tracer._external.setdefault(key, TensorV(node, t))
-    return value
 
 
 def item(loop, index: Value) -> Value:
