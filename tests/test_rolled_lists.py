@@ -268,3 +268,26 @@ def test_a_write_into_an_input_that_is_an_item_of_the_list_is_seen_as_eager_sees
     report = check(_writes_then_loops, _aliased_args, calls=12)
     assert any(loop.rolled for loop in _loops(report)), report
     assert "share no memory with the items of L['xs']" in str(report), report
+
+
+def _fixed_then_varying(i):
+    (xs, w, h), _ = _args(i + 3)
+    return A(xs[:3] if i < 6 else xs, w, h)  # three items for six calls, then other lengths
+
+
+def test_a_list_of_one_length_stays_unrolled_until_its_length_changes():
+    report = check(_rnn, _fixed_then_varying, calls=len(LENGTHS), grad=True)
+    # the graph of the first six calls unrolled the loop (as before: no rolled-loop overhead
+    # for a list whose length never changes); the change of length replaced it
+    assert report.stats.captures == 2, report
+    assert "L['xs'] expected length 3, got 11" in str(report), report
+    assert "L['xs']: list length changed between calls (3, 11)" in str(report), report
+    assert [loop.rolled for graph in report.graphs for loop in graph.loops] == [True], report
+    assert not [f for f in report.fallbacks if f.kind == "cache_limit"], report
+
+
+def test_a_list_whose_length_never_changes_is_unrolled_as_before():
+    report = check(_rnn, lambda i: _fixed_then_varying(i % 6), calls=8, grad=True)
+    loops = _loops(report)
+    assert report.stats.captures == 1 and loops and not any(loop.rolled for loop in loops), report
+    assert "(for x in L['xs'], 3 iterations captured)" in str(report), report

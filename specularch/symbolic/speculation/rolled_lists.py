@@ -3,9 +3,10 @@ the list's length.
 
 Unrolled, such a loop guards the list's length and every item, one graph per length. Rolled:
 
-1. at ``GET_ITER`` of a list read from the call (an argument, an attribute) whose items are
-   tensors (or tuples of tensors) sharing item 0's metadata, followed by ``FOR_ITER``,
-   capture raises ``RollList``; ``capture.py`` starts again with the list's source in
+1. at ``GET_ITER`` of a list read from the call (an argument, an attribute) whose length
+   changed between calls (``Assumptions.varied_lists``: profiling or a failed length guard,
+   as ``range(n)`` rolls over a number that varied) and whose items are tensors (or tuples
+   of tensors) sharing item 0's metadata, followed by ``FOR_ITER``, capture raises ``RollList``; ``capture.py`` starts again with the list's source in
    ``Assumptions.rolled_lists``;
 2. read again, the list becomes one graph input (``inputs.wrap_tensor_list``), a
    ``TensorListV`` guarded by ``TensorListGuard`` (every item like item 0; the length not
@@ -82,6 +83,8 @@ def _rollable(frame, lst: ListV) -> bool:
             or tracer.merging or tracer.template is not None:
         return False  # a comprehension's list is most often the model's fixed one
     site = (id(frame.code), frame.info.instructions[frame.ip].offset)
+    if lst.source not in tracer.assumptions.varied_lists:
+        return False  # one length so far: unrolled, as a ``range()`` over a fixed number is
     if site in tracer.assumptions.unrolled_loops or ("rolled_loop", *site) in tracer.unstable_sites \
             or any(s == lst.source for s, _, _ in tracer.assumptions.rolled_lists):
         return False
