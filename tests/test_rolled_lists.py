@@ -291,3 +291,35 @@ def test_a_list_whose_length_never_changes_is_unrolled_as_before():
     loops = _loops(report)
     assert report.stats.captures == 1 and loops and not any(loop.rolled for loop in loops), report
     assert "(for x in L['xs'], 3 iterations captured)" in str(report), report
+
+
+def _range_in_list(xs, w, h, n):
+    for x in xs:
+        for t in range(n):
+            h = torch.tanh(x @ w + h + t)
+    return h
+
+
+def _list_in_while(xs, w, h, n):
+    i = 0
+    while i < n:
+        for x in xs:
+            h = torch.tanh(x @ w + h)
+        i += 1
+    return h, i
+
+
+def _nested_args(i):
+    (xs, w, h), _ = _args(i % 5)
+    return A(xs, w, h, 2 + (i * 3) % 4)
+
+
+@pytest.mark.parametrize("fn, outer, inner", [
+    (_range_in_list, FORM, "range(n)"),
+    (_list_in_while, "while i < L['n']", FORM),
+])
+def test_nested_loops_over_a_list_are_captured_once(fn, outer, inner):
+    report = check(fn, _nested_args, calls=14, grad=True, expect="graph", rtol=1e-5, atol=1e-7)
+    assert report.stats.captures == 1, report
+    rolled = [(loop.form, bool(loop.within)) for loop in _loops(report) if loop.rolled]
+    assert sorted(rolled) == sorted([(outer, False), (inner, True), (inner, True)]), report

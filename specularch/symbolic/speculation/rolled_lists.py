@@ -79,7 +79,7 @@ def _for_loop_next(frame) -> bool:
 
 def _rollable(frame, lst: ListV) -> bool:
     tracer = frame.tracer
-    if not _for_loop_next(frame) or frame.code.co_name.startswith("<") or tracer.rolling \
+    if not _for_loop_next(frame) or frame.code.co_name.startswith("<") \
             or tracer.merging or tracer.template is not None:
         return False  # a comprehension's list is most often the model's fixed one
     site = (id(frame.code), frame.info.instructions[frame.ip].offset)
