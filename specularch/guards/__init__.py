@@ -1,5 +1,6 @@
 """Guards: what a captured graph assumed about its inputs, checked before every reuse."""
 from .codegen import GuardSet, SourceNamer, guard_lines
+from .lists import ListDistinctGuard, TensorListGuard
 from .guard import (AliasGuard, ContainsGuard, DictKeysGuard, DistinctGuard, ExprGuard, GlobalStateGuard, Guard, HasAttrGuard, IdGuard, InferenceGuard, LenGuard,
                     NoGlobalHooksGuard, NoHooksGuard, NoTensorHooksGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
 from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSource, GlobalSource,
@@ -10,7 +11,7 @@ __all__ = [
     "GuardSet", "SourceNamer", "guard_lines", "AliasGuard", "ContainsGuard", "DictKeysGuard",
     "DistinctGuard", "ExprGuard", "GlobalStateGuard", "Guard", "HasAttrGuard", "IdGuard",
     "InferenceGuard", "LenGuard", "NoGlobalHooksGuard", "NoHooksGuard", "NoTensorHooksGuard",
-    "NotShadowedGuard", "TensorGuard", "TypeGuard", "ValueGuard", "PINNED", "AttrSource",
+    "NotShadowedGuard", "TensorGuard", "TensorListGuard", "ListDistinctGuard", "TypeGuard", "ValueGuard", "PINNED", "AttrSource",
     "BuiltinSource", "CellSource", "ClosureSource", "GlobalSource", "ItemSource", "KeyedSource",
     "LocalSource", "ModuleDictSource", "ObjectSource", "ScalarOfSource", "Source", "pin",
 ]

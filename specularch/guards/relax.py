@@ -24,6 +24,8 @@ def argument_fact(value: Any) -> tuple:
         return ("tensor", type(value), value.dtype, value.device, tuple(value.shape))
     if type(value) in (int, float):
         return ("number", type(value), value)
+    if type(value) is list:
+        return ("list", list, len(value))
     return ("other", type(value))
 
 
@@ -42,6 +44,7 @@ class Generalisation:
         self.append_only: set = set()       # lists that only grow (`self.history.append(x)`)
         self.keyed_dicts: set = set()       # dicts used through single keys (`self.cache[k] = v`)
         self.tracked: set = set()           # containers the code turned out to use as a whole
+        self.varied_lists: set = set()      # lists whose length changed: a loop over one rolls
         self.relaxations: list[str] = []
         self.static_sizes = False  # sizes proved to steer Python: no more dynamic dims
 
@@ -80,9 +83,15 @@ class Generalisation:
                                sorted({c[4] for c in column}))
             elif first[0] == "number" and len({c[2] for c in column}) > 1:
                 self._scalar(slot, name, "varied while profiling", [c[2] for c in column])
+            elif first[0] == "list" and len({c[2] for c in column}) > 1:
+                self._list(LocalSource(slot, name), "varied while profiling",
+                           sorted({c[2] for c in column}))
 
     def from_guard_failure(self, guard, value) -> bool:
         """Relax the assumption a failed guard encoded, if it is one we generalise."""
+        if isinstance(guard, LenGuard) and guard.expected_type is list and type(value) is list \
+                and len(value) != guard.expected and guard.source not in self.varied_lists:
+            self._list(guard.source, "changed between calls", [guard.expected, len(value)])
         if isinstance(guard, ValueGuard) and not isinstance(guard.source, LocalSource) \
                 and type(guard.expected) in (int, float) and type(value) is type(guard.expected) \
                 and guard.source not in self.symbolic_sources:
@@ -147,6 +156,13 @@ class Generalisation:
         self.note(f"{guard.source}: dimension(s) {sorted(changed)} made dynamic (changed between "
                   f"calls: {', '.join(str(s) for s in sorted(seen))})")
         return True
+
+    def _list(self, source, why: str, seen: list) -> None:
+        """A list whose length varies: a ``for x in`` loop over it may roll (rolled_lists.py),
+        as ``range(n)`` does over a number that varies."""
+        self.varied_lists.add(source)
+        self.note(f"{source}: list length {why} ({', '.join(map(str, seen))}): a loop over it "
+                  "may be captured once for every length")
 
     def note(self, text: str) -> None:
         self.relaxations.append(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..guards import AliasGuard, DistinctGuard, InferenceGuard
+from ..guards import AliasGuard, DistinctGuard, InferenceGuard, ListDistinctGuard
 from ..records import Unsupported
 
 _OBJECT_WRITES = ("setattr", "delattr", "container", "item", "append")
@@ -28,6 +28,9 @@ def _guard_tensor_writes(tracer, pending: list) -> None:
         excluded = set(written)  # a set: every input is checked against every written one
         others = tuple(v.source for v in tracer.graph_inputs() if v.source not in excluded)
         tracer.add_guard(DistinctGuard, None, written=tuple(written), others=others)
+        whole = tuple(s for s, _, _ in tracer.assumptions.rolled_lists if s in tracer._by_source)
+        if whole:  # lists passed whole (rolled_lists.py): their items are inputs too
+            tracer.add_guard(ListDistinctGuard, None, written=tuple(written), others=whole)
         if not torch.is_inference_mode_enabled():  # the commit's writes would be refused
             for w in pending:
                 if w.kind == "tensor" and w.target.source is not None \

@@ -34,12 +34,16 @@ class Assumptions:
     # rolled loops keep every op in their body, in eager's order (config.templates == "exact"):
     # nothing is hoisted after the loop (rolled_hoist.py), so results are eager's bit for bit
     exact_loops: bool = False
+    # list sources whose length changed between calls: a ``for x in`` loop over one rolls
+    varied_lists: frozenset = frozenset()
+    # (source, site, where) of lists a rolled ``for x in xs`` loop reads whole (rolled_lists.py)
+    rolled_lists: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         # Callers pass their live sets; the capture keeps a snapshot no later relaxation
         # can change under it.
         for name in ("unstable_sites", "symbolic_scalars", "symbolic_sources", "append_only",
-                     "keyed_dicts", "unrolled_loops"):
+                     "keyed_dicts", "unrolled_loops", "rolled_lists", "varied_lists"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         dims = {}
         for slot, slot_dims in dict(self.dynamic_dims).items():

@@ -35,7 +35,9 @@ from .frame import Frame
 from .inputs import wrap_arguments
 from .library.printing import StrV
 from .speculation.rolled_hoist import stack_whole
+from .speculation import rolled_lists
 from .speculation.rolled_loops import LoopReport
+from .speculation.rolled_lists import RollList
 from .values.rolled import RollRefused
 from .library.stdlib_objects import counter_from_pairs
 from .values.symint import SymV
@@ -82,28 +84,37 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
         try:
             cap = _capture_once(code, globals_, argnames, slots, cells, assumptions, attempt,
                                 max_instructions=max_instructions, inline_depth=inline_depth)
+        except RollList as e:  # the list is passed whole into the graph: again
+            assumptions = replace(assumptions, rolled_lists=assumptions.rolled_lists | {
+                (e.source, e.site, e.where)})
+            continue
         except Exception as e:
-            refused = _refused_loops(e, attempt)
+            refused = _refused_loops(e, attempt, assumptions.rolled_lists)
             if not refused or refused.keys() <= assumptions.unrolled_loops:
                 raise
             unrolled += refused.values()
             assumptions = replace(assumptions,
-                                  unrolled_loops=assumptions.unrolled_loops | refused.keys())
+                                  unrolled_loops=assumptions.unrolled_loops | refused.keys(),
+                                  rolled_lists={e for e in assumptions.rolled_lists
+                                                if e[1] not in refused})
             continue
         cap.loops = unrolled + cap.loops
         return cap
 
 
-def _refused_loops(error: Exception, attempt: list) -> dict:
+def _refused_loops(error: Exception, attempt: list, lists: frozenset) -> dict:
     """site -> report of the loops to unroll after ``error``: the loop refused, or every
-    loop this attempt rolled (what followed may not support the rolled form)."""
+    loop this attempt rolled (what followed may not support the rolled form), and every list
+    it passed whole (``rolled_lists.py``)."""
+    over_lists = {site: LoopReport(where, False, why, site=site, form=rolled_lists.form(source))
+                  for (source, site, where), why in rolled_lists.refused(error, lists).items()}
     if isinstance(error, RollRefused):
-        return {error.site: LoopReport(error.where, False, error.why, site=error.site,
-                                          form=error.form)}
+        return {**over_lists, error.site: LoopReport(error.where, False, error.why,
+                                                     site=error.site, form=error.form)}
     rolled = [r for r in attempt[0].loops if r.rolled] if attempt else []
     why = getattr(error, "explanation", None) or f"{type(error).__name__}: {error}"
-    return {r.site: LoopReport(r.where, False, f"capture failed with it rolled ({why})",
-                               site=r.site, form=r.form) for r in rolled}
+    return {**{r.site: LoopReport(r.where, False, f"capture failed with it rolled ({why})",
+                                  site=r.site, form=r.form) for r in rolled}, **over_lists}
 
 
 def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,

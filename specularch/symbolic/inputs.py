@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn as nn
 
 from ..guards import AliasGuard, InferenceGuard, TensorGuard, TypeGuard
+from ..guards.lists import TensorListGuard, leaf_state, list_tensors, uniform
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
+from .values.rolled import TensorListV
 from .values.symint import SymV
 from .values import GeneratorV, TensorV, Value
 
@@ -94,6 +95,28 @@ def wrap_generator(tracer, g: torch.Generator, source: Source | None) -> Generat
     return GeneratorV(g, source, node=node)
 
 
+def wrap_tensor_list(tracer, obj: list, source: Source, where: str) -> Value | None:
+    """The list at ``source`` as one graph input, for the rolled loop at ``where`` over it
+    (``speculation/rolled_lists.py``); None when its items no longer fit (it changed since)."""
+    if not uniform(obj):
+        return None
+    tracer.guards.add(TensorListGuard.of(source, obj[0], leaf_state, tracer.where()))
+    node = placeholder(tracer, node_name(source))
+    node.meta["example"] = list(obj)
+    tracer.input_sources.append(source)
+    length = tracer.graph.call_function(len, (node,))
+    length.meta["example"] = len(obj)
+    value = TensorListV(node, list(obj), SymV(len(obj), length, f"len({source.expr()})", tracer,
+                                              f"len({source})"), where, source)
+    for t in list_tensors(obj):  # a write into an item is refused: no source could commit it
+        if t.numel():
+            key = storage_key(t)
+            if key in tracer._external:  # another input: the graph would read the old value
+                tracer.viewed.add(key)
+            tracer._external.setdefault(key, TensorV(node, t))
+    return value
+
+
 def placeholder(tracer, name: str) -> torch.fx.Node:
     """A new input of the graph. Inputs are read while ops are already recorded, but FX
     wants every placeholder before the first op: each goes after the last one."""
@@ -107,14 +130,6 @@ def placeholder(tracer, name: str) -> torch.fx.Node:
         node = tracer.graph.placeholder(name)
     tracer._last_placeholder = node
     return node
-
-
-def leaf_state(t: torch.Tensor) -> bool | None:
-    """Whether ``t`` has no autograd history, for a tensor that requires grad and is not a
-    Parameter (always a leaf); None: not guarded."""
-    if not t.requires_grad or isinstance(t, nn.Parameter):
-        return None
-    return t.grad_fn is None
 
 
 def node_name(source: Source) -> str:

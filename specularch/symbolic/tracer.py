@@ -191,6 +191,12 @@ class Tracer:
             value = KeyedDictV(source, real=obj)
             self._by_container_id[id(obj)] = value
             return value
+        if t is list and source is not None and any(s == source for s, _, _ in self.assumptions.rolled_lists):
+            where = next(w for s, _, w in self.assumptions.rolled_lists if s == source)
+            value = inputs.wrap_tensor_list(self, obj, source, where)
+            if value is not None:
+                self._by_container_id[id(obj)] = value
+                return value
         if t is list:
             if source is not None:
                 self.add_guard(LenGuard, source, list, len(obj))

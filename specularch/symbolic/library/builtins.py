@@ -19,7 +19,7 @@ from ...guards import HasAttrGuard
 from ...records import Unsupported
 from ..exceptions import python_error
 from .. import operators as ops
-from ..speculation import rolled_loops
+from ..speculation import rolled_lists, rolled_loops
 from ..values.rolled import RolledListV
 from ..values import (ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, ObjV, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
@@ -275,6 +275,9 @@ def _range(tracer, fn, args, kwargs):
 
 @model(enumerate)
 def _enumerate(tracer, fn, args, kwargs):
+    rolled = rolled_lists.enumerate_list(tracer, args, kwargs)
+    if rolled is not None:  # `for k, x in enumerate(xs)` over a list passed whole: rolled
+        return rolled
     start = (args[1] if len(args) > 1 else kwargs.get("start", ConstV(0))).concrete()
     items = ops.lazy(tracer, args[0])
     return IterV([], source=(TupleV([ConstV(start + i), v]) for i, v in enumerate(items)))

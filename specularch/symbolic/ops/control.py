@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...records import Unsupported
 from ..operators import iterate, truth
-from ..speculation import branch_merge, loop_notes, raising_branch, rolled_loops
+from ..speculation import branch_merge, loop_notes, raising_branch, rolled_lists, rolled_loops
 from .registry import handles
 from ..values.rolled import SymRangeIterV
 from ..values import ConstV, TensorV
@@ -71,7 +71,7 @@ def _jump_if_false_or_pop(frame, ins):
 @handles("GET_ITER")
 def _get_iter(frame, ins):
     iterated = frame.pop()
-    it = iterate(frame.tracer, iterated)
+    it = rolled_lists.get_iter(frame, iterated) or iterate(frame.tracer, iterated)
     loop_notes.mark_list_iterator(it, iterated)
     frame.push(it)
 

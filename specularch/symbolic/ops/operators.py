@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 
 from ...records import Unsupported
-from ..speculation import branch_merge
+from ..speculation import branch_merge, rolled_while
 from .. import operators as ops
 from ..library import printing
 from .registry import handles
@@ -41,6 +41,9 @@ def _not(frame, ins):
 @handles("COMPARE_OP")
 def _compare(frame, ins):
     b, a = frame.pop(), frame.pop()
+    after_loop = rolled_while.compare(frame, ins, a, b)  # ``while i < n:``, captured once
+    if after_loop is not None:
+        return after_loop
     frame.push(ops.compare(frame.tracer, ins.argval, a, b))
 
 

@@ -1,7 +1,8 @@
 """Why a loop of user code was unrolled when it is not a ``range()`` loop (rolled_loops.py).
 
 ``for x in xs`` over a list that comes from the call (an argument, an attribute) and
-``while`` loops (``while i < n:``, ``while node is not None:``) are unrolled: each iteration
+``while`` loops (``while i < n:``, ``while node is not None:``) that ``rolled_lists.py`` /
+``rolled_while.py`` do not roll are unrolled: each iteration
 is captured, the list's length and items or each test of the condition are guarded, so a
 call with another trip count captures another graph (then ``cache_limit``). Capture
 notes them at their first backward jump, as ``LoopReport``s that ``explain()`` lists with
@@ -14,10 +15,11 @@ from ..library_files import is_library_file
 from ..values import IterV, ListV, TupleV
 
 LIST_WHY = ("a list from the call is iterated item by item: its length and items are guarded, "
-            "one graph per length (`for t in range(n)` over a size or an int is rolled: stack "
-            "the items into one tensor and index it)")
+            "one graph per length (a list of tensors, or of tuples of tensors, that all share "
+            "item 0's dtype/shape/requires_grad is rolled: rolled_lists.py)")
 WHILE_WHY = ("its condition is decided by Python values at capture and guarded at every test, "
-             "one graph per trip count (`for t in range(n)` over a size or an int is rolled)")
+             "one graph per trip count (`while i < n:` with an int counter stepped by a constant "
+             "and a run-time bound is rolled, as `for t in range(n)` is)")
 
 
 def mark_list_iterator(it: IterV, iterated) -> None:

@@ -32,12 +32,12 @@ import torch.fx
 
 from ...fx_lower.randomness import is_random_node
 from ...records import Unsupported
-from . import rolled_fast, rolled_hoist
+from . import rolled_fast, rolled_hoist, rolled_lists
 from .rolled_match import Match, Snapshot, append_only, set_slot
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
 from ..values.symint import SymV, arithmetic, compare
-from ..values import ConstV, TensorV, Value
+from ..values import ConstV, TensorV, TupleV, Value
 
 # Bytecode that makes an iteration leave the loop or write state the frame does not show.
 _NOT_IN_BODY = {"RETURN_VALUE", "YIELD_VALUE", "STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL",
@@ -202,7 +202,12 @@ class _Loop:
     def __init__(self, frame, ins, it: SymRangeIterV):
         self.frame, self.tracer, self.n = frame, frame.tracer, it.n
         self.start, self.step = it.start, it.step
-        self.form = _form(it.bounds or [it.n])
+        self.items = getattr(it, "of", None)          # ``for x in xs``: the TensorListV
+        self.enumerated = getattr(it, "enumerated", False)
+        self.counter = None                           # the index of iteration 1
+        self.form = rolled_lists.form(self.items.source, self.enumerated) \
+            if self.items is not None else _form(it.bounds or [it.n])
+        self.first = None                             # what iteration 0 bound the target to
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
         self.exit = frame.info.index_of[ins.argval]
@@ -218,12 +223,13 @@ class _Loop:
         first = Snapshot(self.frame, self.tracer)
         reports = len(self.tracer.loops)
         self._iterate(self.start)                  # iteration 0: into the graph, as unrolled
+        self._after_first()
         self._nested(reports, f"in the first iteration of the loop at {self.where}")
         head = Snapshot(self.frame, self.tracer)
         growing = head.grown_lists(first)
         index_node = self.graph.call_function(_loop_index, (self.site,))  # the body's ``k``
         before_body = set(self.graph.nodes)
-        index = self._index(index_node)
+        index = self._value(self._index(index_node))
         effects, assumed = _effects(self.tracer), len(self.tracer.assertions)
         reports = len(self.tracer.loops)
         with append_only(growing, self):
@@ -254,6 +260,33 @@ class _Loop:
         for report in self.tracer.loops[since:]:
             report.within = report.within or within
 
+    def _value(self, index: Value) -> Value:
+        """What the loop hands out in the iteration of ``index``: the index, or ``xs[index]``."""
+        if self.items is None:
+            return index
+        if not self.enumerated:
+            return rolled_lists.item(self, index)
+        self.counter = index if self.counter is None and isinstance(index, SymV) else self.counter
+        return TupleV([index, rolled_lists.item(self, index)])
+
+    def _after_first(self) -> None:
+        """What iteration 0 tells of the loop (``rolled_while.py``: its step, its trip count)."""
+
+    def is_next(self, h: Value, a: Value, index: Value) -> bool:
+        """Whether ``h -> a`` is the loop's own counter stepping (``rolled_while.py``, the
+        ``k`` of ``for k, x in enumerate(xs)``)."""
+        if a is not self.counter or a is None:
+            return False
+        if not (isinstance(h, ConstV) and h.value == 0):
+            self.refuse("the enumerate() counter is held only from the second iteration on")
+        return True
+
+    def is_first(self, h: Value) -> bool:
+        """Whether ``h`` is what iteration 0 handed out (a slot that holds the loop's value)."""
+        start = self.start
+        return h is self.first or self.items is None and (
+            h is start or isinstance(h, ConstV) and isinstance(start, ConstV) and h.value == start.value)
+
     def plain(self) -> bool:
         return isinstance(self.start, ConstV) and self.start.value == 0 and self.step == 1
 
@@ -272,7 +305,9 @@ class _Loop:
                           form=self.form)
 
     def last_index(self, last: Value) -> Value:
-        """The index after the loop (of iteration ``n - 1``)."""
+        """The index after the loop (of iteration ``n - 1``), or ``xs[n - 1]``."""
+        if self.items is not None and not self.enumerated:
+            return rolled_lists.item(self, last)
         if self.plain():
             return last
         scaled = arithmetic(self.tracer, operator.mul, last, ConstV(self.step))
@@ -285,6 +320,8 @@ class _Loop:
 
     def _iterate(self, index: Value) -> None:
         frame = self.frame
+        if self.first is None:
+            index = self.first = self._value(index)
         frame.push(index)
         frame.ip = self.head + 1
         while frame.ip != self.head:

@@ -160,10 +160,10 @@ class Match:
     def value(self, h, a, slot: tuple, path: str) -> None:
         if isinstance(h, CONTAINERS) and type(h) is type(a):
             return self._container(h, a, path)
-        if a is self.index:
-            start = self.loop.start
-            if not (h is start or isinstance(h, ConstV) and isinstance(start, ConstV)
-                    and h.value == start.value):
+        if self.loop.is_next(h, a, self.index):
+            self.index_slots.append(slot)  # a while loop's counter: rebound after the loop
+        elif a is self.index:
+            if not self.loop.is_first(h):
                 self.loop.refuse(f"`{path}` holds the index only from the second iteration on")
             self.index_slots.append(slot)
         elif isinstance(h, TensorV) and isinstance(a, TensorV):

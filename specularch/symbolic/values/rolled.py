@@ -94,3 +94,35 @@ def become_rolled(lst: Value, rolled: RolledListV) -> None:
     lst.__dict__.clear()
     lst.__class__ = RolledListV
     lst.__dict__.update(rolled.__dict__)
+
+
+class TensorListV(RolledListV):
+    """A list of tensors from the call passed into the graph whole (``rolled_lists.py``): one
+    placeholder, items that share item 0's metadata, a length known only at run time. A
+    ``for x in`` loop over it rolls (the body indexes the list with the loop counter)."""
+
+    def __init__(self, node: torch.fx.Node, examples: list, length: SymV, where: str, source):
+        super().__init__(node, examples, length, where)
+        self.source = source
+
+    @property
+    def items(self):
+        raise Unsupported("unsupported_call", f"the list {self.source} passed whole into the "
+                          "graph for the loop at " f"{self.where} is used item by item or changed "
+                          "(only iterating it in that loop, len(), torch.stack/cat are supported)")
+
+    def __repr__(self):
+        return f"TensorListV({self.source}, {self.length!r})"
+
+
+@dataclass(eq=False, repr=False)
+class ListIterV(SymRangeIterV):
+    """``iter(xs)`` of a ``TensorListV``, about to be consumed by ``FOR_ITER``: rolls the loop
+    as ``range(len(xs))`` does, handing out ``xs[k]`` instead of ``k``."""
+
+    of: Any = None             # the TensorListV
+    enumerated: bool = False   # ``enumerate(xs)``: hands out ``(k, xs[k])``
+
+    def next(self) -> Value | None:
+        raise Unsupported("unsupported_call", f"the iterator of {self.of.source} is used other "
+                          "than by its for loop")

@@ -1,0 +1,108 @@
+"""The guard of a list passed whole into a graph (a rolled ``for x in xs`` loop,
+``symbolic/speculation/rolled_lists.py``): every item is like item 0 (a tensor with its
+metadata, or a tuple of such tensors); the length is not guarded (the loop's trip count is a
+run-time value)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .guard import DistinctGuard, Guard, TensorGuard, _short, const_name, storages_distinct
+
+
+@dataclass(frozen=True, eq=False)
+class TensorListGuard(Guard):
+    """``type(v) is list`` and each item like ``item``: a ``TensorGuard`` without a source
+    (type, dtype, device, shape, strides, requires_grad, leaf state), or a tuple of them (an
+    item of ``(input, target)`` pairs)."""
+
+    item: TensorGuard | tuple = None
+
+    def conditions(self, v, consts):
+        if isinstance(self.item, tuple):
+            each = [f"type(x) is {const_name(consts, tuple)}", f"len(x) == {len(self.item)}"]
+            for j, g in enumerate(self.item):
+                each += g.conditions(f"x[{j}]", consts)
+        else:
+            each = self.item.conditions("x", consts)
+        return [f"type({v}) is {const_name(consts, list)}", f"all({' and '.join(each)} for x in {v})"]
+
+    def describe(self):
+        shown = [g.describe().split(": ", 1)[1] for g in self._guards()]
+        text = f"({', '.join(shown)})" if isinstance(self.item, tuple) else shown[0]
+        return f"{self.source}: a list of {text} (any length)"
+
+    def _guards(self) -> tuple:
+        return self.item if isinstance(self.item, tuple) else (self.item,)
+
+    def mismatch(self, value):
+        if type(value) is not list:
+            return f"expected a list, got {type(value).__qualname__}"
+        pairs = isinstance(self.item, tuple)
+        for k, x in enumerate(value):
+            if pairs and (type(x) is not tuple or len(x) != len(self.item)):
+                return f"[{k}] expected a tuple of {len(self.item)}, got {_short(x)}"
+            for j, (g, t) in enumerate(zip(self._guards(), x if pairs else (x,))):
+                at = f"[{k}][{j}]" if pairs else f"[{k}]"
+                if not isinstance(t, torch.Tensor):
+                    return f"{at} expected a tensor, got {_short(t)}"
+                if g.mismatch(t) != "did not match":
+                    return f"{at} {g.mismatch(t)} (got {_short(t)})"
+        return "did not match"
+
+    @staticmethod
+    def of(source, item, leaf, where: str = "") -> "TensorListGuard":
+        """The guard for a list whose item 0 is ``item`` (a tensor or a tuple of tensors)."""
+        def one(t: torch.Tensor) -> TensorGuard:
+            return TensorGuard(None, type(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()),
+                               t.requires_grad, leaf=leaf(t))
+        spec = tuple(one(t) for t in item) if isinstance(item, tuple) else one(item)
+        return TensorListGuard(source, item=spec, where=where)
+
+
+def list_tensors(lst) -> list:
+    """The tensors of a list passed whole (its items, or the items of its tuples)."""
+    return [t for x in lst for t in (x if type(x) is tuple else (x,))]
+
+
+@dataclass(frozen=True, eq=False)
+class ListDistinctGuard(DistinctGuard):
+    """Tensors the call writes share no memory with the items of lists passed whole
+    (``others``): the rolled body reads those items when the graph runs, before the commit,
+    so it would not see a write eager's loop sees."""
+
+    def key(self):
+        return ("ListDistinct", tuple(map(str, self.written)), tuple(map(str, self.others)))
+
+    def conditions(self, v, consts, name_of=lambda s: s.expr()):
+        check, flat = const_name(consts, storages_distinct), const_name(consts, list_tensors)
+        written = "".join(f"{name_of(s)}, " for s in self.written)
+        items = " + ".join(f"{flat}({name_of(s)})" for s in self.others)
+        return [f"{check}(({written}), {items})"]
+
+    def describe(self):
+        return (f"written {', '.join(map(str, self.written))} share no memory with the items of "
+                f"{', '.join(map(str, self.others))}")
+
+
+def leaf_state(t: torch.Tensor) -> bool | None:
+    """Whether ``t`` has no autograd history, for a tensor that requires grad and is not a
+    Parameter (always a leaf); None: not guarded."""
+    if not t.requires_grad or isinstance(t, nn.Parameter):
+        return None
+    return t.grad_fn is None
+
+
+def uniform(items: list) -> bool:
+    """Whether ``items`` are tensors (or plain tuples of tensors) that all share item 0's
+    metadata: what ``TensorListGuard.of(item 0)`` lets through."""
+    def metadata(x):
+        if type(x) is tuple and x and all(isinstance(t, torch.Tensor) for t in x):
+            return tuple(metadata(t) for t in x)
+        if not isinstance(x, torch.Tensor) or x.is_inference():
+            return None
+        return (type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad, leaf_state(x))
+    first = metadata(items[0]) if items else None
+    return first is not None and all(metadata(x) == first for x in items[1:])

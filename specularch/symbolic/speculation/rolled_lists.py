@@ -1,0 +1,128 @@
+"""Rolled ``for x in xs`` loops over a list of tensors from the call: captured once, whatever
+the list's length.
+
+Unrolled, such a loop guards the list's length and every item, one graph per length. Rolled:
+
+1. at ``GET_ITER`` of a list read from the call (an argument, an attribute) whose length
+   changed between calls (``Assumptions.varied_lists``: profiling or a failed length guard,
+   as ``range(n)`` rolls over a number that varied) and whose items are tensors (or tuples
+   of tensors) sharing item 0's metadata, followed by ``FOR_ITER``, capture raises ``RollList``; ``capture.py`` starts again with the list's source in
+   ``Assumptions.rolled_lists``;
+2. read again, the list becomes one graph input (``inputs.wrap_tensor_list``), a
+   ``TensorListV`` guarded by ``TensorListGuard`` (every item like item 0; the length not
+   guarded), its length a ``SymV`` (``len(xs)``);
+3. its iterator (``ListIterV``) rolls the loop as ``range(len(xs))`` does
+   (``rolled_loops.py``): ``x`` is ``xs[0]`` in iteration 0 and ``xs[k]`` (the body indexes the
+   list with the loop counter) in the body.
+
+Anything else done with the list (an item read, a write, ``xs.append``) or a body that does
+not roll makes capture start again with the loop unrolled, and ``explain()`` says why.
+"""
+from __future__ import annotations
+
+import operator
+
+from ...guards.lists import uniform
+from ...guards.sources import ItemSource
+from ...records import Unsupported
+from ..values.rolled import ListIterV, RollRefused, TensorListV
+from ..values.symint import SymV
+from ..values import ConstV, ListV, TensorV, TupleV, Value
+
+
+class RollList(Unsupported):
+    """Capture starts again with the list at ``source`` passed whole (``capture.py``)."""
+
+    def __init__(self, source, site: tuple, where: str):
+        super().__init__("unsupported_call", f"the loop at {where} over {source} is rolled")
+        self.source, self.site, self.where = source, site, where
+
+
+def form(source, enumerated: bool = False) -> str:
+    return f"for k, x in enumerate({source})" if enumerated else f"for x in {source}"
+
+
+def get_iter(frame, iterated: Value):
+    """``GET_ITER``: the iterator that rolls a ``for x in xs`` loop, or None (as before)."""
+    if isinstance(iterated, TensorListV):
+        if not _for_loop_next(frame):
+            raise Unsupported("unsupported_call", f"{iterated.source} passed whole is iterated "
+                              "other than by a for loop")
+        return ListIterV([], n=iterated.length, start=ConstV(0), step=1, of=iterated)
+    if type(iterated) is ListV and iterated.source is not None and _rollable(frame, iterated):
+        site = (id(frame.code), frame.info.instructions[frame.ip].offset)
+        raise RollList(iterated.source, site, f"{frame.code.co_filename}:{frame.lineno}")
+    return None
+
+
+def enumerate_list(tracer, args: list, kwargs: dict):
+    """``enumerate(xs)`` (from 0) consumed right away by a ``for`` loop: rolled as ``for x in
+    xs`` is, handing out ``(k, xs[k])``; None where the loop is unrolled as before."""
+    frame = tracer.frames[-1] if tracer.frames else None
+    if frame is None or len(args) != 1 or kwargs or frame.ip + 1 >= len(frame.info.instructions) \
+            or frame.info.instructions[frame.ip].opname != "GET_ITER":
+        return None
+    frame.ip += 1  # as at the GET_ITER: what follows must be the loop's FOR_ITER
+    try:
+        it = get_iter(frame, args[0])
+    finally:
+        frame.ip -= 1
+    if it is not None:
+        it.enumerated = True
+    return it
+
+
+def _for_loop_next(frame) -> bool:
+    code = frame.info.instructions
+    return frame.ip < len(code) and code[frame.ip].opname == "FOR_ITER"
+
+
+def _rollable(frame, lst: ListV) -> bool:
+    tracer = frame.tracer
+    if not _for_loop_next(frame) or frame.code.co_name.startswith("<") \
+            or tracer.merging or tracer.template is not None:
+        return False  # a comprehension's list is most often the model's fixed one
+    site = (id(frame.code), frame.info.instructions[frame.ip].offset)
+    if lst.source not in tracer.assumptions.varied_lists:
+        return False  # one length so far: unrolled, as a ``range()`` over a fixed number is
+    if site in tracer.assumptions.unrolled_loops or ("rolled_loop", *site) in tracer.unstable_sites \
+            or any(s == lst.source for s, _, _ in tracer.assumptions.rolled_lists):
+        return False
+    items = lst.items
+    if len(items) < 2 or not all(_fresh(v, ItemSource(lst.source, k)) for k, v in enumerate(items)):
+        return False  # too short to compare two iterations, or an item read another way too
+    return uniform([v.concrete() for v in items])
+
+
+def _fresh(v: Value, source) -> bool:
+    """A tensor read only as this item of the list (or a tuple of such tensors)."""
+    if isinstance(v, TupleV) and v.cls is tuple and v.items:
+        return all(_fresh(t, ItemSource(source, j)) for j, t in enumerate(v.items))
+    return isinstance(v, TensorV) and not v.dynamic and v.real is not None and v.source == source
+
+
+def item(loop, index: Value) -> Value:
+    """``xs[index]`` of the list a rolled loop iterates: its value in that iteration (a
+    tensor, or a tuple of tensors)."""
+    lst = loop.items
+    at = index.node if isinstance(index, SymV) else index.value
+    node = loop.graph.call_function(operator.getitem, (lst.node, at))
+    example = lst.examples[index.value]
+    if type(example) is not tuple:
+        node.meta["example"] = example
+        return TensorV(node, example)
+    parts = []
+    for j, t in enumerate(example):
+        part = loop.graph.call_function(operator.getitem, (node, j))
+        part.meta["example"] = t
+        parts.append(TensorV(part, t))
+    return TupleV(parts)
+
+
+def refused(error: Exception, rolled: frozenset) -> dict:
+    """(source, site, where) of the lists passed whole -> why to pass them item by item again
+    after ``error`` (every one: what failed may be any use of them)."""
+    if isinstance(error, RollRefused):  # the loop over it, or another loop (kept as it is)
+        return {entry: error.why for entry in rolled if entry[1] == error.site}
+    why = getattr(error, "explanation", None) or f"{type(error).__name__}: {error}"
+    return {entry: f"capture failed with {entry[0]} passed whole ({why})" for entry in rolled}
