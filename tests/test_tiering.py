@@ -13,6 +13,7 @@ from torch import nn
 
 import specularch
 from specularch import tiering
+from specularch.config import OPTIONS
 from specularch.fx_lower.backends import BACKENDS, get_backend, register_backend
 from specularch.tiering import policy
 
@@ -230,8 +231,10 @@ def test_no_call_waits_for_a_background_compile(low_thresholds, candidates, test
 
 
 def test_small_graphs_stay_on_fx_bit_identical():
-    eager, opt, model, twin = _pair(_mlp)
-    _run(eager, opt, _batches((8, 16), 4, 30))
+    default = OPTIONS["tier_min_seconds"].default  # conftest raises it
+    with specularch.config.patch(tier_min_seconds=default):
+        eager, opt, model, twin = _pair(_mlp)
+        _run(eager, opt, _batches((8, 16), 4, 30))
     assert specularch.config.backend == "auto"
     assert all(g.backend == "fx" and "not hot enough" in g.tiers[0]
                for g in specularch.explain(opt).graphs)

@@ -43,7 +43,8 @@ class Tier:
         self.entry, self.gm, self.build = entry, gm, build
         self.fn = entry.fn  # the current tier's entry function
         self.history = entry.tier = TierHistory()
-        self.hits, self.seconds, self.submitted = 0, 0.0, False
+        self.hits, self.submitted = 0, False
+        self.sampled: deque[float] = deque(maxlen=15)  # CPU seconds of the sampled calls
         self.todo: deque[str] = deque()  # candidates not compiled yet, in order
         self.ready: deque[Candidate] = deque()
         self.compiling = 0
@@ -63,12 +64,14 @@ class Tier:
             return self.fn(L, C, G, B)
         # CPU time of this thread, not wall time: on a busy machine a preempted call would
         # make a small graph look hot. Read on one call in SAMPLE: reading it is a system
-        # call (µs), as much as a small graph's whole call.
+        # call (µs), as much as a small graph's whole call. The graph's time so far is
+        # estimated as hits x the median sampled call, so that one slow call (a collection,
+        # a page-faulting first run) does not make a small graph look hot.
         start = time.thread_time()
         result = self.fn(L, C, G, B)
         if result is not MISS:
-            self.seconds += (time.thread_time() - start) * SAMPLE
-            if policy.hot(self.hits, self.seconds):
+            self.sampled.append(time.thread_time() - start)
+            if policy.hot(self.hits, self.hits * statistics.median(self.sampled)):
                 self._submit()
         return result
 
