@@ -42,15 +42,27 @@ def _mlp():
     return nn.Sequential(*layers, nn.Linear(1024, 10))
 
 
+def _big_mlp():
+    """8 x Linear(1024) (8.4M parameters; issue 14 item 6, distributed_overlap.py's model):
+    the update's memory traffic is most of the step."""
+    layers = []
+    for _ in range(7):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(1024, 10))
+
+
 _OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
     "momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
 }
 _MODELS = {  # name -> (model, batch maker)
     "embedding": (EmbeddingBag, lambda g: (torch.randint(0, 5000, (16, 8), generator=g),
                                            torch.randint(0, 5, (16,), generator=g))),
     "mlp": (_mlp, lambda g: (torch.randn(16, 1024, generator=g), torch.randint(0, 10, (16,), generator=g))),
+    "big": (_big_mlp, lambda g: (torch.randn(256, 1024, generator=g),
+                                 torch.randint(0, 10, (256,), generator=g))),
     "lenet": (LeNet, lambda g: (torch.randn(50, 1, 28, 28, generator=g),
                                 torch.randint(0, 10, (50,), generator=g))),
 }

@@ -126,13 +126,21 @@ def test_adaptive_optimizers_replay_the_parameter_update(make_opt):
     assert "with NO_GRAD():" in source
 
 
-def test_adam_parameter_update_and_step_count_are_replayed():
-    source, captured, _ = _train(lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    # exp_avg_sq is a copy (the graph computes its square root); the step counts, exp_avg
-    # and the parameters are replayed
-    assert captured.count(".clone()") == 4, captured
-    assert ".addcdiv_(" not in captured and ".lerp_(" not in captured
-    assert "FOREACH_ADDCDIV_(" in source and "FOREACH_LERP_(" in source and "COPY_ALL(" in source
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=1e-2),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3, maximize=True),
+], ids=["adam", "adamw", "adam-decay-maximize"])
+def test_adam_state_and_parameters_are_all_replayed(make_opt):
+    """Adam's step counts, ``exp_avg``, ``exp_avg_sq`` and parameters are updated in place
+    by the commit; its denominator ``(exp_avg_sq.sqrt() / c).add_(eps)``, read only by the
+    parameter's update, is a scratch tensor the commit computes between them: the graph
+    computes the gradients only, nothing is copied back."""
+    source, captured, _ = _train(make_opt)
+    for op in (".clone()", ".addcdiv_(", ".lerp_(", ".sqrt()", ".addcmul_("):
+        assert op not in captured, (op, captured)
+    assert "FOREACH_ADDCDIV_(" in source and "FOREACH_LERP_(" in source, source
+    assert "COPY_ALL(" not in source and source.count(".sqrt()") == 4, source
 
 
 def test_batchnorm_running_stats_stay_copies_and_match_eager():

@@ -17,6 +17,7 @@ form). Only plain dense CPU floating tensors of one dtype and shape are batched.
 from __future__ import annotations
 
 from ..fx_lower._torch_foreach import foreach_op
+from .rebuild import Scratch
 
 # method -> (foreach op, form of its operands): "t" a tensor, "n" a number; a keyword as
 # "name=n". ``same``: the operand positions that must be the same expression in a group;
@@ -39,10 +40,18 @@ NAMESPACE = {f"FOREACH_{name.upper()}_": foreach_op(name, True)
 
 
 class _Op:
-    def __init__(self, write, method: str, args: list, kwargs: list, target: str):
+    """One replayed op; ``makes``: it binds a scratch target (``D0 = s57.sqrt()``, its
+    first arg the tensor it reads) instead of updating it in place."""
+
+    def __init__(self, write, method: str, args: list, kwargs: list, target: str,
+                 makes: bool = False):
         self.write, self.method, self.args, self.kwargs, self.target = write, method, args, kwargs, target
+        self.makes = makes
 
     def call(self) -> str:
+        if self.makes:
+            operands = self.args[1:] + [f"{k}={v}" for k, v in self.kwargs]
+            return f"{self.target} = {self.args[0]}.{self.method}({', '.join(operands)})"
         operands = self.args + [f"{k}={v}" for k, v in self.kwargs]
         return f"{self.target}.{self.method}({', '.join(operands)})"
 
@@ -57,8 +66,9 @@ def replay_lines(render, writes: list, plain: bool) -> list[str]:
         target = render.expr(w.target)
         for method, args, kwargs in w.ops:
             ops.append(_Op(w, method, [render.expr(a) for a in args],
-                           [(k, render.expr(v)) for k, v in kwargs], target))
-        extra += [target] * w.bumps
+                           [(k, render.expr(v)) for k, v in kwargs], target, w.makes))
+        if not isinstance(w.target, Scratch):  # (a scratch tensor has no version to keep)
+            extra += [target] * w.bumps
     calls = [_group_call(render, g) if len(g) > 1 else g[0].call()
              for g in _groups(ops, plain)]
     lines = [f"with NO_GRAD(): {'; '.join(calls)}"]
@@ -92,7 +102,7 @@ def _groups(ops: list[_Op], plain: bool) -> list[list[_Op]]:
 def _key(op: _Op, depth: int):
     """Ops with equal keys are one foreach call; None: not batchable."""
     form = op.write.form  # (operand kinds, dtype), or () where not batchable
-    rule = _FOREACH.get((op.method, form[0])) if form else None
+    rule = _FOREACH.get((op.method, form[0])) if form and not op.makes else None
     if rule is None:
         return None
     same = tuple(op.args[s] if isinstance(s, int) else dict(op.kwargs)[s] for s in rule[1])
