@@ -1,13 +1,18 @@
 """The copy tax of optimizer updates (issue 14): whole training steps, eager vs specularch, on
 models whose step is dominated by the update's memory traffic.
 
-    python benchmarks/copy_tax.py [--workloads embedding-sgd,mlp-sgd,...] [--rounds 7] [--steps 10]
+    python benchmarks/copy_tax.py [--workloads big-adam,mlp-sgd,...] [--rounds 7] [--steps 10]
+                                  [--cpu-time]
 
-One process, ``torch.set_num_threads(1)``; eager and specularch interleaved round by round
-(identical models and batches), medians of the per-step time per round; prints each
-workload's eager ms/step, specularch ms/step and the speedup (eager / specularch). To compare
-two versions of specularch, run this script once per version, alternately, and compare the
-speedups (each is measured against eager in its own process).
+Workloads are ``model-optimizer``: models ``embedding``, ``mlp`` (4 x 1024, batch 16),
+``big`` (8 x Linear(1024), batch 256: issue 14's) and ``lenet``; optimizers ``sgd``,
+``momentum``, ``adam``, ``adamw``. One process, ``torch.set_num_threads(1)``; eager and
+specularch interleaved step by step (identical models and batches); prints each workload's
+median eager and specularch ms/step and the median of the per-step speedups (eager /
+specularch) with their quartiles. ``--cpu-time`` times steps by CPU time, which leaves out
+the time a loaded machine keeps the process waiting. To compare two versions of specularch,
+run this script once per version, alternately, and compare the speedups (each is measured
+against eager in its own process).
 """
 from __future__ import annotations
 
@@ -68,14 +73,20 @@ _MODELS = {  # name -> (model, batch maker)
 }
 
 
-def _time(fn, batches) -> float:
-    start = time.perf_counter()
+def _step_times(fast, eager, batches, clock) -> tuple[list, list]:
+    """Each batch's step, eager then specularch, alternately: both see the same load."""
+    times = [], []
     for x, y in batches:
-        fn(x, y)
-    return (time.perf_counter() - start) / len(batches)
+        for fn, into in ((eager, times[0]), (fast, times[1])):
+            start = clock()
+            fn(x, y)
+            into.append(clock() - start)
+    return times
 
 
-def bench(name: str, rounds: int, steps: int) -> tuple[float, float]:
+def bench(name: str, rounds: int, steps: int, clock=time.perf_counter) -> dict:
+    """Medians of the per-step times and of the per-pair speedups (eager / specularch),
+    with the speedups' quartiles."""
     model_name, opt_name = name.split("-")
     make_model, make_batch = _MODELS[model_name]
     torch.manual_seed(0)
@@ -85,15 +96,18 @@ def bench(name: str, rounds: int, steps: int) -> tuple[float, float]:
     eager = make_step(ref_model, _OPTIMIZERS[opt_name](ref_model.parameters()))
     g = torch.Generator().manual_seed(0)
     batches = [make_batch(g) for _ in range(steps)]
-    _time(fast, batches[:6])  # profiled calls and the capture
-    _time(eager, batches[:6])
-    times = {"eager": [], "specularch": []}
+    _step_times(fast, eager, batches[:6], clock)  # profiled calls and the capture
+    eager_t, fast_t = [], []
     for _ in range(rounds):
-        times["eager"].append(_time(eager, batches))
-        times["specularch"].append(_time(fast, batches))
+        e, f = _step_times(fast, eager, batches, clock)
+        eager_t += e
+        fast_t += f
     report = specularch.explain(fast)
     assert report.fallbacks == [], str(report)
-    return statistics.median(times["eager"]), statistics.median(times["specularch"])
+    ratios = sorted(e / f for e, f in zip(eager_t, fast_t))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return dict(eager=statistics.median(eager_t), fast=statistics.median(fast_t),
+                speedup=statistics.median(ratios), q1=q[0], q3=q[-1])
 
 
 def main() -> None:
@@ -102,12 +116,17 @@ def main() -> None:
                                                "mlp-adam,lenet-sgd,lenet-adam")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time each step by the process's CPU time, not the wall clock (on "
+                             "a machine shared with other work: time spent descheduled is left out)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"{'workload':16} {'eager ms':>9} {'specularch ms':>14} {'speedup':>8}")
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    print(f"{'workload':16} {'eager ms':>9} {'specularch ms':>14} {'speedup':>8}  (quartiles)")
     for name in args.workloads.split(","):
-        eager, fast = bench(name, args.rounds, args.steps)
-        print(f"{name:16} {eager * 1e3:9.3f} {fast * 1e3:14.3f} {eager / fast:7.3f}x", flush=True)
+        r = bench(name, args.rounds, args.steps, clock)
+        print(f"{name:16} {r['eager'] * 1e3:9.3f} {r['fast'] * 1e3:14.3f} {r['speedup']:7.3f}x"
+              f"  ({r['q1']:.3f}-{r['q3']:.3f})", flush=True)
 
 
 if __name__ == "__main__":

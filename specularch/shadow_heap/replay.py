@@ -34,6 +34,11 @@ _FOREACH = {
 }
 
 
+# A replayed tensor this large (bytes) makes the commit run its ops in program order
+# (``replay_lines``): about a quarter of a typical L2 cache times the few tensors one
+# parameter's update touches, so they stay cached from one op to the next.
+_LARGE_BYTES = 1 << 20
+
 # The foreach ops, by the names the entry calls them (``render.COMMIT_NAMESPACE``).
 NAMESPACE = {f"FOREACH_{name.upper()}_": foreach_op(name, True)
              for name in sorted({rule[0] for rule in _FOREACH.values()})}
@@ -69,12 +74,37 @@ def replay_lines(render, writes: list, plain: bool) -> list[str]:
                            [(k, render.expr(v)) for k, v in kwargs], target, w.makes))
         if not isinstance(w.target, Scratch):  # (a scratch tensor has no version to keep)
             extra += [target] * w.bumps
-    calls = [_group_call(render, g) if len(g) > 1 else g[0].call()
-             for g in _groups(ops, plain)]
-    lines = [f"with NO_GRAD(): {'; '.join(calls)}"]
+    # Large tensors run in program order, one op at a time, as eager's per-parameter loop:
+    # a parameter's few tensors stay in the cache from one op to the next, where one
+    # foreach call per op (or the same op on every tensor, reordered) streams them all
+    # through memory once per op; a scratch tensor is freed after its last use.
+    large = any(w.nbytes >= _LARGE_BYTES for w in writes)
+    groups = [[op] for op in ops] if large else _groups(ops, plain)
+    calls = [_group_call(render, g) if len(g) > 1 else g[0].call() for g in groups]
+    lines = [f"with NO_GRAD(): {'; '.join(_freeing(calls, groups))}"]
     if extra:
         lines.append(f"BUMP_VERSIONS(({', '.join(extra)}, ))")
     return lines
+
+
+def _freeing(calls: list[str], groups: list[list[_Op]]) -> list[str]:
+    """``calls`` with each scratch tensor deleted after the last call that uses it (the
+    entry's locals live until it returns)."""
+    scratch = {op.target for g in groups for op in g if op.makes}
+    last = {}
+    for i, g in enumerate(groups):
+        for op in g:
+            for name in {op.target, *op.args, *(v for _, v in op.kwargs)} & scratch:
+                last[name] = i
+    freed = {}
+    for name, i in last.items():
+        freed.setdefault(i, []).append(name)
+    out = []
+    for i, call in enumerate(calls):
+        out.append(call)
+        if i in freed:
+            out.append(f"del {', '.join(sorted(freed[i]))}")
+    return out
 
 
 def _groups(ops: list[_Op], plain: bool) -> list[list[_Op]]:

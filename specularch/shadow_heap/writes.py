@@ -279,6 +279,7 @@ class ReplayTensor(Write):
     where: str = ""
     form: tuple = ()  # ((operand kinds: "t" / "n" / "name=n"), dtype) when batchable (replay.py)
     makes: bool = False  # the op binds the scratch target: ``D0 = s57.sqrt()`` (args[0]: s57)
+    nbytes: int = 0  # the target's size at capture: large ones run in program order (replay.py)
 
     def __post_init__(self):
         if self.makes and not (isinstance(self.target, Scratch) and len(self.ops) == 1):

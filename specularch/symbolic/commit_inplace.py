@@ -234,7 +234,7 @@ class Graph:
             records.append(ReplayTensor(targets[u.clone], (_lower_op(op, targets, self, makes),),
                                         extra, u.write.where if u.write is not None else "",
                                         () if self.dynamic or makes else _form(op, u, of_alias),
-                                        makes))
+                                        makes, u.example.nbytes))
         for op in reversed(ops):
             op.graph.erase_node(op)
         for u in chosen:
