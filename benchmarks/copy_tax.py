@@ -10,7 +10,9 @@ Workloads are ``model-optimizer``: models ``embedding``, ``mlp`` (4 x 1024, batc
 specularch interleaved step by step (identical models and batches); prints each workload's
 median eager and specularch ms/step and the median of the per-step speedups (eager /
 specularch) with their quartiles. ``--cpu-time`` times steps by CPU time, which leaves out
-the time a loaded machine keeps the process waiting. To compare two versions of specularch,
+the time a loaded machine keeps the process waiting. ``--separate`` runs each side in its own
+process instead, alternately: in one process the two share the allocator, and on large
+models one side's memory peak changes how often the other's fresh allocations fault pages in. To compare two versions of specularch,
 run this script once per version, alternately, and compare the speedups (each is measured
 against eager in its own process).
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -87,15 +91,10 @@ def _step_times(fast, eager, batches, clock) -> tuple[list, list]:
 def bench(name: str, rounds: int, steps: int, clock=time.perf_counter) -> dict:
     """Medians of the per-step times and of the per-pair speedups (eager / specularch),
     with the speedups' quartiles."""
-    model_name, opt_name = name.split("-")
-    make_model, make_batch = _MODELS[model_name]
-    torch.manual_seed(0)
-    model = make_model()
+    model, opt, batches = _setup(name, steps)
     ref_model = copy.deepcopy(model)
-    fast = specularch.optimize(make_step(model, _OPTIMIZERS[opt_name](model.parameters())))
-    eager = make_step(ref_model, _OPTIMIZERS[opt_name](ref_model.parameters()))
-    g = torch.Generator().manual_seed(0)
-    batches = [make_batch(g) for _ in range(steps)]
+    fast = specularch.optimize(make_step(model, opt))
+    eager = make_step(ref_model, _OPTIMIZERS[name.split("-")[1]](ref_model.parameters()))
     _step_times(fast, eager, batches[:6], clock)  # profiled calls and the capture
     eager_t, fast_t = [], []
     for _ in range(rounds):
@@ -110,6 +109,48 @@ def bench(name: str, rounds: int, steps: int, clock=time.perf_counter) -> dict:
                 speedup=statistics.median(ratios), q1=q[0], q3=q[-1])
 
 
+def _setup(name: str, steps: int):
+    model_name, opt_name = name.split("-")
+    make_model, make_batch = _MODELS[model_name]
+    torch.manual_seed(0)
+    model = make_model()
+    g = torch.Generator().manual_seed(0)
+    return model, _OPTIMIZERS[opt_name](model.parameters()), [make_batch(g) for _ in range(steps)]
+
+
+def alone(name: str, side: str, rounds: int, steps: int, clock) -> float:
+    """Median seconds per step of one side, alone in this process."""
+    model, opt, batches = _setup(name, steps)
+    step = make_step(model, opt)
+    if side == "specularch":
+        step = specularch.optimize(step)
+    for x, y in batches[:6]:  # profiled calls and the capture
+        step(x, y)
+    times = []
+    for _ in range(rounds):
+        for x, y in batches:
+            start = clock()
+            step(x, y)
+            times.append(clock() - start)
+    return statistics.median(times)
+
+
+def separate(name: str, rounds: int, steps: int, cpu_time: bool) -> dict:
+    """Eager and specularch each in its own process, the processes alternating ``rounds``
+    times: neither side's memory use changes what the allocator gives the other (in one
+    process, the allocator's state is shared)."""
+    times = {"eager": [], "specularch": []}
+    for _ in range(rounds):
+        for side in times:
+            cmd = [sys.executable, __file__, "--alone", side, "--workloads", name, "--rounds", "1",
+                   "--steps", str(steps)] + ["--cpu-time"] * cpu_time
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            times[side].append(float(out.split()[-1]))
+    ratios = sorted(e / f for e, f in zip(times["eager"], times["specularch"]))
+    return dict(eager=statistics.median(times["eager"]), fast=statistics.median(times["specularch"]),
+                speedup=statistics.median(ratios), q1=ratios[0], q3=ratios[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="embedding-sgd,embedding-adam,mlp-sgd,mlp-momentum,"
@@ -119,12 +160,20 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="time each step by the process's CPU time, not the wall clock (on "
                              "a machine shared with other work: time spent descheduled is left out)")
+    parser.add_argument("--separate", action="store_true",
+                        help="each side in its own process, alternately (--rounds processes "
+                             "each); the range printed is the lowest and highest speedup")
+    parser.add_argument("--alone", choices=["eager", "specularch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     clock = time.process_time if args.cpu_time else time.perf_counter
-    print(f"{'workload':16} {'eager ms':>9} {'specularch ms':>14} {'speedup':>8}  (quartiles)")
+    if args.alone:
+        print(alone(args.workloads, args.alone, args.rounds, args.steps, clock))
+        return
+    print(f"{'workload':16} {'eager ms':>9} {'specularch ms':>14} {'speedup':>8}  (range)")
     for name in args.workloads.split(","):
-        r = bench(name, args.rounds, args.steps, clock)
+        r = separate(name, args.rounds, args.steps, args.cpu_time) if args.separate else \
+            bench(name, args.rounds, args.steps, clock)
         print(f"{name:16} {r['eager'] * 1e3:9.3f} {r['fast'] * 1e3:14.3f} {r['speedup']:7.3f}x"
               f"  ({r['q1']:.3f}-{r['q3']:.3f})", flush=True)
 

@@ -10,11 +10,18 @@ into a ``ReplayTensor``: the commit runs ``p.add_(R[i], alpha=n0)`` — the op e
 the same operands, so the same bits and the same version bumps — once every guard and
 in-graph assertion passed, like any deferred write (a graph that raises or whose assumption
 fails still leaves ``p`` untouched). A chain (``buf.mul_(m).add_(g)`` with nothing reading
-``buf`` afterwards) is replayed as its sequence of ops.
+``buf`` afterwards) is replayed as its sequence of ops; a value read only by other replayed
+ops (a momentum buffer read by its parameter's update) is replayed too, the commit running
+all ops in graph order. A tensor the graph makes elementwise from replayed values and that
+only replayed ops read (Adam's ``denom = (exp_avg_sq.sqrt() / c).add_(eps)``) becomes a
+*scratch* tensor the commit computes itself, between the updates (``D0 = s57.sqrt()``):
+Adam's whole step then runs in the commit as eager runs it, and the graph computes only the
+gradients. Nothing is written before every guard and assertion passed; the scratch ops, like
+the replayed ones, cannot raise on values.
 
 The write stays functional (the copy and the copy-back) when:
-* the graph reads the new value (Adam's ``exp_avg``, a momentum buffer read by the
-  parameter's update, a parameter read after ``opt.step()``), or a view of the copy is taken;
+* the graph reads the new value (a parameter read after ``opt.step()``, amsgrad's
+  ``torch.maximum`` of ``exp_avg_sq``), or a view of the copy is taken;
 * an op is not one of ``_REPLAYABLE`` (elementwise ops that cannot raise on values: a
   ``batch_norm`` updating running stats stays functional), or records autograd;
 * an operand shares memory with a tensor the commit writes, or is written in place later
@@ -137,11 +144,12 @@ class Graph:
     def _scratch(self, candidates: dict) -> None:
         """Adds the scratch tensors made from the candidates' values (transitively)."""
         known = {a for u in candidates.values() for a in u.aliases}
-        pending = [r for a in known for r in a.users]
+        pending, seen = [r for a in known for r in a.users], set()
         while pending:
             node = pending.pop()
-            if node in known:
+            if node in known or node in seen:
                 continue
+            seen.add(node)
             u = self._scratch_candidate(node)
             if u is not None:
                 candidates[node] = u
@@ -262,8 +270,8 @@ _MAKES_FN = {operator.truediv: "div", operator.mul: "mul", operator.add: "add",
 
 def _method_of(node: torch.fx.Node) -> str | None:
     """The tensor method ``node`` runs on its first arg, when it makes a scratch tensor."""
-    if not node.args or node.kwargs.get("rounding_mode") is not None:
-        return None
+    if not node.args or not set(node.kwargs) <= {"alpha"} or node.meta.get("mutates"):
+        return None  # (``out=`` would write, ``rounding_mode`` may raise on integers)
     if node.op == "call_method":
         return node.target if node.target in _MAKES else None
     if node.op == "call_function":
