@@ -144,8 +144,10 @@ def separate(name: str, rounds: int, steps: int, cpu_time: bool) -> dict:
         for side in times:
             cmd = [sys.executable, __file__, "--alone", side, "--workloads", name, "--rounds", "1",
                    "--steps", str(steps)] + ["--cpu-time"] * cpu_time
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            times[side].append(float(out.split()[-1]))
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+            times[side].append(float(done.stdout.split()[-1]))
     ratios = sorted(e / f for e, f in zip(times["eager"], times["specularch"]))
     return dict(eager=statistics.median(times["eager"]), fast=statistics.median(times["specularch"]),
                 speedup=statistics.median(ratios), q1=ratios[0], q3=ratios[-1])
