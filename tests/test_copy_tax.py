@@ -283,6 +283,15 @@ def operand_written_later(buf, x):
     return t
 
 
+def operand_written_between_ops(buf, x):
+    t = x * 2
+    with torch.no_grad():
+        buf.add_(t)
+        t.mul_(3)  # after the op that read t, before buf's last op: buf stays a copy
+        buf.mul_(2)
+    return t
+
+
 def operand_is_another_written_tensor(a, b):
     with torch.no_grad():
         a.add_(b)  # reads b before b's update, which the commit copies: a stays a copy
@@ -334,6 +343,7 @@ def chain_of_reads(a, b, c):
     (chain_of_reads, lambda: A(T(3, 4), T(3, 4), T(3, 4))),
     (chain_replayed, lambda: A(T(3, 4), T(3, 4))),
     (operand_written_later, lambda: A(T(3, 4), T(3, 4))),
+    (operand_written_between_ops, lambda: A(T(3, 4), T(3, 4))),
     (operand_is_another_written_tensor, lambda: A(T(3, 4), T(3, 4))),
     (self_operand, lambda: A(T(3, 4))),
     (read_between_writes, lambda: A(T(3, 4), T(3, 4))),
@@ -355,6 +365,7 @@ def test_replay_rules_match_eager(fn, make_args):
     replayed, copied = {chain_replayed: (True, False), operand_written_later: (False, True),
                         operand_is_another_written_tensor: (False, True),
                         self_operand: (True, False), read_between_writes: (True, False),
+                        operand_written_between_ops: (False, True),
                         scratch_replayed: (True, False), scratch_read_in_graph: (True, True),
                         chain_of_reads: (False, True)}[fn]
     assert ("with NO_GRAD():" in source) is replayed, source

@@ -204,13 +204,12 @@ class Graph:
         number the entry can compute, or a tensor whose value the commit still reads."""
         if any(r not in replayed for a in u.aliases for r in a.users):
             return False
-        last = self.order[u.ops[-1]]
         for op in u.ops:
             operands = op.args if op is u.clone else op.args[1:]  # (a scratch's input too)
             for a in [*operands, *op.kwargs.values()]:
                 if isinstance(a, torch.fx.Node) and a not in aliases:
                     if isinstance(a.meta.get("example"), torch.Tensor):
-                        if not self._stable(a, last):
+                        if not self._stable(a, self.order[op]):  # (not written after op read it)
                             return False
                     elif not _number_ok(a, self.sources):
                         return False
