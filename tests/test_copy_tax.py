@@ -27,10 +27,13 @@ def _batches(n, shape=(8, 6), classes=3):
             for _ in range(n)]
 
 
-def _model(batchnorm=False):
+def _model(batchnorm=False, wide=False):
+    """6 -> 16 -> 3; ``wide``: a 512 x 512 layer in the middle (1 MiB of weights: the commit
+    runs the replayed ops of so large a tensor in program order, shadow_heap/replay.py)."""
     torch.manual_seed(0)
-    layers = [nn.Linear(6, 16)] + ([nn.BatchNorm1d(16)] if batchnorm else []) + \
-        [nn.Tanh(), nn.Linear(16, 3)]
+    hidden = 512 if wide else 16
+    layers = [nn.Linear(6, hidden)] + ([nn.BatchNorm1d(hidden)] if batchnorm else []) + \
+        [nn.Tanh()] + ([nn.Linear(hidden, hidden), nn.Tanh()] if wide else []) + [nn.Linear(hidden, 3)]
     return nn.Sequential(*layers)
 
 
@@ -69,8 +72,8 @@ class _Bumps:
         self.last = now
 
 
-def _train(make_opt, *, batchnorm=False, after=None, steps=STEPS):
-    model = _model(batchnorm)
+def _train(make_opt, *, batchnorm=False, after=None, steps=STEPS, wide=False):
+    model = _model(batchnorm, wide)
     ref_model = copy.deepcopy(model)
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref_model.parameters())
     fast = specularch.optimize(mse_train_step(model, opt, after))
@@ -126,13 +129,38 @@ def test_adaptive_optimizers_replay_the_parameter_update(make_opt):
     assert "with NO_GRAD():" in source
 
 
-def test_adam_parameter_update_and_step_count_are_replayed():
-    source, captured, _ = _train(lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    # exp_avg_sq is a copy (the graph computes its square root); the step counts, exp_avg
-    # and the parameters are replayed
-    assert captured.count(".clone()") == 4, captured
-    assert ".addcdiv_(" not in captured and ".lerp_(" not in captured
-    assert "FOREACH_ADDCDIV_(" in source and "FOREACH_LERP_(" in source and "COPY_ALL(" in source
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=1e-2),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3, maximize=True),
+], ids=["adam", "adamw", "adam-decay-maximize"])
+def test_adam_state_and_parameters_are_all_replayed(make_opt):
+    """Adam's step counts, ``exp_avg``, ``exp_avg_sq`` and parameters are updated in place
+    by the commit; its denominator ``(exp_avg_sq.sqrt() / c).add_(eps)``, read only by the
+    parameter's update, is a scratch tensor the commit computes between them: the graph
+    computes the gradients only, nothing is copied back."""
+    source, captured, _ = _train(make_opt)
+    for op in (".clone()", ".addcdiv_(", ".lerp_(", ".sqrt()", ".addcmul_("):
+        assert op not in captured, (op, captured)
+    assert "FOREACH_ADDCDIV_(" in source and "FOREACH_LERP_(" in source, source
+    assert "COPY_ALL(" not in source and source.count(".sqrt()") == 4, source
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+], ids=["adam", "adamw", "momentum"])
+def test_large_tensors_are_updated_in_program_order(make_opt):
+    """With a 1 MiB weight the commit runs each parameter's ops in eager's order, one op at
+    a time (no foreach call), and frees each scratch tensor after its last use."""
+    source, captured, _ = _train(make_opt, wide=True)
+    assert "FOREACH_" not in source and "COPY_ALL(" not in source and ".clone()" not in captured
+    replay = next(line for line in source.splitlines() if "with NO_GRAD():" in line)
+    per_param = replay.split(".lerp_(" if "lerp_" in replay else ".mul_(")
+    assert len(per_param) == 7, replay  # 6 parameters, one after the other
+    if "sqrt" in replay:
+        assert replay.count("del D") == 12, replay  # 6 x (the square root, the denominator)
 
 
 def test_batchnorm_running_stats_stay_copies_and_match_eager():
@@ -151,7 +179,24 @@ def test_parameter_read_after_the_step_stays_functional():
     assert "COPY_ALL(" in source and source.count(".add_(R[") + source.count("FOREACH_ADD_") >= 1
 
 
-def test_graph_that_raises_after_the_update_leaves_everything_untouched():
+_UPDATES = [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=1e-2),
+]
+_UPDATE_IDS = ["momentum", "adam", "adamw"]
+
+
+def _replays_everything(fast, make_opt):
+    """The entry's commit runs every update (Adam's scratch denominators included)."""
+    source = _state_of(fast).entries[0].entry_source
+    assert "with NO_GRAD():" in source and "COPY_ALL(" not in source, source
+    adam = isinstance(make_opt([nn.Parameter(torch.ones(1))]), torch.optim.Adam)
+    assert ("D0 = " in source) is adam, source
+
+
+@pytest.mark.parametrize("make_opt", _UPDATES, ids=_UPDATE_IDS)
+def test_graph_that_raises_after_the_update_leaves_everything_untouched(make_opt):
     """The embedding lookup after ``opt.step()`` raises at run time on an index out of range
     (capture saw valid ones): the graph's update never reached the parameters; the eager
     re-run (which raises as eager does) applied it exactly once, as eager did."""
@@ -165,8 +210,7 @@ def test_graph_that_raises_after_the_update_leaves_everything_untouched():
         return step
     model, table = _model(), torch.randn(5, 2)
     ref_model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref_model.parameters())
     fast, ref = specularch.optimize(make(model, opt, table)), make(ref_model, ref_opt, table)
     ok, bad = torch.tensor([0, 4]), torch.tensor([1, 7])
     bumps = _Bumps((model, opt), (ref_model, ref_opt))
@@ -181,14 +225,17 @@ def test_graph_that_raises_after_the_update_leaves_everything_untouched():
             assert fast(x, y, idx) == ref(x, y, idx)
         _same(model, opt, ref_model, ref_opt)
         bumps.step()
-    assert "with NO_GRAD():" in _state_of(fast).entries[0].entry_source
+    _replays_everything(fast, make_opt)
+    assert specularch.explain(fast).stats.graph_hits >= STEPS - 5
 
 
 class _Box:
     big = 0
 
 
-def test_failed_assumption_after_the_update_commits_nothing():
+@pytest.mark.parametrize("make_opt", _UPDATES + [lambda ps: torch.optim.SGD(ps, lr=0.1)],
+                         ids=_UPDATE_IDS + ["sgd"])
+def test_failed_assumption_after_the_update_commits_nothing(make_opt):
     """A branch on the loss after ``opt.step()`` (a Python write on one side: not mergeable)
     is speculated in the graph; when it goes the other way the entry returns before its
     commit and the call runs eagerly once: the update is applied once."""
@@ -204,13 +251,13 @@ def test_failed_assumption_after_the_update_commits_nothing():
         return step
     model = _model()
     ref_model = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref_model.parameters())
     box, ref_box = _Box(), _Box()
     fast, ref = specularch.optimize(make(model, opt, box)), make(ref_model, ref_opt, ref_box)
     bumps = _Bumps((model, opt), (ref_model, ref_opt))
     for i, (x, y) in enumerate(_batches(10)):
         if i == 7:  # the graph replays the update in its commit
-            assert "with NO_GRAD():" in _state_of(fast).entries[0].entry_source
+            _replays_everything(fast, make_opt)
         scale = 100.0 if i == 7 else 0.1  # the loss crosses 100 after capture
         assert fast(x * scale, y * scale) == ref(x * scale, y * scale)
         _same(model, opt, ref_model, ref_opt)
@@ -236,6 +283,15 @@ def operand_written_later(buf, x):
     return t
 
 
+def operand_written_between_ops(buf, x):
+    t = x * 2
+    with torch.no_grad():
+        buf.add_(t)
+        t.mul_(3)  # after the op that read t, before buf's last op: buf stays a copy
+        buf.mul_(2)
+    return t
+
+
 def operand_is_another_written_tensor(a, b):
     with torch.no_grad():
         a.add_(b)  # reads b before b's update, which the commit copies: a stays a copy
@@ -257,9 +313,37 @@ def self_operand(buf):
     return None
 
 
+def scratch_replayed(v, p, g):
+    with torch.no_grad():  # Adam's shape: a denominator made from v, read by p's update only
+        v.mul_(0.9).addcmul_(g, g, value=0.1)
+        p.addcdiv_(g, (v.sqrt() / 3).add_(1e-8), value=-0.1)
+    return g.sum()
+
+
+def scratch_read_in_graph(v, p, g):
+    with torch.no_grad():
+        v.mul_(0.9)
+        d = v.sqrt()
+        p.add_(d)  # replayed, reading the graph's d
+    return d.sum()  # the graph reads d: v's update stays a copy
+
+
+def chain_of_reads(a, b, c):
+    with torch.no_grad():
+        c.mul_(2)
+        b.add_(c)  # reads c's new value
+        a.add_(b)  # reads b's new value
+        s = a * 1  # a's new value read in the graph: a, then b, then c stay copies
+    return s
+
+
 @pytest.mark.parametrize("fn, make_args", [
+    (scratch_replayed, lambda: A(T(3, 4, low=0), T(3, 4), T(3, 4))),
+    (scratch_read_in_graph, lambda: A(T(3, 4, low=0), T(3, 4), T(3, 4))),
+    (chain_of_reads, lambda: A(T(3, 4), T(3, 4), T(3, 4))),
     (chain_replayed, lambda: A(T(3, 4), T(3, 4))),
     (operand_written_later, lambda: A(T(3, 4), T(3, 4))),
+    (operand_written_between_ops, lambda: A(T(3, 4), T(3, 4))),
     (operand_is_another_written_tensor, lambda: A(T(3, 4), T(3, 4))),
     (self_operand, lambda: A(T(3, 4))),
     (read_between_writes, lambda: A(T(3, 4), T(3, 4))),
@@ -280,6 +364,32 @@ def test_replay_rules_match_eager(fn, make_args):
     source = _state_of(opt).entries[0].entry_source
     replayed, copied = {chain_replayed: (True, False), operand_written_later: (False, True),
                         operand_is_another_written_tensor: (False, True),
-                        self_operand: (True, False), read_between_writes: (True, False)}[fn]
+                        self_operand: (True, False), read_between_writes: (True, False),
+                        operand_written_between_ops: (False, True),
+                        scratch_replayed: (True, False), scratch_read_in_graph: (True, True),
+                        chain_of_reads: (False, True)}[fn]
     assert ("with NO_GRAD():" in source) is replayed, source
     assert ("COPY_ALL(" in source) is copied, source
+    assert ("D0 = " in source) is (fn is scratch_replayed), source
+
+
+def test_dropping_a_long_chain_of_updates_checks_each_a_few_times(monkeypatch):
+    """``b[i].add_(b[i + 1])`` for i = n-2 .. 0, then ``b[0]`` read in the graph: b[0] stays
+    a copy, so b[1]'s new value is read by an op not replayed, and so on down the chain.
+    The worklist rechecks only the neighbours of a dropped update (a fixpoint over all
+    updates would check them n times each: quadratic in the graph's size)."""
+    from specularch.symbolic import commit_inplace
+    calls = []
+    ok = commit_inplace.Graph._ok
+    monkeypatch.setattr(commit_inplace.Graph, "_ok", lambda *a: calls.append(1) or ok(*a))
+    n = 40
+
+    def chain(*bufs):
+        with torch.no_grad():
+            bufs[-1].mul_(2)
+            for i in reversed(range(n - 1)):
+                bufs[i].add_(bufs[i + 1])
+        return bufs[0] * 1
+    expect_graph(check(chain, lambda: A(*(T(2, 3, seed=i) for i in range(n))), calls=5,
+                       expect="graph"))
+    assert n <= len(calls) <= 4 * n, len(calls)  # every update checked, each a few times

@@ -20,6 +20,8 @@ fails at capture with a message naming the record, not later inside generated co
                                            strings formatted after the graph (printing.py)
     Number(fn, (..), uid) / ClockRead(fn, seq, phase)
                                            numbers the entry computes (deferred.py)
+    Scratch(uid)                           D0: a tensor the commit computes for its replayed
+                                           in-place ops (Adam's denominator; replay.py)
 """
 from __future__ import annotations
 
@@ -353,6 +355,21 @@ class Number(Rebuild):
 
     def _call(self, r) -> str:
         return f"{r.const(self.fn)}({', '.join(r.expr(s) for s in self.args)})"
+
+
+@dataclass(frozen=True)
+class Scratch(Rebuild):
+    """A tensor the commit computes itself between replayed in-place ops (``D0 =
+    s57.sqrt()``, symbolic/commit_inplace.py), bound by the replay (shadow_heap/replay.py)."""
+
+    uid: int
+
+    def __post_init__(self):
+        if not _index_ok(self.uid):
+            raise malformed("Scratch", f"uid {self.uid!r} is not a scratch tensor number")
+
+    def render(self, r) -> str:
+        return f"D{self.uid}"
 
 
 @dataclass(frozen=True, eq=False)

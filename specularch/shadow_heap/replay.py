@@ -17,6 +17,7 @@ form). Only plain dense CPU floating tensors of one dtype and shape are batched.
 from __future__ import annotations
 
 from ..fx_lower._torch_foreach import foreach_op
+from .rebuild import Scratch
 
 # method -> (foreach op, form of its operands): "t" a tensor, "n" a number; a keyword as
 # "name=n". ``same``: the operand positions that must be the same expression in a group;
@@ -33,16 +34,29 @@ _FOREACH = {
 }
 
 
+# A replayed tensor this large (bytes) makes the commit run its ops in program order
+# (``replay_lines``): about a quarter of a typical L2 cache times the few tensors one
+# parameter's update touches, so they stay cached from one op to the next.
+_LARGE_BYTES = 1 << 20
+
 # The foreach ops, by the names the entry calls them (``render.COMMIT_NAMESPACE``).
 NAMESPACE = {f"FOREACH_{name.upper()}_": foreach_op(name, True)
              for name in sorted({rule[0] for rule in _FOREACH.values()})}
 
 
 class _Op:
-    def __init__(self, write, method: str, args: list, kwargs: list, target: str):
+    """One replayed op; ``makes``: it binds a scratch target (``D0 = s57.sqrt()``, its
+    first arg the tensor it reads) instead of updating it in place."""
+
+    def __init__(self, write, method: str, args: list, kwargs: list, target: str,
+                 makes: bool = False):
         self.write, self.method, self.args, self.kwargs, self.target = write, method, args, kwargs, target
+        self.makes = makes
 
     def call(self) -> str:
+        if self.makes:
+            operands = self.args[1:] + [f"{k}={v}" for k, v in self.kwargs]
+            return f"{self.target} = {self.args[0]}.{self.method}({', '.join(operands)})"
         operands = self.args + [f"{k}={v}" for k, v in self.kwargs]
         return f"{self.target}.{self.method}({', '.join(operands)})"
 
@@ -57,14 +71,40 @@ def replay_lines(render, writes: list, plain: bool) -> list[str]:
         target = render.expr(w.target)
         for method, args, kwargs in w.ops:
             ops.append(_Op(w, method, [render.expr(a) for a in args],
-                           [(k, render.expr(v)) for k, v in kwargs], target))
-        extra += [target] * w.bumps
-    calls = [_group_call(render, g) if len(g) > 1 else g[0].call()
-             for g in _groups(ops, plain)]
-    lines = [f"with NO_GRAD(): {'; '.join(calls)}"]
+                           [(k, render.expr(v)) for k, v in kwargs], target, w.makes))
+        if not isinstance(w.target, Scratch):  # (a scratch tensor has no version to keep)
+            extra += [target] * w.bumps
+    # Large tensors run in program order, one op at a time, as eager's per-parameter loop:
+    # a parameter's few tensors stay in the cache from one op to the next, where one
+    # foreach call per op (or the same op on every tensor, reordered) streams them all
+    # through memory once per op; a scratch tensor is freed after its last use.
+    large = any(w.nbytes >= _LARGE_BYTES for w in writes)
+    groups = [[op] for op in ops] if large else _groups(ops, plain)
+    calls = [_group_call(render, g) if len(g) > 1 else g[0].call() for g in groups]
+    lines = [f"with NO_GRAD(): {'; '.join(_freeing(calls, groups))}"]
     if extra:
         lines.append(f"BUMP_VERSIONS(({', '.join(extra)}, ))")
     return lines
+
+
+def _freeing(calls: list[str], groups: list[list[_Op]]) -> list[str]:
+    """``calls`` with each scratch tensor deleted after the last call that uses it (the
+    entry's locals live until it returns)."""
+    scratch = {op.target for g in groups for op in g if op.makes}
+    last = {}
+    for i, g in enumerate(groups):
+        for op in g:
+            for name in {op.target, *op.args, *(v for _, v in op.kwargs)} & scratch:
+                last[name] = i
+    freed = {}
+    for name, i in last.items():
+        freed.setdefault(i, []).append(name)
+    out = []
+    for i, call in enumerate(calls):
+        out.append(call)
+        if i in freed:
+            out.append(f"del {', '.join(sorted(freed[i]))}")
+    return out
 
 
 def _groups(ops: list[_Op], plain: bool) -> list[list[_Op]]:
@@ -92,7 +132,7 @@ def _groups(ops: list[_Op], plain: bool) -> list[list[_Op]]:
 def _key(op: _Op, depth: int):
     """Ops with equal keys are one foreach call; None: not batchable."""
     form = op.write.form  # (operand kinds, dtype), or () where not batchable
-    rule = _FOREACH.get((op.method, form[0])) if form else None
+    rule = _FOREACH.get((op.method, form[0])) if form and not op.makes else None
     if rule is None:
         return None
     same = tuple(op.args[s] if isinstance(s, int) else dict(op.kwargs)[s] for s in rule[1])

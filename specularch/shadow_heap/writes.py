@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
 from ..guards.sources import Source
-from .rebuild import CallerGlobals, FromSource, GraphOutput, Pinned, Rebuild, malformed
+from .rebuild import CallerGlobals, FromSource, GraphOutput, Pinned, Rebuild, Scratch, malformed
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,7 +265,9 @@ class UpdateTensor(Write):
 class ReplayTensor(Write):
     """An existing tensor updated by the commit itself with the in-place ops eager ran on it,
     in order (``p.add_(R[3], alpha=n0)``), instead of a copy of the graph's result: made by
-    ``symbolic/commit_inplace.py`` when nothing in the graph reads the new value. ``ops``:
+    ``symbolic/commit_inplace.py`` when nothing in the graph reads the new value. The target
+    may be a ``Scratch`` tensor the commit makes with its first op (``D0 = s57.sqrt()``) and
+    only replayed ops read. ``ops``:
     ``((method, (arg record, ...), (("name", record), ...)), ...)``, already lowered (read from
     graph outputs, sources, constants and numbers); ``bumps``: version increments eager made
     beyond one per op. The commit batches replays into foreach calls (``replay.py``)."""
@@ -276,10 +278,15 @@ class ReplayTensor(Write):
     bumps: int = 0
     where: str = ""
     form: tuple = ()  # ((operand kinds: "t" / "n" / "name=n"), dtype) when batchable (replay.py)
+    makes: bool = False  # the op binds the scratch target: ``D0 = s57.sqrt()`` (args[0]: s57)
+    nbytes: int = 0  # the target's size at capture: large ones run in program order (replay.py)
 
     def __post_init__(self):
-        if not self.ops or not all(isinstance(m, str) and m.endswith("_") and isinstance(a, tuple)
-                                   and isinstance(k, tuple) for m, a, k in self.ops):
+        if self.makes and not (isinstance(self.target, Scratch) and len(self.ops) == 1):
+            raise malformed("ReplayTensor", "only one op makes a scratch tensor")
+        if not self.ops or not all(isinstance(m, str) and (m.endswith("_") or self.makes)
+                                   and isinstance(a, tuple) and isinstance(k, tuple)
+                                   for m, a, k in self.ops):
             raise malformed("ReplayTensor", f"ops {self.ops!r} are not (in-place method, args, "
                                             "kwargs) triples")
         if not (type(self.bumps) is int and self.bumps >= 0):
