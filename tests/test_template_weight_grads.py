@@ -1,8 +1,9 @@
 """Batched recursion templates make each weight's gradient once per call
 (specularch/templates/weight_grads.py), not once per level of the structure. Differential:
 values and gradients against eager on new trees, through ``backward`` outside the graph,
-twice with ``retain_graph``, under ``no_grad``, with a frozen weight, and a weight that is
-also used outside a ``linear``; ``templates="exact"`` keeps eager's products and bits."""
+twice with ``retain_graph``, under ``no_grad``, with a frozen weight, a weight that is also
+used outside a ``linear``, and a batched call that raises; ``templates="exact"`` keeps
+eager's products and bits."""
 from __future__ import annotations
 
 import copy
@@ -149,3 +150,41 @@ def test_a_weight_used_outside_linear_keeps_its_ordinary_gradient():
         b.sum().backward()
         for p, q in zip(eager.parameters(), fast.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def _with_word(tree, word):
+    """``tree`` with its leftmost leaf's word replaced."""
+    node = tree
+    while not node.is_leaf:
+        node = node.left
+    node.word = word
+    return tree
+
+
+def test_a_batched_call_that_raises_raises_as_eager_and_changes_nothing():
+    """A leaf's word out of the embedding's range: the batched level raises inside the graph
+    (after other levels made their weights' shared views); the call raises eager's error,
+    no parameter or gradient changes, and the next tree runs as a graph again."""
+    eager, fast, f = _pair(tree_lstm.TreeLSTM, 50, 8)
+    for seed in range(2):
+        trees = _trees(seed, 2)
+        eager(trees).sum().backward()
+        f(fast, trees).sum().backward()
+    before = [(p.detach().clone(), p.grad.clone()) for p in fast.parameters()]
+    bad = [_trees(5, 1)[0], _with_word(_trees(6, 1)[0], 999)]
+    with pytest.raises(IndexError) as eager_error:
+        eager(bad)
+    with pytest.raises(IndexError) as fast_error:
+        f(fast, bad)
+    assert str(fast_error.value) == str(eager_error.value)
+    for p, (value, grad) in zip(fast.parameters(), before):
+        assert torch.equal(p, value) and torch.equal(p.grad, grad)
+    trees = _trees(7, 2)
+    hits = specularch.explain(f).stats.graph_hits
+    a, b = eager(trees), f(fast, trees)
+    assert specularch.explain(f).stats.graph_hits == hits + 1
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    a.sum().backward()
+    b.sum().backward()
+    for p, q in zip(eager.parameters(), fast.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -2,9 +2,10 @@
 their children done) run as one batched call of the path's row-wise form.
 
 Results are kept per batch (a tensor with one row per instance, per output); a parent's
-hole input is gathered from its children's batches with ``index_select`` (and ``cat`` when
-they come from several batches). A path without a row-wise form runs its instances one by
-one, each a batch of one row. Rounding may differ from eager (see rowwise.py); random ops
+hole input is gathered from its children's batches (``cat`` when they come from several,
+then ``narrow`` or ``index_select``). A level of one instance runs the row-wise form too; a
+path without one runs its instances one by one, each a batch of one row. The linears of the
+row-wise forms leave their weights' gradients to ``weight_grads.py`` (one per call). Rounding may differ from eager (see rowwise.py); random ops
 never get here (``Family.run`` evaluates those in eager's order).
 """
 from __future__ import annotations
