@@ -4,11 +4,14 @@ their children done) run as one batched call of the path's row-wise form.
 Results are kept per batch (a tensor with one row per instance, per output); a parent's
 hole input is gathered from its children's batches (``cat`` when they come from several,
 then ``narrow`` or ``index_select``). A level of one instance runs the row-wise form too; a
-path without one runs its instances one by one, each a batch of one row. The linears of the
-row-wise forms leave their weights' gradients to ``weight_grads.py`` (one per call). Rounding may differ from eager (see rowwise.py); random ops
-never get here (``Family.run`` evaluates those in eager's order).
+path without one runs its instances one by one, each a batch of one row. The row-wise
+forms' linears leave large weights' gradients to ``weight_grads.py`` (one per call).
+Rounding may differ from eager (see rowwise.py); random ops never get here (``Family.run``
+evaluates those in eager's order).
 """
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -74,8 +77,9 @@ class _Store:
 
 def run_batched(family, plan: Plan, ctx: tuple) -> list:
     store = _Store(len(plan.paths))
-    weights = SharedWeights()
-    for (height, path_id), instances in _levels(plan):
+    levels = _levels(plan)
+    weights = SharedWeights(collections.Counter(path_id for (_, path_id), _ in levels))
+    for (height, path_id), instances in levels:
         path = plan.paths[instances[0]]
         form = _form(path)
         if isinstance(form, str):
@@ -132,7 +136,7 @@ def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Stor
         if inp.kind == "ctx":
             tensor = ctx_tensor(ctx, inp.index)
             if position in form.deferred:
-                tensor, used = weights.get(inp.index, tensor)
+                tensor, used = weights.get(inp.index, tensor, path)
                 rows.append(used)
             args.append(tensor)
         elif inp.kind == "node":
