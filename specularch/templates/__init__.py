@@ -9,6 +9,7 @@ equal to eager within float rounding).
 * ``family.py`` — the paths of one recursive function, path selection, exact evaluation.
 * ``wavefront.py`` — planning a structure into levels and running each level batched.
 * ``rowwise.py`` — whether a path graph can run on many instances at once, and that form.
+* ``weight_grads.py`` — a ``linear`` weight's gradient made once per batched call.
 * ``callsite.py`` — where capture meets recursion: the hook called by ``symbolic.calls``.
 """
 

@@ -33,6 +33,8 @@ class Batched:
 
     gm: torch.fx.GraphModule
     number_dtypes: dict   # input position -> (dtype, device, rank) of the tensor of numbers
+    deferred: tuple = ()  # input positions of weights whose gradient is made once per call
+                          # (weight_grads.py): ``gm`` takes their ``Rows`` after the inputs
 
 
 def batched_form(path) -> Batched | str:

@@ -2,17 +2,22 @@
 their children done) run as one batched call of the path's row-wise form.
 
 Results are kept per batch (a tensor with one row per instance, per output); a parent's
-hole input is gathered from its children's batches with ``index_select`` (and ``cat`` when
-they come from several batches). A path without a row-wise form runs its instances one by
-one, each a batch of one row. Rounding may differ from eager (see rowwise.py); random ops
-never get here (``Family.run`` evaluates those in eager's order).
+hole input is gathered from its children's batches (``cat`` when they come from several,
+then ``narrow`` or ``index_select``). A level of one instance runs the row-wise form too; a
+path without one runs its instances one by one, each a batch of one row. The row-wise
+forms' linears leave large weights' gradients to ``weight_grads.py`` (one per call).
+Rounding may differ from eager (see rowwise.py); random ops never get here (``Family.run``
+evaluates those in eager's order).
 """
 from __future__ import annotations
+
+import collections
 
 import torch
 
 from .family import Plan, _arguments, ctx_tensor
 from .rowwise import batched_form
+from .weight_grads import SharedWeights, defer
 
 
 class _Store:
@@ -29,41 +34,40 @@ class _Store:
         for row, i in enumerate(instances):
             self.where[i] = (b, row)
 
-    def gather(self, instances: list[int], slot: int) -> torch.Tensor:
-        """Rows of output ``slot`` of ``instances``, in that order, as one tensor."""
-        where = self.where
-        first = where[instances[0]][0]
-        rows = []
-        for i in instances:
-            b, r = where[i]
-            if b != first:
-                return self._from_batches(instances, slot)
-            rows.append(r)
-        return self._rows(first, slot, rows)
-
-    def _from_batches(self, instances: list[int], slot: int) -> torch.Tensor:
+    def select(self, instances: list[int]) -> tuple:
+        """Where the rows of ``instances`` are, in that order: ``(batches, rows)``, the
+        batches they come from and ``rows`` (``(start, count)`` for a run of one batch's
+        rows, else an index into the batches' outputs joined). One selection serves every
+        output slot of the children (the ``h`` and ``c`` of a TreeLSTM's child)."""
         places = [self.where[i] for i in instances]
-        order: dict[int, list[int]] = {}
-        for b, r in places:
-            order.setdefault(b, []).append(r)
-        pieces = [self._rows(b, slot, rows) for b, rows in order.items()]
-        position, offset = {}, 0
-        for b, rows in order.items():
-            for k, r in enumerate(rows):
-                position[(b, r)] = offset + k
-            offset += len(rows)
-        joined = torch.cat(pieces)
-        perm = [position[p] for p in places]
-        if perm == list(range(len(perm))):
-            return joined
-        return joined.index_select(0, torch.tensor(perm, device=joined.device))
+        used = sorted({b for b, _ in places})
+        if len(used) == 1:
+            rows = [r for _, r in places]
+            start, n = rows[0], len(rows)
+            if rows[-1] - start == n - 1 and rows == list(range(start, start + n)):
+                return used, (start, n)
+        else:
+            offsets, total = {}, 0
+            for b in used:
+                offsets[b] = total
+                total += self.batches[b][0].shape[0]
+            rows = [offsets[b] + r for b, r in places]
+            if rows == list(range(total)):
+                return used, (0, total)
+        device = self.batches[used[0]][0].device
+        return used, torch.tensor(rows, device=device)
 
-    def _rows(self, b: int, slot: int, rows: list[int]) -> torch.Tensor:
-        out = self.batches[b][slot]
-        n, start = len(rows), rows[0]
-        if rows[-1] - start == n - 1 and rows == list(range(start, start + n)):
-            return out if n == out.shape[0] else out.narrow(0, start, n)
-        return out.index_select(0, torch.tensor(rows, device=out.device))
+    def take(self, selection: tuple, slot: int) -> torch.Tensor:
+        """Output ``slot`` of the selected rows, as one tensor: the batches' outputs joined
+        whole and one ``narrow`` or ``index_select``, two ops (and their two backward
+        nodes) however many batches the rows come from."""
+        used, rows = selection
+        outs = [self.batches[b][slot] for b in used]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if not isinstance(rows, tuple):
+            return out.index_select(0, rows)
+        start, n = rows
+        return out if start == 0 and n == out.shape[0] else out.narrow(0, start, n)
 
     def result(self, i: int, arity):
         b, row = self.where[i]
@@ -73,14 +77,21 @@ class _Store:
 
 def run_batched(family, plan: Plan, ctx: tuple) -> list:
     store = _Store(len(plan.paths))
-    for (height, path_id), instances in _levels(plan):
+    levels = _levels(plan)
+    weights = SharedWeights(collections.Counter(path_id for (_, path_id), _ in levels))
+    for (height, path_id), instances in levels:
         path = plan.paths[instances[0]]
         form = _form(path)
-        if isinstance(form, str) or len(instances) == 1:
+        if isinstance(form, str):
             for i in instances:
                 store.add([i], path.gm.forward(*_one(path, ctx, plan, i, store)))
-        else:
-            store.add(instances, form.gm.forward(*_many(path, form, ctx, plan, instances, store)))
+            path.runs += len(instances)
+            continue
+        # a level of one instance runs the batched form too: its weights' gradients are
+        # then made with the other levels' (weight_grads.py)
+        args = _many(path, form, ctx, plan, instances, store, weights)
+        store.add(instances, form.gm.forward(*args))
+        if len(instances) > 1:
             family.stats["batches"] += 1
             family.stats["batched_instances"] += len(instances)
             family.stats["largest_batch"] = max(family.stats["largest_batch"], len(instances))
@@ -91,7 +102,11 @@ def run_batched(family, plan: Plan, ctx: tuple) -> list:
 
 def _form(path):
     if path.batched is None:
-        path.batched = batched_form(path)
+        form = batched_form(path)
+        if not isinstance(form, str):
+            ctx_inputs = {i: inp.kind == "ctx" for i, inp in enumerate(path.inputs)}
+            form.gm, form.deferred = defer(form.gm, ctx_inputs)
+        path.batched = form
     return path.batched
 
 
@@ -114,11 +129,16 @@ class _HoleOutputs:
         return self.store.result(i, self.plan.paths[i].arity)
 
 
-def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Store) -> list:
-    args = []
+def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Store,
+          weights: SharedWeights) -> list:
+    args, rows, selections = [], [], {}
     for position, inp in enumerate(path.inputs):
         if inp.kind == "ctx":
-            args.append(ctx_tensor(ctx, inp.index))
+            tensor = ctx_tensor(ctx, inp.index)
+            if position in form.deferred:
+                tensor, used = weights.get(inp.index, tensor, path)
+                rows.append(used)
+            args.append(tensor)
         elif inp.kind == "node":
             values = [plan.nodes[i][inp.index] for i in instances]
             if position in form.number_dtypes:
@@ -128,6 +148,9 @@ def _many(path, form, ctx: tuple, plan: Plan, instances: list[int], store: _Stor
             else:
                 args.append(torch.cat(values))
         else:
-            kids = [plan.kids[i][inp.index] for i in instances]
-            args.append(store.gather(kids, inp.slot))
-    return args
+            selection = selections.get(inp.index)
+            if selection is None:
+                kids = [plan.kids[i][inp.index] for i in instances]
+                selection = selections[inp.index] = store.select(kids)
+            args.append(store.take(selection, inp.slot))
+    return args + rows
