@@ -36,15 +36,18 @@ def make_step(layers: int):
     model = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(BATCH, SEQ, WIDTH)
+    return square_loss_step(model, opt), x
 
+
+def square_loss_step(model, opt):
+    """The training step ``x -> loss.item()`` with the mean squared output as the loss."""
     def train_step(x):
         opt.zero_grad()
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
         return loss.item()
-
-    return train_step, x
+    return train_step
 
 
 def measure(layers: int) -> dict:

@@ -23,6 +23,8 @@ from torch import nn
 import specularch
 from specularch import config
 
+from capture_cost import square_loss_step  # this folder's capture-cost benchmark
+
 BATCH, SEQ, WIDTH, HEADS, FFN = 8, 16, 64, 4, 128
 
 
@@ -43,15 +45,7 @@ def make_step(kind: str, layers: int):
     torch.manual_seed(0)
     model, x = MODELS[kind](layers)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def train_step(x):
-        opt.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return train_step, x
+    return square_loss_step(model, opt), x
 
 
 def _entry_namespace(fn):

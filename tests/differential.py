@@ -541,6 +541,19 @@ def mse_train_step(model, opt, after=None):
     return train_step
 
 
+def lm_train_step(model, opt):
+    """A language model's training step ``(tokens, targets) -> loss`` (cross-entropy over
+    every position of the ``(batch, time, vocab)`` logits)."""
+    def step(tokens, targets):
+        opt.zero_grad()
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
 def check(fn, make_args, *, calls=DEFAULT_CALLS, expect=None, fallback_kind=None, fallback_line=None,
           fallback_file=None, atol=0.0, rtol=0.0, grad=False, backend=None, state=None):
     """Run ``fn`` eagerly and optimized ``calls`` times on identical inputs and compare everything;

@@ -16,6 +16,7 @@ from torch import nn
 import specularch
 from specularch import config
 from specularch.fx_lower import compile_cache
+from differential import mse_train_step
 
 STEPS = 4
 
@@ -26,13 +27,7 @@ def _model():
 
 
 def _train_step(model, opt):
-    def train_step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-    return train_step
+    return mse_train_step(model, opt, after=lambda model, loss: loss.detach())
 
 
 def _batches():

@@ -14,6 +14,7 @@ from torch import nn
 
 import specularch
 from specularch.explain import DETAIL_HINT
+from differential import mse_train_step
 
 GRAPH_LINE = re.compile(r"^  graph (\d+): backend=(\S+) runs=(\d+) capture=[\d.]+ms "
                         r"compile=[\d.]+ms inputs=(\d+) guards=(\d+) \(([\d.]+)µs\)$", re.M)
@@ -26,14 +27,7 @@ def _mlp_adam():
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def _step(model, opt):
-    def train_step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return train_step
+_step = mse_train_step
 
 
 def _batch(i):

@@ -14,20 +14,12 @@ from torch import nn
 import specularch
 from specularch.workloads import lstm_lm
 
-from differential import A, T, assert_same, check
+from differential import lm_train_step, A, T, assert_same, check
 
 RTOL = 1e-5
 
 
-def _lm_step(model, opt):
-    def step(tokens, targets):
-        opt.zero_grad()
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        opt.step()
-        return loss
-    return step
+_lm_step = lm_train_step
 
 
 def _train_both(lengths, *, dropout, templates, rtol, momentum=0.0, layers=2, backend="fx"):
