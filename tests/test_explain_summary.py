@@ -63,7 +63,7 @@ def test_mlp_adam_step_summary_is_short_and_counts_guards():
     summary = str(e)
     assert 5 <= len(summary.splitlines()) <= 25, summary
     assert len(e.guards) > 50  # what the summary leaves out: the step has many guards
-    assert summary.startswith("specularch report for _step.<locals>.train_step\nstats: calls=6 ")
+    assert summary.startswith("specularch report for mse_train_step.<locals>.train_step\nstats: calls=6 ")
     _check_graph_lines(e, summary)
     assert not any(g in summary for g in e.guards), summary  # counted, not listed
     assert "def forward(" not in summary and "  guards:" not in summary
