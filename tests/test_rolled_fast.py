@@ -91,8 +91,7 @@ class _Cells(nn.Module):
         outs = []
         for t in range(tokens.shape[0]):
             h, c = self.a(torch.relu(self.table(tokens[t])), (h, c))
-            # (b reads tanh(h), not h: a size of h read in iteration 0 and again in the next
-            # one makes the loop unrolled today, rolled_loops.py's business)
+            # (b reading the raw h: test_rolled_loops.py's stacked cells)
             hb, cb = self.b(torch.tanh(h), (hb, cb))
             outs.append(hb)
         return torch.stack(outs).sum() + c.sum() * 2
