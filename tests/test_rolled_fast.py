@@ -83,8 +83,7 @@ class _Cells(nn.Module):
         outs = []
         for t in range(tokens.shape[0]):
             h, c = self.a(torch.relu(self.table(tokens[t])), (h, c))
-            # (b reads tanh(h), not h: a size of h read in iteration 0 and again in the next
-            # one makes the loop unrolled today, rolled_loops.py's business)
+            # (b reading the raw h: test_rolled_loops.py's stacked cells)
             hb, cb = self.b(torch.tanh(h), (hb, cb))
             outs.append(hb)
         return torch.stack(outs).sum() + c.sum() * 2
@@ -138,3 +137,54 @@ def test_a_prelude_reading_past_the_indexed_tensor_raises_like_eager():
     report = check(_lookups, args, calls=7, grad=True, rtol=RTOL, atol=1e-7)
     assert report.graphs and report.graphs[0].loops[0].rolled, report
     assert "computed before the loop" in report.graphs[0].loops[0].faster, report
+
+
+def _reads_a_buffer_it_updates(x, b, h):
+    buf = b * 1
+    for t in range(x.shape[0]):
+        h = torch.tanh(buf[t].exp() * 2 + h)  # row t as iteration t finds it
+        buf.mul_(0.5)
+    return h, buf
+
+
+def _renormalising_lookups(tokens, weights, h):
+    table = weights * 3
+    for t in range(tokens.shape[0]):
+        # max_norm renormalises, in place, the rows each iteration looks up
+        h = torch.tanh(F.embedding(tokens[t], table, max_norm=1.0) + h + table.sum())
+    return h, table
+
+
+def _tokens(i):
+    return torch.randint(0, 7, ([4, 6, 3, 7, 5, 9, 8][i], 3),
+                         generator=torch.Generator().manual_seed(i))
+
+
+@pytest.mark.parametrize("fn, args", [
+    (_reads_a_buffer_it_updates, lambda i: A(T([4, 6, 3, 7, 5, 9, 8][i], 3, 5),
+                                            T([4, 6, 3, 7, 5, 9, 8][i], 3, 5), T(3, 5))),
+    (_renormalising_lookups, lambda i: A(_tokens(i), T(7, 5), T(3, 5))),
+])
+def test_nothing_moves_before_the_loop_from_a_body_that_writes_in_place(fn, args):
+    report = check(fn, args, calls=7, expect="graph", rtol=RTOL, atol=1e-6)
+    (loop,) = report.graphs[0].loops
+    assert loop.rolled and "computed before the loop" not in loop.faster, report
+
+
+def _embedded(tokens, table, h):
+    for t in range(tokens.shape[0]):
+        h = torch.tanh(F.embedding(tokens[t], table) * 2 + h)
+    return h
+
+
+def test_a_lookup_out_of_range_in_a_late_iteration_raises_like_eager():
+    # the lookups of every iteration run before the loop: the graph raises before iteration
+    # 1, so the call runs eagerly and raises eager's error in iteration 3
+    def args(i):
+        tokens = _tokens(i)
+        if i == 6:
+            tokens[3, 1] = 9
+        return A(tokens, T(7, 5, requires_grad=True), T(3, 5, requires_grad=True))
+    report = check(_embedded, args, calls=7, grad=True, rtol=RTOL, atol=1e-6)
+    assert report.graphs and "computed before the loop" in report.graphs[0].loops[0].faster, report
+    assert any(f.kind == "exception_handling" for f in report.fallbacks), report

@@ -131,3 +131,22 @@ def test_what_feeds_the_state_or_draws_random_stays_in_the_body_bit_for_bit(fn, 
     report = check(fn, _args, calls=7, grad=True, expect="graph")  # rtol 0: nothing moved
     (loop,) = report.graphs[0].loops
     assert loop.rolled and loop.hoisted == 0 and why in loop.not_hoisted, report
+
+
+def _decoder_halved_in_place(x, w0, h):
+    w = w0 * 1
+    outs = []
+    for t in range(x.shape[0]):
+        h = torch.tanh(x[t] + h)
+        outs.append(h @ w)  # reads w as this iteration finds it
+        w.mul_(0.5)
+    return torch.stack(outs), w
+
+
+def test_nothing_moves_after_the_loop_across_an_in_place_write_in_the_body():
+    # (no gradients: eager's backward raises, w is saved by the product and then written)
+    args = lambda i: A(T([4, 6, 3, 7, 5, 9, 8][i], 3, 5), T(5, 5), T(3, 5))  # noqa: E731
+    report = check(_decoder_halved_in_place, args, calls=7, expect="graph",
+                   rtol=1e-5, atol=1e-6)
+    (loop,) = report.graphs[0].loops
+    assert loop.rolled and loop.hoisted == 0 and "writes in place" in loop.not_hoisted, report

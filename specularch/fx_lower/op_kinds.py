@@ -4,6 +4,7 @@ the recursion templates' batched form (``templates/rowwise.py``) and the rolled 
 hoisting (``symbolic/speculation/rolled_hoist.py``)."""
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
@@ -22,3 +23,39 @@ ELEMENTWISE_METHODS = frozenset({
     "div", "clamp", "pow", "sin", "cos", "float", "double", "half", "contiguous", "clone", "erf",
 })
 
+
+
+# Python's in-place operators: on a tensor they write into it (``h += x``).
+_OPERATOR_WRITES = frozenset({
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+    operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+    operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+})
+
+
+def writes_in_place(node) -> bool:
+    """Whether an FX node may write into a tensor that exists before it runs: an in-place
+    op (``add_``, ``h += x``, ``x[i] = v``), ``out=``, ``inplace=True``, ``embedding``'s
+    ``max_norm`` (it renormalises the table's rows it looks up). Work that moves across
+    iterations of a loop must not move across such a write. Unknown modules count as
+    writing."""
+    if node.op == "call_module":
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__") or target in _OPERATOR_WRITES:
+        return True
+    bound = _arguments(node)
+    return bound.get("out") is not None or bound.get("inplace") is True \
+        or target is F.embedding and bound.get("max_norm") is not None
+
+
+def _arguments(node) -> dict:
+    """The node's arguments by parameter name, where the target's signature is known (the
+    ``F.*`` functions take ``inplace`` / ``max_norm`` positionally too); else its kwargs."""
+    try:
+        return dict(inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(node.kwargs)

@@ -20,13 +20,26 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ._torch_autograd import graph_task_id
+
 
 class _Grads:
-    """What one call's cell nodes left for the weight sinks: per cell site, the rows of every
-    iteration's ``dgates``, input and hidden state."""
+    """What one call's cell nodes left for the weight sinks: per cell site, the engine run
+    that left them and the rows of every iteration's ``dgates``, input and hidden state."""
 
     def __init__(self, sites: int):
-        self.rows: list = [[] for _ in range(sites)]
+        self.rows: list = [(None, []) for _ in range(sites)]
+
+    def add(self, site: int, row: tuple) -> None:
+        task = graph_task_id()
+        if self.rows[site][0] != task:  # left by a run that never reached the sink
+            self.rows[site] = (task, [])
+        self.rows[site][1].append(row)
+
+    def take(self, site: int) -> list:
+        task, rows = self.rows[site]
+        self.rows[site] = (None, [])
+        return rows if task == graph_task_id() else []
 
 
 class _WeightSink(torch.autograd.Function):
@@ -40,10 +53,9 @@ class _WeightSink(torch.autograd.Function):
         return w_ih.view_as(w_ih), w_hh.view_as(w_hh), b_ih.view_as(b_ih), b_hh.view_as(b_hh)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *incoming):
-        rows = ctx.grads.rows[ctx.site]
-        ctx.grads.rows[ctx.site] = []
+        # (under create_graph the cells left no rows: their weight gradients come in)
+        rows = ctx.grads.take(ctx.site)
         if not rows:
             return (None, None, *incoming)
         dgates = torch.cat([r[0] for r in rows])
@@ -68,13 +80,14 @@ class _FusedCell(torch.autograd.Function):
         tanh_cy = cy.tanh()
         hy = o * tanh_cy
         ctx.grads, ctx.site = grads, site
-        ctx.save_for_backward(x, h, c, w_ih, w_hh, gates, tanh_cy)
+        ctx.save_for_backward(x, h, c, w_ih, w_hh, b_ih, b_hh, gates, tanh_cy)
         return hy, cy
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dhy, dcy):
-        x, h, c, w_ih, w_hh, gates, tanh_cy = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True
+            return _differentiable_backward(ctx, dhy, dcy)
+        x, h, c, w_ih, w_hh, _, _, gates, tanh_cy = ctx.saved_tensors
         i, f, g, o = gates.chunk(4, 1)
         dho = dhy * o
         dc = torch.addcmul(dcy + dho, dho, tanh_cy * tanh_cy, value=-1)  # dcy + dho (1 - tanh²)
@@ -84,10 +97,30 @@ class _FusedCell(torch.autograd.Function):
         dgates = torch.cat([dc * g, dc * c, dc * i, dhy * tanh_cy], 1).mul_(slope)
         needs = ctx.needs_input_grad
         if any(needs[5:]):
-            ctx.grads.rows[ctx.site].append((dgates, x, h))
+            ctx.grads.add(ctx.site, (dgates, x, h))
         dx = dgates.mm(w_ih) if needs[2] else None
         dh = dgates.mm(w_hh) if needs[3] else None
         return None, None, dx, dh, dc * f if needs[4] else None, None, None, None, None
+
+
+def _differentiable_backward(ctx, dhy, dcy) -> tuple:
+    """The cell's backward as ops autograd records: the gates recomputed from the saved
+    inputs (which keep their history), then the backward's formulas out of place. (Not a
+    nested ``autograd.grad`` of a recomputed cell: that run would reach the earlier cells
+    through the weights and add their weight gradients into this one's.)"""
+    x, h, c, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors[:7]
+    gates = torch.addmm(b_hh, h, w_hh.t()) + torch.addmm(b_ih, x, w_ih.t())
+    i, f, g, o = gates.chunk(4, 1)
+    i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+    tanh_cy = (f * c + i * g).tanh()
+    dc = dcy + dhy * o * (1 - tanh_cy * tanh_cy)
+    dgates = torch.cat([dc * g * i * (1 - i), dc * c * f * (1 - f), dc * i * (1 - g * g),
+                        dhy * tanh_cy * o * (1 - o)], 1)
+    needs = ctx.needs_input_grad
+    bias = dgates.sum(0) if needs[7] or needs[8] else None
+    grads = (dgates.mm(w_ih), dgates.mm(w_hh), dc * f, dgates.t().mm(x), dgates.t().mm(h),
+             bias, bias)
+    return (None, None, *(d if need else None for d, need in zip(grads, needs[2:])))
 
 
 class FusedCells:

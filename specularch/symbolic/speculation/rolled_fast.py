@@ -10,7 +10,12 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
   a full-table addition per iteration in backward; looked up once it costs one.
   Only ops that act on each row independently and compute each row's numbers as they would
   alone move (``rolled_hoist.why_not_row_wise`` without the matrix products: elementwise ops,
-  embeddings), never a random draw (dropout with ``p=0`` draws nothing and moves).
+  embeddings), never a random draw (dropout with ``p=0`` draws nothing and moves), and
+  nothing at all from a body that writes in place (``rolled_hoist.body_writes``: ``buf.add_``
+  per iteration, ``embedding(..., max_norm=)``): row ``t`` must be read as iteration ``t``
+  finds it. An op that raises (an index past the end, out of an embedding's range) raises
+  before the first rolled iteration instead of in iteration ``t``: the graph raised, so the
+  call runs eagerly and raises eager's error (nothing was committed).
 * **cells**: ``torch.lstm_cell`` with invariant weights becomes one autograd node per
   iteration, with one weight-gradient product per call (``fx_lower/rolled_cells.py``).
 
@@ -111,6 +116,8 @@ def _prelude(body: torch.fx.GraphModule, names: list) -> tuple:
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     index = placeholders.get("t")
     invariants = {placeholders[name] for name in names if name in placeholders}
+    if rolled_hoist.body_writes(graph.nodes) is not None:
+        return None, []  # the prelude would read the invariants before earlier iterations' writes
     pre = _prelude_nodes(graph, index, invariants)
     in_pre = set(pre)
     frontier = [n for n in pre if any(u not in in_pre for u in n.users)]

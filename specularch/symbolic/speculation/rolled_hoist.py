@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ...fx_lower.randomness import is_random_node
 from ...fx_lower.op_kinds import ELEMENTWISE_FUNCTIONS as _ELEMENTWISE
 from ...fx_lower.op_kinds import ELEMENTWISE_METHODS as _ELEMENTWISE_METHODS
+from ...fx_lower.op_kinds import writes_in_place
 
 # op name -> (position of its dim argument, whether the dim counts in the result's rank)
 _ON_DIM = {"cat": (1, False), "stack": (1, True), "chunk": (2, False), "split": (2, False),
@@ -58,6 +59,9 @@ def plan(body_nodes: list, index_node, needed: list, appended: list, carried_hea
     start (per-iteration values too)."""
     if exact:
         return HoistPlan(why_not="templates='exact' keeps the body in eager's order")
+    writer = body_writes(body_nodes)
+    if writer is not None:  # a hoisted op would read what the last iteration left
+        return HoistPlan(why_not=f"{_name(writer)} writes in place in the body")
     in_body = set(body_nodes)
     row = set(in_body) | set(carried_heads)
     why = {node: why_not_row_wise(node, row, index_node) for node in body_nodes}
@@ -80,6 +84,18 @@ def plan(body_nodes: list, index_node, needed: list, appended: list, carried_hea
         return HoistPlan(why_not="a hoistable op reads a per-iteration value that is no tensor")
     hoisted = {n for n in appended if n in moved}
     return HoistPlan(nodes, boundaries, hoisted, "" if hoisted else why_not)
+
+
+def body_writes(nodes) -> torch.fx.Node | None:
+    """The first of a body's ``nodes`` that may write into a tensor (``op_kinds.
+    writes_in_place``; an inner rolled loop whose body does): moving work before or after
+    the loop would move it across that write."""
+    for node in nodes:
+        inner = getattr(node.target, "body", None)
+        if writes_in_place(node) or isinstance(inner, torch.fx.GraphModule) \
+                and body_writes(inner.graph.nodes) is not None:
+            return node
+    return None
 
 
 def _ancestors(roots: list, within: set) -> set:

@@ -427,10 +427,21 @@ class _Roll:
             return env.setdefault(node, self._carried_inputs[self.heads[node]])
         if node not in self.before_loop and node in self.before_body \
                 and node.op not in ("placeholder", "get_attr"):  # inputs first read in iteration 0
+            if _size_of(node, self.heads):
+                return self._carried_size(node, env, graph)
             self.loop.refuse("its body reads a value of the previous iteration that no loop "
                              f"variable holds ({node.name})")
         self.invariants.append(node)
         env[node] = graph.placeholder(f"invariant_{len(self.invariants)}")
+        return env[node]
+
+    def _carried_size(self, node: torch.fx.Node, env: dict, graph: torch.fx.Graph):
+        """A size of a carried value that iteration 0 read and iteration 1 reads again (the
+        tracer keeps one size node per tensor and dim): the body reads it from its carried
+        input in every iteration, so the checks on it run per iteration too."""
+        tensor = self._input(node.args[0], env, graph)
+        env[node] = graph.call_method("size", (tensor, *node.args[1:]), dict(node.kwargs))
+        env[node].meta = dict(node.meta)
         return env[node]
 
     def _body(self) -> tuple:
@@ -499,6 +510,13 @@ class _Roll:
             stacked[appended].meta["example"] = example.unsqueeze(0).expand(
                 self.loop.n.value - 1, *example.shape)
         return stacked
+
+
+def _size_of(node: torch.fx.Node, heads: dict) -> bool:
+    """Whether ``node`` is ``h.size(dim)`` of a carried value ``h`` (as it is at an
+    iteration's start)."""
+    return node.op == "call_method" and node.target == "size" and len(node.args) == 2 \
+        and not node.kwargs and node.args[0] in heads and isinstance(node.args[1], int)
 
 
 def _fx(v: Value):
