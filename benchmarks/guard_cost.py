@@ -59,6 +59,8 @@ def _entry_namespace(fn):
     lock, hold it in their closure)."""
     if "GRAPH" in getattr(fn, "__globals__", {}):
         return fn.__globals__
+    if callable(getattr(fn, "fn", None)):  # a tiered graph (tiering/trial.py): its current tier
+        return _entry_namespace(fn.fn)
     for cell in fn.__closure__ or ():
         if callable(cell.cell_contents):
             found = _entry_namespace(cell.cell_contents)
@@ -94,7 +96,7 @@ def overhead_us(optimized, x, calls: int) -> float:
 def measure(kind: str, layers: int, calls: int) -> dict:
     specularch.reset()
     step, x = make_step(kind, layers)
-    optimized = specularch.optimize(step)
+    optimized = specularch.optimize(step, backend="fx")  # no background compile: guards only
     with config.patch(profile_calls=0):
         for _ in range(2):  # Adam's first step (no state yet) is a graph of its own
             optimized(x)

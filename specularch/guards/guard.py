@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .._torch_nn import global_module_hooks
+from .._torch_nn import GLOBAL_HOOKS_OWNER, global_module_hooks, global_module_hooks_expr
 from .sources import Source
 
 
@@ -418,7 +418,7 @@ class NoGlobalHooksGuard(Guard):
         return ("NoGlobalHooks",)
 
     def conditions(self, v, consts):
-        return [f"not {const_name(consts, global_module_hooks)}()"]
+        return [f"not {global_module_hooks_expr(const_name(consts, GLOBAL_HOOKS_OWNER))}"]
 
     def describe(self):
         return "no global nn.Module hooks are registered"
@@ -473,18 +473,22 @@ class AliasGuard(Guard):
         return None if same else f"{self.source} is no longer the same object as {self.other}{self._at()}"
 
 
-_STORAGE = torch.Tensor.untyped_storage
-_STORAGE_PTR = torch.UntypedStorage.data_ptr
+_DATA_PTR = torch.Tensor.data_ptr
+_OFFSET = torch.Tensor.storage_offset
 
 
 def storages_distinct(written: tuple, others: tuple) -> bool:
     """No two of ``written`` share memory, and none shares memory with any of ``others``.
 
-    It runs on every call of a graph that writes tensors: the common answer (all storages
-    distinct) comes from ``map`` over unbound methods, without a Python-level loop; any
-    coincidence (possibly of empty tensors, which share no memory) is decided exactly."""
-    keys = set(map(_STORAGE_PTR, map(_STORAGE, written)))
-    if len(keys) == len(written) and keys.isdisjoint(map(_STORAGE_PTR, map(_STORAGE, others))):
+    It runs on every call of a graph that writes tensors, over every parameter and optimizer
+    state: the common answer (all storages distinct) comes from ``map`` over unbound methods,
+    without a Python-level loop. A tensor's ``data_ptr()`` is its storage's address when its
+    storage offset is 0 (parameters, gradients, optimizer state), and unlike
+    ``untyped_storage()`` it makes no Python object; any view at an offset, or any
+    coincidence (possibly of empty tensors, which share no memory), is decided exactly."""
+    keys = set(map(_DATA_PTR, written))
+    if len(keys) == len(written) and keys.isdisjoint(map(_DATA_PTR, others)) \
+            and not any(map(_OFFSET, written)) and not any(map(_OFFSET, others)):
         return True
     return _storages_distinct_exact(written, others)
 
@@ -564,10 +568,22 @@ class GlobalStateGuard(Guard):
         return ("GlobalState",)
 
     def conditions(self, v, consts):
+        return [*self.dispatch_conditions(consts), self.inference_condition(consts)]
+
+    def dispatch_conditions(self, consts) -> list[str]:
+        """Grad mode, autocast and the default dtype: what torch's C++ global-state check
+        covers too (codegen.py), unlike inference mode."""
         return [f"{const_name(consts, torch.is_grad_enabled)}() is {self.grad_enabled}",
                 f"{const_name(consts, _autocast)}() == {self.autocast!r}",
-                f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}",
-                f"{const_name(consts, torch.is_inference_mode_enabled)}() is {self.inference_mode}"]
+                f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}"]
+
+    def inference_condition(self, consts) -> str:
+        return f"{const_name(consts, torch.is_inference_mode_enabled)}() is {self.inference_mode}"
+
+    def holds_now(self) -> bool:
+        now = GlobalStateGuard.now()
+        return all(getattr(now, name) == getattr(self, name)
+                   for name in ("grad_enabled", "autocast", "default_dtype", "inference_mode"))
 
     def describe(self):
         return (f"torch.is_grad_enabled() is {self.grad_enabled}, autocast(cpu, cuda) is "
