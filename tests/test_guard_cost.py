@@ -12,7 +12,7 @@ from torch import nn
 
 import specularch
 from specularch.api import _state_of
-from specularch.guards.guard import _storages_distinct_exact, storages_distinct
+from specularch.guards.aliasing import _storages_distinct_exact, storages_distinct
 from differential import mse_train_step
 
 

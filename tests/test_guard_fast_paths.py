@@ -1,11 +1,13 @@
 """The fast paths of the generated guard check (issue 14 item 5) still miss whenever the full
 check would: process state read by one C++ call, global module hooks read inline. Each case
 changes something between calls and compares the optimized call with eager."""
+import pytest
 import torch
 from torch import nn
 
 import specularch
 from specularch.api import _state_of
+from differential import mse_train_step
 
 
 def _warm(fast, ref, *args):
@@ -113,3 +115,79 @@ def test_global_module_hook_added_after_capture_runs(no_profiling):
                 handle.remove()
         (want, want_seen), (got, got_seen) = runs
         assert torch.equal(got, want) and got_seen == want_seen and len(want_seen) == 3
+
+
+def _adam_pair():
+    """An optimized Adam step and its eager twin, with two steps behind them (state made)."""
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        pairs.append((model, opt, mse_train_step(model, opt)))
+    (model, opt, step), (ref_model, ref_opt, ref_step) = pairs
+    fast = specularch.optimize(step)
+    for i in range(3):
+        assert fast(*_batch(i)) == ref_step(*_batch(i))
+    return (model, opt, fast), (ref_model, ref_opt, ref_step)
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+
+
+def _same_training_state(a, b):
+    (model, opt), (ref_model, ref_opt) = a, b
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, ref_opt.state[q][key]), key
+
+
+def _steady_entry(fast):
+    entries = _state_of(fast).entries
+    return max(entries, key=lambda e: e.hits)
+
+
+@pytest.mark.parametrize("change", ["other strides", "view at an offset", "shares memory with state",
+                                    "requires grad"])
+def test_zero_grad_drops_any_old_gradient_without_recapture(no_profiling, change):
+    # zero_grad() only asks whether a gradient is None: what it was does not matter to eager,
+    # so the graph is used whatever it is now (its shape, dtype, memory).
+    (model, opt, fast), (ref_model, ref_opt, ref_step) = _adam_pair()
+    entry = _steady_entry(fast)
+    hits, graphs = entry.hits, len(_state_of(fast).entries)
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        w = m[0].weight
+        w.grad = {"other strides": lambda: torch.zeros(w.shape[::-1]).t(),
+                  "view at an offset": lambda: torch.zeros(w.numel() + 4)[4:].view(w.shape),
+                  "shares memory with state": lambda: o.state[w]["exp_avg"],
+                  "requires grad": lambda: torch.ones(w.shape, requires_grad=True)}[change]()
+    assert fast(*_batch(7)) == ref_step(*_batch(7))
+    _same_training_state((model, opt), (ref_model, ref_opt))
+    assert entry.hits == hits + 1 and len(_state_of(fast).entries) == graphs
+
+
+def test_gradient_set_to_none_between_calls_misses(no_profiling):
+    (model, opt, fast), (ref_model, ref_opt, ref_step) = _adam_pair()
+    entry = _steady_entry(fast)
+    hits = entry.hits
+    model[2].bias.grad = None
+    ref_model[2].bias.grad = None
+    assert fast(*_batch(8)) == ref_step(*_batch(8))
+    _same_training_state((model, opt), (ref_model, ref_opt))
+    assert entry.hits == hits
+    for i in range(9, 11):  # and the usual step hits again
+        assert fast(*_batch(i)) == ref_step(*_batch(i))
+    _same_training_state((model, opt), (ref_model, ref_opt))
+
+
+def test_optimizer_step_hook_added_after_capture_runs(no_profiling):
+    (model, opt, fast), (ref_model, ref_opt, ref_step) = _adam_pair()
+    calls = []
+    for o in (opt, ref_opt):
+        o.register_step_post_hook(lambda o, args, kwargs: calls.append(type(o).__name__))
+    assert fast(*_batch(9)) == ref_step(*_batch(9))
+    assert calls == ["Adam", "Adam"]
+    _same_training_state((model, opt), (ref_model, ref_opt))

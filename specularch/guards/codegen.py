@@ -14,8 +14,8 @@ import torch
 
 from ._torch_guards import global_state_checker, tensor_checker
 from .sources import PINNED, Source
-from .guard import (AliasGuard, DistinctGuard, GlobalStateGuard, Guard, InferenceGuard, TensorGuard,
-                    const_name, same_value)
+from .aliasing import AliasGuard, DistinctGuard
+from .guard import GlobalStateGuard, Guard, InferenceGuard, TensorGuard, const_name, same_value
 
 _FAST_TYPES = (torch.Tensor, torch.nn.Parameter)
 
