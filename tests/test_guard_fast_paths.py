@@ -191,3 +191,20 @@ def test_optimizer_step_hook_added_after_capture_runs(no_profiling):
     assert fast(*_batch(9)) == ref_step(*_batch(9))
     assert calls == ["Adam", "Adam"]
     _same_training_state((model, opt), (ref_model, ref_opt))
+
+
+def test_lr_scheduler_made_after_capture_wraps_step(no_profiling):
+    # The scheduler wraps the optimizer's step (an instance attribute): the graph, captured
+    # with the class's step, must not run in its place.
+    (model, opt, fast), (ref_model, ref_opt, ref_step) = _adam_pair()
+    entry = _steady_entry(fast)
+    hits = entry.hits
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    assert "step" in opt.__dict__
+    assert fast(*_batch(12)) == ref_step(*_batch(12))
+    assert entry.hits == hits
+    _same_training_state((model, opt), (ref_model, ref_opt))
+    assert getattr(opt, "_opt_called", None) == getattr(ref_opt, "_opt_called", None)
+    for s in schedulers:
+        s.step()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
