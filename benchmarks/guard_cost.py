@@ -9,7 +9,9 @@ overhead: the µs from calling the optimized step until its graph starts (dispat
 reads of the graph's inputs; the graph and the commit excluded), median over ``--calls``
 cached calls, then per graph input (parameters, their gradients and optimizer state: the
 tensors the guards check), and how the overhead grows per extra input from the smallest to
-the largest N. ``torch.set_num_threads(1)``.
+the largest N. ``torch.set_num_threads(1)``. The step runs with ``backend="fx"``: the default
+tiers a hot graph onto a compiled backend in the background, which would change what is
+timed (the check before the graph is the same on every tier).
 """
 from __future__ import annotations
 
