@@ -9,7 +9,9 @@ overhead: the µs from calling the optimized step until its graph starts (dispat
 reads of the graph's inputs; the graph and the commit excluded), median over ``--calls``
 cached calls, then per graph input (parameters, their gradients and optimizer state: the
 tensors the guards check), and how the overhead grows per extra input from the smallest to
-the largest N. ``torch.set_num_threads(1)``.
+the largest N. ``torch.set_num_threads(1)``. The step runs with ``backend="fx"``: the default
+tiers a hot graph onto a compiled backend in the background, which would change what is
+timed (the check before the graph is the same on every tier).
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def _entry_namespace(fn):
     lock, hold it in their closure)."""
     if "GRAPH" in getattr(fn, "__globals__", {}):
         return fn.__globals__
+    if callable(getattr(fn, "fn", None)):  # a tiered graph (tiering/trial.py): its current tier
+        return _entry_namespace(fn.fn)
     for cell in fn.__closure__ or ():
         if callable(cell.cell_contents):
             found = _entry_namespace(cell.cell_contents)
@@ -88,7 +92,7 @@ def overhead_us(optimized, x, calls: int) -> float:
 def measure(kind: str, layers: int, calls: int) -> dict:
     specularch.reset()
     step, x = make_step(kind, layers)
-    optimized = specularch.optimize(step)
+    optimized = specularch.optimize(step, backend="fx")  # no background compile: guards only
     with config.patch(profile_calls=0):
         for _ in range(2):  # Adam's first step (no state yet) is a graph of its own
             optimized(x)

@@ -15,11 +15,22 @@ from torch.optim import optimizer as _optimizer
 MODULE_CALL_CODE = _module.Module._wrapped_call_impl.__code__
 
 
+#: Where the global module hook tables live, and their names.
+GLOBAL_HOOKS_OWNER = _module
+GLOBAL_HOOK_TABLES = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def global_module_hooks_expr(owner: str) -> str:
+    """A Python expression, true when a global ``nn.Module`` hook is set, over ``owner`` (the
+    name under which ``GLOBAL_HOOKS_OWNER`` is visible): a generated check reads the four
+    tables without a Python call."""
+    return "(" + " or ".join(f"{owner}.{name}" for name in GLOBAL_HOOK_TABLES) + ")"
+
+
 def global_module_hooks() -> bool:
     """Whether any global ``nn.Module`` hook (``register_module_forward_hook`` ...) is set."""
-    m = _module
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or
-                m._global_backward_hooks or m._global_backward_pre_hooks)
+    return bool(any(getattr(_module, name) for name in GLOBAL_HOOK_TABLES))
 
 
 def global_optimizer_hooks() -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 
 import specularch
 from specularch.api import _state_of
-from specularch.guards.guard import _storages_distinct_exact, storages_distinct
+from specularch.guards.aliasing import _storages_distinct_exact, storages_distinct
 from differential import mse_train_step
 
 
@@ -87,7 +87,8 @@ def test_inference_tensor_fails_the_fast_check_and_runs_like_eager(no_profiling)
 
 
 @pytest.mark.parametrize("case", ["distinct", "written view", "other view", "empty", "twice",
-                                  "empty views", "disjoint views"])
+                                  "empty views", "disjoint views", "offset view of a written",
+                                  "written at an offset", "overlapping offsets"])
 def test_storages_distinct_agrees_with_the_exact_check(case):
     base = torch.randn(10)
     a, b, c = torch.randn(3), torch.randn(4), torch.randn(2)
@@ -99,5 +100,9 @@ def test_storages_distinct_agrees_with_the_exact_check(case):
         "twice": ((a, a), ()),
         "empty views": ((base[3:3], a), (base,)),
         "disjoint views": ((a,), (base[:2], base[4:])),
+        # data_ptr() differs from the storage's address: the fast path must not trust it
+        "offset view of a written": ((base, a), (base[4:6],)),
+        "written at an offset": ((base[2:5], a), (base,)),
+        "overlapping offsets": ((base[1:4],), (base[2:3],)),
     }[case]
     assert storages_distinct(written, others) == _storages_distinct_exact(written, others)

@@ -1,8 +1,9 @@
 """Guards: what a captured graph assumed about its inputs, checked before every reuse."""
 from .codegen import GuardSet, SourceNamer, guard_lines
 from .lists import ListDistinctGuard, TensorListGuard
-from .guard import (AliasGuard, ContainsGuard, DictKeysGuard, DistinctGuard, ExprGuard, GlobalStateGuard, Guard, HasAttrGuard, IdGuard, InferenceGuard, LenGuard,
-                    NoGlobalHooksGuard, NoHooksGuard, NoTensorHooksGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
+from .aliasing import AliasGuard, DistinctGuard
+from .guard import (ContainsGuard, DictKeysGuard, ExprGuard, GlobalStateGuard, Guard, HasAttrGuard, IdGuard, InferenceGuard, LenGuard,
+                    NoGlobalHooksGuard, NoHooksGuard, NoStepHooksGuard, NoTensorHooksGuard, NotNoneGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
 from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSource, GlobalSource,
                       ItemSource, KeyedSource, LocalSource, ModuleDictSource, ObjectSource,
                       ScalarOfSource, Source, pin)
@@ -10,7 +11,8 @@ from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSour
 __all__ = [
     "GuardSet", "SourceNamer", "guard_lines", "AliasGuard", "ContainsGuard", "DictKeysGuard",
     "DistinctGuard", "ExprGuard", "GlobalStateGuard", "Guard", "HasAttrGuard", "IdGuard",
-    "InferenceGuard", "LenGuard", "NoGlobalHooksGuard", "NoHooksGuard", "NoTensorHooksGuard",
+    "InferenceGuard", "LenGuard", "NoGlobalHooksGuard", "NoHooksGuard", "NoStepHooksGuard",
+    "NoTensorHooksGuard", "NotNoneGuard",
     "NotShadowedGuard", "TensorGuard", "TensorListGuard", "ListDistinctGuard", "TypeGuard", "ValueGuard", "PINNED", "AttrSource",
     "BuiltinSource", "CellSource", "ClosureSource", "GlobalSource", "ItemSource", "KeyedSource",
     "LocalSource", "ModuleDictSource", "ObjectSource", "ScalarOfSource", "Source", "pin",

@@ -1,4 +1,5 @@
-"""Compat: torch's C++ tensor check (``torch._C._dynamo.guards.TensorGuards``).
+"""Compat: torch's C++ tensor check (``torch._C._dynamo.guards.TensorGuards``) and its C++
+global-state check (``GlobalStateGuard``).
 
 One ``TensorGuards`` object checks type, dispatch keys, dtype, device, requires_grad, sizes
 and strides of many tensors in one C++ call (~0.1 µs per tensor instead of ~0.6 µs in
@@ -16,6 +17,10 @@ try:  # private API: the only import of torch._C._dynamo.guards outside frames/
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except Exception:  # pragma: no cover - depends on the torch build
     _TensorGuards = None
+try:
+    from torch._C._dynamo.guards import GlobalStateGuard as _GlobalStateGuard
+except Exception:  # pragma: no cover - depends on the torch build
+    _GlobalStateGuard = None
 
 
 def tensor_checker(guards: list) -> Callable | None:
@@ -43,3 +48,18 @@ def _template(g) -> torch.Tensor:
     if g.tensor_type is not torch.Tensor:
         raise TypeError("tensor subclasses are checked in Python")
     return t.requires_grad_(g.requires_grad)
+
+
+def global_state_checker() -> Callable | None:
+    """A ``check() -> bool`` answering, in one C++ call, whether the process state is as now:
+    grad mode, autocast of every device, the default dtype, and more (torch-function mode,
+    deterministic algorithms, TF32, the number of threads). Not inference mode. None if
+    unavailable. It is stricter than our own global-state guard: where it says no, the
+    caller checks in Python."""
+    if _GlobalStateGuard is None:
+        return None
+    try:
+        check = _GlobalStateGuard().check
+        return check if check() is True else None
+    except Exception:
+        return None

@@ -12,11 +12,12 @@ from typing import Any, Iterable
 
 import torch
 
-from ._torch_guards import tensor_checker
-from .guard import AliasGuard, DistinctGuard, Guard, InferenceGuard, TensorGuard, same_value
+from ._torch_guards import global_state_checker, tensor_checker
+from .sources import PINNED, Source
+from .aliasing import AliasGuard, DistinctGuard
+from .guard import GlobalStateGuard, Guard, InferenceGuard, TensorGuard, const_name, same_value
 
 _FAST_TYPES = (torch.Tensor, torch.nn.Parameter)
-from .sources import PINNED, Source
 
 
 class SourceNamer:
@@ -70,6 +71,9 @@ def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, A
             if g.leaf is not None:  # not part of torch's C++ tensor check
                 out.append(f"if not {g.leaf_condition(v)}: return MISS")
             continue
+        if isinstance(g, GlobalStateGuard):
+            out.append(global_state_line(g, consts))
+            continue
         if isinstance(g, (AliasGuard, DistinctGuard)):  # sources of its own: named like every other source
             conds = g.conditions(v, consts, namer.name)
             out.extend(namer.lines)
@@ -89,6 +93,18 @@ def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, A
             consts[name] = checker
             out.append(f"if not {name}({', '.join(tensor_vars)}): return MISS")
     return out
+
+
+def global_state_line(g: GlobalStateGuard, consts: dict[str, Any]) -> str:
+    """The global-state check: one C++ call (a snapshot of the state taken now, while it is
+    the guarded one) where it can answer; it also compares state our guard ignores (the
+    number of threads, ...), so where it says no, the Python conditions decide."""
+    checker = global_state_checker() if g.holds_now() else None
+    if checker is None:
+        return f"if not ({' and '.join(g.conditions(None, consts))}): return MISS"
+    python = " and ".join(g.dispatch_conditions(consts))
+    return (f"if not ({g.inference_condition(consts)} and ({const_name(consts, checker)}() "
+            f"or ({python}))): return MISS")
 
 
 class GuardSet:

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .._torch_nn import global_module_hooks
+from .._torch_nn import GLOBAL_HOOKS_OWNER, global_module_hooks, global_module_hooks_expr
 from .sources import Source
 
 
@@ -371,6 +371,34 @@ class NoHooksGuard(Guard):
 
 
 @dataclass(frozen=True, eq=False)
+class NoStepHooksGuard(NoHooksGuard):
+    """An optimizer whose ``step()`` was captured has no step hooks of its own."""
+
+    HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+
+    def describe(self):
+        return f"{self.source} has no step hooks"
+
+    def mismatch(self, value):
+        return "has step hooks registered now (they were absent at capture)"
+
+
+@dataclass(frozen=True, eq=False)
+class NotNoneGuard(Guard):
+    """The value is not None, whatever it is (``zero_grad()`` sets a gradient that is not None
+    to None: what the gradient was does not matter)."""
+
+    def conditions(self, v, consts):
+        return [f"{v} is not None"]
+
+    def describe(self):
+        return f"{self.source} is not None"
+
+    def mismatch(self, value):
+        return "expected a value, got None"
+
+
+@dataclass(frozen=True, eq=False)
 class InferenceGuard(Guard):
     """Whether a tensor input is an inference tensor stays as at capture. An input that was one:
     its views are inference tensors too, and the rebuilt results hand them out as such
@@ -418,7 +446,7 @@ class NoGlobalHooksGuard(Guard):
         return ("NoGlobalHooks",)
 
     def conditions(self, v, consts):
-        return [f"not {const_name(consts, global_module_hooks)}()"]
+        return [f"not {global_module_hooks_expr(const_name(consts, GLOBAL_HOOKS_OWNER))}"]
 
     def describe(self):
         return "no global nn.Module hooks are registered"
@@ -450,100 +478,6 @@ class NotShadowedGuard(Guard):
 
 
 @dataclass(frozen=True, eq=False)
-class AliasGuard(Guard):
-    """Two sources gave the same tensor at capture; the graph reads it once."""
-
-    other: Source = None
-
-    def key(self):
-        return ("Alias", str(self.source), str(self.other))
-
-    def conditions(self, v, consts, name_of=lambda s: s.expr()):
-        """``name_of(source)``: as in ``DistinctGuard.conditions``."""
-        return [f"{v} is {name_of(self.other)}"]
-
-    def describe(self):
-        return f"{self.source} is {self.other}"
-
-    def reason_from_roots(self, roots: dict) -> str | None:
-        try:
-            same = eval(self.source.expr(), {}, roots) is eval(self.other.expr(), {}, roots)
-        except Exception as e:
-            return f"{self} could not be checked ({type(e).__name__}: {e})"
-        return None if same else f"{self.source} is no longer the same object as {self.other}{self._at()}"
-
-
-_STORAGE = torch.Tensor.untyped_storage
-_STORAGE_PTR = torch.UntypedStorage.data_ptr
-
-
-def storages_distinct(written: tuple, others: tuple) -> bool:
-    """No two of ``written`` share memory, and none shares memory with any of ``others``.
-
-    It runs on every call of a graph that writes tensors: the common answer (all storages
-    distinct) comes from ``map`` over unbound methods, without a Python-level loop; any
-    coincidence (possibly of empty tensors, which share no memory) is decided exactly."""
-    keys = set(map(_STORAGE_PTR, map(_STORAGE, written)))
-    if len(keys) == len(written) and keys.isdisjoint(map(_STORAGE_PTR, map(_STORAGE, others))):
-        return True
-    return _storages_distinct_exact(written, others)
-
-
-def _storages_distinct_exact(written: tuple, others: tuple) -> bool:
-    keys = set()
-    for t in written:
-        if t.numel():
-            key = t.untyped_storage().data_ptr()
-            if key in keys:
-                return False
-            keys.add(key)
-    for t in others:
-        if t.numel() and t.untyped_storage().data_ptr() in keys:
-            return False
-    return True
-
-
-def objects_distinct(written: tuple, others: tuple) -> bool:
-    """No object of ``written`` is one of ``others`` (or appears twice in ``written``)."""
-    ids = {id(o) for o in written}
-    return len(ids) == len(written) and not any(id(o) in ids for o in others)
-
-
-@dataclass(frozen=True, eq=False)
-class DistinctGuard(Guard):
-    """What the call writes (tensors: by memory; lists, dicts, objects: by identity) is not
-    reachable through another source that was distinct at capture: the graph and its deferred
-    writes assumed a read through ``others`` does not see the write."""
-
-    written: tuple = ()
-    others: tuple = ()
-    memory: bool = True  # tensors compared by storage, other objects by identity
-
-    def key(self):
-        return ("Distinct", self.memory, tuple(map(str, self.written)), tuple(map(str, self.others)))
-
-    def conditions(self, v, consts, name_of=lambda s: s.expr()):
-        """``name_of(source)``: the expression of a source (the check function passes the
-        variable it already holds the source's value in)."""
-        check = const_name(consts, storages_distinct if self.memory else objects_distinct)
-        written = "".join(f"{name_of(s)}, " for s in self.written)
-        others = "".join(f"{name_of(s)}, " for s in self.others)
-        return [f"{check}(({written}), ({others}))"]
-
-    def describe(self):
-        what = "share no memory with" if self.memory else "are not the same object as"
-        others = ", ".join(map(str, self.others[:4])) + (", ..." if len(self.others) > 4 else "")
-        return f"written {', '.join(map(str, self.written))} {what} each other or {others}"
-
-    def reason_from_roots(self, roots: dict) -> str | None:
-        try:
-            ok = eval(self.conditions("None", consts := {})[0], {**consts}, roots)
-        except Exception:
-            ok = False
-        return None if ok else f"aliasing changed: expected {self.describe()}{self._at()}"
-
-
-@dataclass(frozen=True, eq=False)
 class GlobalStateGuard(Guard):
     """Process state that changes what torch ops compute: grad mode, inference mode (its
     tensors are inference tensors), autocast (CPU and CUDA) and the default dtype (used by
@@ -564,10 +498,22 @@ class GlobalStateGuard(Guard):
         return ("GlobalState",)
 
     def conditions(self, v, consts):
+        return [*self.dispatch_conditions(consts), self.inference_condition(consts)]
+
+    def dispatch_conditions(self, consts) -> list[str]:
+        """Grad mode, autocast and the default dtype: what torch's C++ global-state check
+        covers too (codegen.py), unlike inference mode."""
         return [f"{const_name(consts, torch.is_grad_enabled)}() is {self.grad_enabled}",
                 f"{const_name(consts, _autocast)}() == {self.autocast!r}",
-                f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}",
-                f"{const_name(consts, torch.is_inference_mode_enabled)}() is {self.inference_mode}"]
+                f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}"]
+
+    def inference_condition(self, consts) -> str:
+        return f"{const_name(consts, torch.is_inference_mode_enabled)}() is {self.inference_mode}"
+
+    def holds_now(self) -> bool:
+        now = GlobalStateGuard.now()
+        return all(getattr(now, name) == getattr(self, name)
+                   for name in ("grad_enabled", "autocast", "default_dtype", "inference_mode"))
 
     def describe(self):
         return (f"torch.is_grad_enabled() is {self.grad_enabled}, autocast(cpu, cuda) is "

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .guard import DistinctGuard, Guard, TensorGuard, _short, const_name, storages_distinct
+from .aliasing import DistinctGuard, storages_distinct
+from .guard import Guard, TensorGuard, _short, const_name
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from ...fx_lower._torch_foreach import foreach_norm
-from ...guards.sources import ModuleDictSource
+from ...guards import NotNoneGuard
+from ...guards.sources import AttrSource, ModuleDictSource
 from ...records import Unsupported
 from ..operators import _guard_keys, consume
 from ..values import ConstV, IterV, ListV, ObjV, TensorV, TupleV, Value
@@ -112,6 +113,8 @@ def zero_grads(tracer, params: list, set_to_none: bool) -> None:
     """``zero_grad()`` of a module or an optimizer over these parameter values."""
     from .training import read_grad, write_grad
     for p in params:
+        if set_to_none and _drop_grad(tracer, p, write_grad):
+            continue
         grad = read_grad(tracer, p)
         if isinstance(grad, ConstV):  # None: nothing to do either way
             continue
@@ -122,6 +125,19 @@ def zero_grads(tracer, params: list, set_to_none: bool) -> None:
                 raise Unsupported("unsupported_call", "zero_grad(set_to_none=False) of a "
                                   "gradient that requires grad is not captured")
             tracer.call_op("call_method", "zero_", [grad], {}, name="zero_")
+
+
+def _drop_grad(tracer, p, write_grad) -> bool:
+    """``p.grad = None`` for a parameter whose gradient, from before the call, is not None:
+    eager only asks whether it is None, so the guard says only that (the old gradient is no
+    graph input: nothing checks its metadata or memory on each call). False where the
+    gradient was written in this call or is None."""
+    if p.real is None or p.source is None or p.real.grad is None \
+            or tracer.heap.read_attr(p.real, "grad") is not None:
+        return False
+    tracer.add_guard(NotNoneGuard, AttrSource(p.source, "grad"))
+    write_grad(tracer, p, ConstV(None))
+    return True
 
 
 def _grads(tracer, parameters: Value) -> list[Value]:

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..._torch_nn import global_optimizer_hooks
-from ...guards import ExprGuard
+from ...guards import ContainsGuard, NoStepHooksGuard
 from ...guards.sources import AttrSource, ItemSource, KeyedSource, ScalarOfSource, Source
 from ...records import Unsupported
 from ..inputs import wrap_argument
@@ -100,13 +100,10 @@ def _guard_no_hooks(tracer, opt_v: ObjV) -> None:
     opt = opt_v.obj
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or global_optimizer_hooks():
         raise Unsupported("module_hooks", "the optimizer has step hooks registered")
-    expr = opt_v.source.expr()
-    tracer.guards.add(ExprGuard(None, expr=f"(not {expr}._optimizer_step_pre_hooks and not "
-                                f"{expr}._optimizer_step_post_hooks)", expected=True,
-                                label=f"{opt_v.source} has no step hooks", where=tracer.where()))
-    tracer.guards.add(ExprGuard(None, expr=f"('step' in {expr}.__dict__)",
-                                expected="step" in opt.__dict__,
-                                label=f"an LRScheduler wraps {opt_v.source}.step", where=tracer.where()))
+    # guards on the optimizer's source: the check reads it from the variable holding it
+    tracer.add_guard(NoStepHooksGuard, opt_v.source)
+    tracer.add_guard(ContainsGuard, AttrSource(opt_v.source, "__dict__"), key_value="step",
+                     expected="step" in opt.__dict__)  # an LRScheduler wraps its step
 
 
 # The param-group keys each modelled optimizer's step() reads (torch 2.13's ``step`` and
