@@ -181,9 +181,30 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
     if gm.meta.get("scalar_inputs") and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
     if _flattened(gm) and gm.meta.get("outputs_require_grad"):
-        return ("it is compiled without autograd (an in-graph backward or Python-number inputs) "
-                "but returns or stores tensors that need autograd")
+        spent = spent_outputs(gm)
+        if isinstance(spent, str):
+            return ("it is compiled without autograd (an in-graph backward or Python-number "
+                    f"inputs) but returns or stores tensors that need autograd ({spent})")
     return gradient_hooks(gm)
+
+
+def spent_outputs(gm: torch.fx.GraphModule) -> list | str:
+    """The outputs of a flattened graph that need eager's used-up history (``spent.py``), or
+    why one needs a history that can still run. Only a graph with an in-graph backward can
+    have used one up."""
+    if "spent_outputs" not in gm.meta:
+        from . import spent
+        if not _has_autograd(gm) or "value_outputs" not in gm.meta:
+            found = "nothing in the graph ran their backward"
+        else:
+            found = spent.plan(gm, gm.meta["value_outputs"])
+        gm.meta["spent_outputs"] = found
+    return gm.meta["spent_outputs"]
+
+
+def _with_spent_history(gm: torch.fx.GraphModule, compiled: Callable) -> Callable:
+    from .spent import attach
+    return attach(spent_outputs(gm), compiled) if gm.meta.get("outputs_require_grad") else compiled
 
 
 def _rolled_bodies(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> Callable:
@@ -203,7 +224,7 @@ def _torchscript(gm, example_inputs):
     if gm.meta.get("rolled_loops"):
         return _rolled_bodies(gm, example_inputs, "torchscript")
     if _flattened(gm):
-        return torchscript_without_autograd(gm, example_inputs)
+        return _with_spent_history(gm, torchscript_without_autograd(gm, example_inputs))
     return aot_torchscript(gm, example_inputs)
 
 
@@ -216,7 +237,7 @@ def _inductor(gm, example_inputs):
     if gm.meta.get("rolled_loops"):
         return _rolled_bodies(gm, example_inputs, "inductor")
     if _flattened(gm):
-        return inductor_without_autograd(gm, example_inputs)
+        return _with_spent_history(gm, inductor_without_autograd(gm, example_inputs))
     return inductor(gm, example_inputs)
 
 

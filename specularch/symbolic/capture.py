@@ -185,6 +185,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
                                    for n in placeholders)
     gm.meta["non_tensor_outputs"] = bool(assertions) or any(
         not isinstance(n.meta.get("example"), torch.Tensor) for n in specs.outputs)
+    gm.meta["value_outputs"] = sorted(specs.as_values)  # what the program sees as tensors
     gm.meta["outputs_require_grad"] = any(
         isinstance(n.meta.get("example"), torch.Tensor) and n.meta["example"].requires_grad
         for i, n in enumerate(specs.outputs) if i in specs.as_values)
