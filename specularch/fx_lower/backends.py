@@ -189,8 +189,11 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
         return f"it has dynamic sizes ({compiler} would specialise on them)"
     if any(n.op == "call_method" and n.target == "item" for n in gm.graph.nodes):
         return "it reads `.item()` values inside the graph (numbers passed to torch ops)"
+    # An in-graph assumption is a tensor output the entry function checks after the graph
+    # ran (a speculated branch); compiled or not, the graph computes the same values, and
+    # when the check fails they are dropped and the original runs.
     if gm.meta.get("non_tensor_outputs"):
-        return "it returns Python numbers or checks assumptions inside the graph"
+        return "it returns Python numbers computed inside the graph"
     if gm.meta.get("scalar_inputs") and not specialises and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
     if _flattened(gm) and gm.meta.get("outputs_require_grad"):
