@@ -56,6 +56,11 @@ def background_tracing():
         _BACKGROUND.active = False
 
 
+def compiling_in_background() -> bool:
+    """This thread compiles beside the user's program (``background_tracing``)."""
+    return getattr(_BACKGROUND, "active", False)
+
+
 def _install_thread_aware_rng_restore() -> None:
     with _PATCHER_INSTALLED:
         for module in (torch.random, torch.cuda):

@@ -123,9 +123,19 @@ _SCALAR_SAFE_METHODS = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div
 
 
 def _scalars_only_in_arithmetic(gm: torch.fx.GraphModule) -> bool:
-    pending = [n for n in gm.graph.nodes if n.op == "placeholder"
-               and isinstance(n.meta.get("example"), (int, float))]
-    seen = set()
+    return not specialised_numbers(gm)
+
+
+def specialised_numbers(gm: torch.fx.GraphModule) -> list[int]:
+    """Positions of the Python-number graph inputs that reach more than arithmetic: a
+    compiling backend compiles the graph per value of them (``specialise.py``)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, n in enumerate(placeholders) if isinstance(n.meta.get("example"), (int, float))
+            and not _only_in_arithmetic(n)]
+
+
+def _only_in_arithmetic(placeholder: torch.fx.Node) -> bool:
+    pending, seen = [placeholder], set()
     while pending:
         node = pending.pop()
         if node in seen:
@@ -163,9 +173,12 @@ def gradient_hooks(gm: torch.fx.GraphModule) -> str | None:
 _OPAQUE = "a graph input is neither a tensor nor a number (e.g. a torch.Generator)"
 
 
-def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
+def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
+                      specialises: bool = False) -> str | None:
     """Why ``gm`` cannot be compiled as one static-shape ATen graph by ``compiler`` (or be
-    compiled at all, for what every compiling backend refuses); None when it can."""
+    compiled at all, for what every compiling backend refuses); None when it can.
+    ``specialises``: the backend compiles per value of Python numbers that reach a torch
+    function (``specialise.py``)."""
     if gm.meta.get("opaque_inputs"):
         return _OPAQUE
     if gm.meta.get("rolled_loops"):
@@ -176,14 +189,38 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
         return f"it has dynamic sizes ({compiler} would specialise on them)"
     if any(n.op == "call_method" and n.target == "item" for n in gm.graph.nodes):
         return "it reads `.item()` values inside the graph (numbers passed to torch ops)"
+    # An in-graph assumption is a tensor output the entry function checks after the graph
+    # ran (a speculated branch); compiled or not, the graph computes the same values, and
+    # when the check fails they are dropped and the original runs.
     if gm.meta.get("non_tensor_outputs"):
-        return "it returns Python numbers or checks assumptions inside the graph"
-    if gm.meta.get("scalar_inputs") and not _scalars_only_in_arithmetic(gm):
+        return "it returns Python numbers computed inside the graph"
+    if gm.meta.get("scalar_inputs") and not specialises and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
     if _flattened(gm) and gm.meta.get("outputs_require_grad"):
-        return ("it is compiled without autograd (an in-graph backward or Python-number inputs) "
-                "but returns or stores tensors that need autograd")
+        spent = spent_outputs(gm)
+        if isinstance(spent, str):
+            return ("it is compiled without autograd (an in-graph backward or Python-number "
+                    f"inputs) but returns or stores tensors that need autograd ({spent})")
     return gradient_hooks(gm)
+
+
+def spent_outputs(gm: torch.fx.GraphModule) -> list | str:
+    """The outputs of a flattened graph that need eager's used-up history (``spent.py``), or
+    why one needs a history that can still run. Only a graph with an in-graph backward can
+    have used one up."""
+    if "spent_outputs" not in gm.meta:
+        from . import spent
+        if not _has_autograd(gm) or "value_outputs" not in gm.meta:
+            found = "nothing in the graph ran their backward"
+        else:
+            found = spent.plan(gm, gm.meta["value_outputs"])
+        gm.meta["spent_outputs"] = found
+    return gm.meta["spent_outputs"]
+
+
+def _with_spent_history(gm: torch.fx.GraphModule, compiled: Callable) -> Callable:
+    from .spent import attach
+    return attach(spent_outputs(gm), compiled) if gm.meta.get("outputs_require_grad") else compiled
 
 
 def _rolled_bodies(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> Callable:
@@ -195,28 +232,51 @@ def _rolled_bodies(gm: torch.fx.GraphModule, example_inputs: list, backend: str)
 
 
 def _torchscript_supports(gm: torch.fx.GraphModule) -> str | None:
-    return None if gm.meta.get("rolled_loops") else flattening_reason(gm, "TorchScript")
+    return None if gm.meta.get("rolled_loops") else flattening_reason(gm, "TorchScript", specialises=True)
+
+
+def _per_value(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> Callable | None:
+    """``gm`` compiled by ``backend`` once per value of the numbers that reach a torch
+    function (``specialise.py``), or None when it has none. Compiled at first for the example
+    values; later for new values in the call that brings them, unless this compile runs in
+    the background (the tier compiler: no call may wait), where they run the ``fx`` code."""
+    from ._torch_compilers import compiling_in_background
+    from .specialise import PerValue
+    positions = specialised_numbers(gm) if gm.meta.get("scalar_inputs") else []
+    if not positions:
+        return None
+    lazily = not compiling_in_background()
+    compile_one = get_backend(backend).compile if lazily else BACKENDS[backend].compile.__wrapped__
+    per_value = PerValue(gm, positions, compile_one, _fx(gm, example_inputs), lazily=lazily)
+    per_value.add(example_inputs)
+    return per_value
 
 
 def _torchscript(gm, example_inputs):
     from ._torch_compilers import aot_torchscript, torchscript_without_autograd
     if gm.meta.get("rolled_loops"):
         return _rolled_bodies(gm, example_inputs, "torchscript")
+    per_value = _per_value(gm, example_inputs, "torchscript")
+    if per_value is not None:
+        return per_value
     if _flattened(gm):
-        return torchscript_without_autograd(gm, example_inputs)
+        return _with_spent_history(gm, torchscript_without_autograd(gm, example_inputs))
     return aot_torchscript(gm, example_inputs)
 
 
 def _inductor_supports(gm: torch.fx.GraphModule) -> str | None:
-    return None if gm.meta.get("rolled_loops") else flattening_reason(gm, "Inductor")
+    return None if gm.meta.get("rolled_loops") else flattening_reason(gm, "Inductor", specialises=True)
 
 
 def _inductor(gm, example_inputs):
     from ._torch_compilers import inductor, inductor_without_autograd
     if gm.meta.get("rolled_loops"):
         return _rolled_bodies(gm, example_inputs, "inductor")
+    per_value = _per_value(gm, example_inputs, "inductor")
+    if per_value is not None:
+        return per_value
     if _flattened(gm):
-        return inductor_without_autograd(gm, example_inputs)
+        return _with_spent_history(gm, inductor_without_autograd(gm, example_inputs))
     return inductor(gm, example_inputs)
 
 

@@ -183,8 +183,10 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
                                    for n in placeholders)
-    gm.meta["non_tensor_outputs"] = bool(assertions) or any(
+    gm.meta["in_graph_assumptions"] = bool(assertions)  # outputs the entry function checks
+    gm.meta["non_tensor_outputs"] = any(
         not isinstance(n.meta.get("example"), torch.Tensor) for n in specs.outputs)
+    gm.meta["value_outputs"] = sorted(specs.as_values)  # what the program sees as tensors
     gm.meta["outputs_require_grad"] = any(
         isinstance(n.meta.get("example"), torch.Tensor) and n.meta["example"].requires_grad
         for i, n in enumerate(specs.outputs) if i in specs.as_values)
