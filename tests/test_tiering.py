@@ -136,7 +136,7 @@ def test_slower_candidate_is_rejected_and_remembered(low_thresholds, candidates,
         fn = _fx(gm, inputs)
 
         def run(*args):
-            time.sleep(0.003)
+            time.sleep(0.03)  # far above this machine's noise on a tiny step
             return fn(*args)
         return run
     test_backend("slow_fx", slow)
@@ -148,7 +148,7 @@ def test_slower_candidate_is_rejected_and_remembered(low_thresholds, candidates,
     _run(eager, opt, batches * 4)  # bit-identical: fx ran every call that returned
     (event,) = entry.tier.events
     assert event.decision == "rejected"
-    assert event.candidate_us > event.current_us + 2000
+    assert event.candidate_us > event.current_us + 20000
     assert _graph(opt).backend == "fx" and tiering.pending() == 0
     assert "slow_fx: rejected" in str(specularch.explain(opt))
 
