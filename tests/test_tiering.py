@@ -236,8 +236,8 @@ def test_small_graphs_stay_on_fx_bit_identical():
         eager, opt, model, twin = _pair(_mlp)
         _run(eager, opt, _batches((8, 16), 4, 30))
     assert specularch.config.backend == "auto"
-    assert all(g.backend == "fx" and "not hot enough" in g.tiers[0]
-               for g in specularch.explain(opt).graphs)
+    report = specularch.explain(opt)
+    assert all(g.backend == "fx" and "not hot enough" in g.tiers[0] for g in report.graphs), [(g.backend, g.tiers) for g in report.graphs]
     assert tiering.pending() == 0
     for p, q in zip(model.parameters(), twin.parameters()):
         assert_same(q, p)
