@@ -109,7 +109,7 @@ def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return bind_renamed_targets(rewritten_copy(gm, FOLD_CLONES, BATCH_FOREACH)).forward
 
 
-def _flattened(gm: torch.fx.GraphModule) -> bool:
+def flattened(gm: torch.fx.GraphModule) -> bool:
     """Graphs compiled as one ATen graph without autograd (``_torch_compilers.flatten``):
     whole training steps (an in-graph ``autograd.grad``) and graphs with dynamic sizes or
     Python-number inputs."""
@@ -180,7 +180,7 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str) -> str | None:
         return "it returns Python numbers or checks assumptions inside the graph"
     if gm.meta.get("scalar_inputs") and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
-    if _flattened(gm) and gm.meta.get("outputs_require_grad"):
+    if flattened(gm) and gm.meta.get("outputs_require_grad"):
         return ("it is compiled without autograd (an in-graph backward or Python-number inputs) "
                 "but returns or stores tensors that need autograd")
     return gradient_hooks(gm)
@@ -202,7 +202,7 @@ def _torchscript(gm, example_inputs):
     from ._torch_compilers import aot_torchscript, torchscript_without_autograd
     if gm.meta.get("rolled_loops"):
         return _rolled_bodies(gm, example_inputs, "torchscript")
-    if _flattened(gm):
+    if flattened(gm):
         return torchscript_without_autograd(gm, example_inputs)
     return aot_torchscript(gm, example_inputs)
 
@@ -215,7 +215,7 @@ def _inductor(gm, example_inputs):
     from ._torch_compilers import inductor, inductor_without_autograd
     if gm.meta.get("rolled_loops"):
         return _rolled_bodies(gm, example_inputs, "inductor")
-    if _flattened(gm):
+    if flattened(gm):
         return inductor_without_autograd(gm, example_inputs)
     return inductor(gm, example_inputs)
 
