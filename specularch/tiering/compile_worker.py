@@ -34,7 +34,9 @@ def main(folder: str) -> int:
         traceback.print_exc()
         _result(folder, {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
         return 1
-    _result(folder, {"meta": meta, "seconds": time.perf_counter() - start})
+    seconds = time.perf_counter() - start
+    print(f"compiled {job['backend']} in {seconds:.2f}s", flush=True)
+    _result(folder, {"meta": meta, "seconds": seconds})
     return 0
 
 
@@ -59,4 +61,9 @@ def _result(folder: str, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is written: skip the interpreter's teardown, which waits for Inductor's
+    # pool of compile processes to shut down (seconds to tens of seconds).
+    os._exit(code)

@@ -19,7 +19,8 @@ class TierEvent:
     current_us: float | None = None    # ... and of the tier it was timed against
     against: str = ""                  # that tier's backend
     reason: str = ""
-    compiled_in: str = ""              # "worker process", or "thread: " and why not one
+    # "worker process", "from the compile cache", or "thread: " and why not a process
+    compiled_in: str = ""
 
     def __str__(self) -> str:
         line = f"{self.candidate}: {self.decision}"

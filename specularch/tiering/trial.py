@@ -18,6 +18,7 @@ from typing import Callable
 from ..config import config
 from ..entry_function import MISS
 from ..fx_lower import get_backend
+from ..fx_lower import compile_cache
 from ..fx_lower.backends import compile_in_background
 from . import policy, process, worker
 from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, TierEvent, TierHistory
@@ -100,6 +101,8 @@ class Tier:
                 graph_fn = process.compile(name, self.gm, examples, self.timeout)
             else:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples)
+            if compile_cache.from_cache(graph_fn):
+                where = "from the compile cache"
             fn, source = self.build(graph_fn)
         except Exception as e:
             reason = str(e) if isinstance(e, process.WorkerFailed) else f"{type(e).__name__}: {e}"
