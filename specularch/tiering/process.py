@@ -82,6 +82,9 @@ def _cache_root() -> str | None:
 
 def _run(folder: str, timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    # One compile thread: Inductor's default pool (a process per core, each running a C++
+    # compiler) would take the cores the program runs on.
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     with open(os.path.join(folder, "log.txt"), "wb") as log:
         with _children_lock:
             child = subprocess.Popen([*COMMAND, folder], stdout=log, stderr=subprocess.STDOUT,
