@@ -55,7 +55,7 @@ def route(backend: str, gm: torch.fx.GraphModule) -> str | None:
     return jobs.unsendable(gm)
 
 
-def compile(backend: str, gm: torch.fx.GraphModule, examples: list, timeout: float) -> Callable:
+def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, timeout: float) -> Callable:
     """``backend``'s compiled form of ``gm``, compiled by a worker process (raises
     ``WorkerFailed``). Call it on the background thread: it waits for the worker."""
     key = None

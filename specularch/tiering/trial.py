@@ -98,7 +98,7 @@ class Tier:
         where = "worker process" if why_not is None else f"thread: {why_not}"
         try:
             if why_not is None:
-                graph_fn = process.compile(name, self.gm, examples, self.timeout)
+                graph_fn = process.compile_candidate(name, self.gm, examples, self.timeout)
             else:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples)
             if compile_cache.from_cache(graph_fn):
