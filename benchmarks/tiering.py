@@ -15,7 +15,7 @@ One thread (``torch.set_num_threads(1)``), unmodified Adam training steps. Per m
 * then eager, tiered and each pinned backend interleaved round by round (medians): the final
   ratio of tiered to eager and to the best pinned backend.
 
-``--compile-in`` chooses where candidates compile (``config.tier_worker_process``; default
+``--compile-in`` chooses where candidates compile (``specularch.tiering.process.ENABLED``; default
 ``process``). ``--switch-interval`` sets the thread switch interval the background compiler uses
 (``specularch.tiering.worker.SWITCH_INTERVAL``; CPython's default is 0.005 s).
 Inductor compiles into a fresh cache directory.
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specularch  # noqa: E402
-from specularch.tiering import worker  # noqa: E402
+from specularch.tiering import process, worker  # noqa: E402
 from train_step import MODELS, build, make_step  # noqa: E402
 
 
@@ -138,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     args.pinned = [b for b in args.pinned.split(",") if b]
     worker.SWITCH_INTERVAL = args.switch_interval
-    specularch.config.tier_worker_process = args.compile_in == "process"
+    process.ENABLED = args.compile_in == "process"
     torch.set_num_threads(1)
     cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     try:

@@ -197,13 +197,6 @@ OPTIONS: dict[str, Option] = {
         Option("tier_trial_calls", 5, "With backend 'auto': calls per side and round when a "
                "compiled candidate is timed against the graph's current tier on live calls "
                "(3 rounds, interleaved; medians).", "SPECULARCH_TIER_TRIAL_CALLS", POSITIVE_INT),
-        Option("tier_worker_process", True, "With backend 'auto': compile candidates in a "
-               "worker process, so that the program's thread never waits for the GIL while a "
-               "compiler holds it; off: on a thread of this process (docs/tiering.md).",
-               "SPECULARCH_TIER_WORKER_PROCESS", FLAG),
-        Option("tier_compile_timeout", 600.0, "With backend 'auto': seconds a worker process "
-               "may compile one candidate before it is killed (the candidate fails).",
-               "SPECULARCH_TIER_COMPILE_TIMEOUT", POSITIVE_SECONDS),
         Option("profile_calls", 3, "Calls of an optimized function that run eagerly while "
                "argument facts are recorded, before the first capture.", "SPECULARCH_PROFILE_CALLS",
                NON_NEGATIVE_INT),

@@ -10,7 +10,7 @@ few milliseconds to load. Only graphs compiled as one flattened ATen graph trave
 (``route``); the others (forward graphs through AOT autograd, whose forward and backward
 are glued by Python, and rolled loops) are compiled on the thread as before.
 
-A worker that crashes, runs past ``config.tier_compile_timeout`` or writes an artefact that
+A worker that crashes, runs past ``TIMEOUT`` or writes an artefact that
 cannot be loaded raises ``WorkerFailed``: the candidate is "compile failed", the graph stays
 on its tier. Children still running at exit are killed; each job's folder is removed.
 """
@@ -34,6 +34,9 @@ from . import job as jobs
 from . import worker  # noqa: F401  (its exit handler must run after ours: atexit is LIFO)
 
 COMMAND = [sys.executable, "-m", "specularch.tiering.compile_worker"]  # + the job's folder
+# Module settings, not config options (the README's option table is not ours to change):
+ENABLED = True   # False: every candidate compiles on the background thread, as before
+TIMEOUT = 600.0  # seconds a worker may compile one candidate before it is killed
 BACKENDS = ("torchscript", "inductor")
 # Variables a worker must not inherit: Inductor's address in this process, the global switch.
 PRIVATE_ENV = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "SPECULARCH")

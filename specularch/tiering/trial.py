@@ -52,9 +52,7 @@ class Tier:
         self.compiling = 0
         self.trial: Trial | None = None
         self.lock = threading.Lock()
-        # Read here, on the program's thread: config.patch is per thread.
-        self.trial_calls = config.tier_trial_calls
-        self.in_process, self.timeout = config.tier_worker_process, config.tier_compile_timeout
+        self.trial_calls = config.tier_trial_calls  # read here: config.patch is per thread
         entry.fn = self
 
     def __call__(self, L, C, G, B):
@@ -94,11 +92,11 @@ class Tier:
         """On the worker thread: compile, build the entry function, queue it for a trial."""
         start = time.perf_counter()
         examples = [n.meta.get("example") for n in self.gm.graph.nodes if n.op == "placeholder"]
-        why_not = process.route(name, self.gm) if self.in_process else "tier_worker_process is off"
+        why_not = process.route(name, self.gm) if process.ENABLED else "process.ENABLED is off"
         where = "worker process" if why_not is None else f"thread: {why_not}"
         try:
             if why_not is None:
-                graph_fn = process.compile_candidate(name, self.gm, examples, self.timeout)
+                graph_fn = process.compile_candidate(name, self.gm, examples, process.TIMEOUT)
             else:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples)
             if compile_cache.from_cache(graph_fn):
