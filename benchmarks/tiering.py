@@ -18,7 +18,7 @@ One thread (``torch.set_num_threads(1)``), unmodified Adam training steps. Per m
 ``--compile-in`` chooses where candidates compile (``specularch.tiering.process.ENABLED``; default
 ``process``). ``--switch-interval`` sets the thread switch interval the background compiler uses
 (``specularch.tiering.worker.SWITCH_INTERVAL``; CPython's default is 0.005 s).
-Inductor compiles into a fresh cache directory.
+Inductor and the compile cache start from fresh, empty directories (a first run).
 """
 from __future__ import annotations
 
@@ -141,6 +141,7 @@ def main() -> None:
     process.ENABLED = args.compile_in == "process"
     torch.set_num_threads(1)
     cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    specularch.config.compile_cache_dir = os.path.join(cache, "specularch")
     try:
         results = [bench(name, args) for name in args.models.split(",")]
     finally:
