@@ -1,4 +1,4 @@
-"""The worker process: ``python -m specularch.tiering.compile_worker FOLDER`` compiles the job
+"""The worker process: ``python -m specularch.tiering.compile_worker FOLDER [NICENESS]`` compiles the job
 in ``FOLDER/job.pt`` (``job.py``) and writes the artefact the program loads
 (``process.py``), then ``FOLDER/result.json``: ``{"meta": ...}`` or ``{"error": ...}``.
 
@@ -14,12 +14,11 @@ import sys
 import time
 import traceback
 
-NICENESS = 10
 
 
-def main(folder: str) -> int:
+def main(folder: str, niceness: int) -> int:
     if hasattr(os, "nice"):
-        os.nice(NICENESS)
+        os.nice(niceness)
     import torch
     torch.set_num_threads(1)
     from specularch.fx_lower import compile_cache
@@ -61,7 +60,7 @@ def _result(folder: str, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
+    code = main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     sys.stdout.flush()
     sys.stderr.flush()
     # The result is written: skip the interpreter's teardown, which waits for Inductor's

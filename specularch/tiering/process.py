@@ -37,6 +37,7 @@ COMMAND = [sys.executable, "-m", "specularch.tiering.compile_worker"]  # + the j
 # Module settings, not config options (the README's option table is not ours to change):
 ENABLED = True   # False: every candidate compiles on the background thread, as before
 TIMEOUT = 600.0  # seconds a worker may compile one candidate before it is killed
+NICENESS = 10    # the worker's, so that the program keeps its core first (docs/tiering.md)
 BACKENDS = ("torchscript", "inductor")
 # Variables a worker must not inherit: Inductor's address in this process, the global switch.
 PRIVATE_ENV = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "SPECULARCH")
@@ -90,7 +91,7 @@ def _run(folder: str, timeout: float) -> dict:
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     with open(os.path.join(folder, "log.txt"), "wb") as log:
         with _children_lock:
-            child = subprocess.Popen([*COMMAND, folder], stdout=log, stderr=subprocess.STDOUT,
+            child = subprocess.Popen([*COMMAND, folder, str(NICENESS)], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env)
             _children.add(child)
         try:
