@@ -2,11 +2,12 @@
 and the pinned backends, for the MLP and LeNet of ``train_step.py``.
 
     python benchmarks/tiering.py [--seconds 60] [--models mlp,lenet] [--pinned fx,torchscript,inductor]
-        [--switch-interval 0.0005] [--json PATH]
+        [--switch-interval 0.0005] [--compile-in process|thread] [--json PATH]
 
 One thread (``torch.set_num_threads(1)``), unmodified Adam training steps. Per model:
 
-* eager: the median step;
+* eager: the median step over 10 s, and its slowest step over the median (the machine's
+  noise, to read the next number against);
 * tiered: every step of ``--seconds`` timed from the first call; the slowest step while a
   background compile was pending, over the eager median (the GIL cost of compiling beside
   the program); the time from the first call to the first speedup (a candidate kept); the
@@ -14,9 +15,10 @@ One thread (``torch.set_num_threads(1)``), unmodified Adam training steps. Per m
 * then eager, tiered and each pinned backend interleaved round by round (medians): the final
   ratio of tiered to eager and to the best pinned backend.
 
-``--switch-interval`` sets the thread switch interval the background compiler uses
+``--compile-in`` chooses where candidates compile (``specularch.tiering.process.ENABLED``; default
+``process``). ``--switch-interval`` sets the thread switch interval the background compiler uses
 (``specularch.tiering.worker.SWITCH_INTERVAL``; CPython's default is 0.005 s).
-Inductor compiles into a fresh cache directory.
+Inductor and the compile cache start from fresh, empty directories (a first run).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specularch  # noqa: E402
-from specularch.tiering import worker  # noqa: E402
+from specularch.tiering import process, worker  # noqa: E402
 from train_step import MODELS, build, make_step  # noqa: E402
 
 
@@ -42,14 +44,17 @@ def _batches(name, count=4):
     return [MODELS[name][1]() for _ in range(count)]
 
 
-def _median_step(step, batches, seconds):
+def _eager_steps(step, batches, seconds):
+    """The median eager step, and the slowest step over it (the machine's own noise: on a
+    shared machine a step preempted by other jobs is slow with nothing compiling)."""
     times, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 5:
         x, y = batches[len(times) % len(batches)]
         start = time.perf_counter()
         step(x, y)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    median = statistics.median(times)
+    return median, max(times[1:]) / median
 
 
 def tiered_run(name, batches, seconds, eager_s):
@@ -99,9 +104,10 @@ def bench(name, args):
     batches = _batches(name)
     model, opt = build(name)
     eager = make_step(model, opt)
-    eager_s = _median_step(eager, batches, 5)
+    eager_s, eager_slowest = _eager_steps(eager, batches, 10)
     print(f"[{name}] eager step {eager_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
     tiered, result = tiered_run(name, batches, args.seconds, eager_s)
+    result["slowest_eager_step_over_eager"] = eager_slowest
     print(f"[{name}] tiered: {json.dumps(result, indent=1)}", file=sys.stderr, flush=True)
     specularch.tiering.wait()
     modes = {"eager": eager, "tiered": tiered}
@@ -127,17 +133,21 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,lenet")
     parser.add_argument("--pinned", default="fx,torchscript,inductor")
     parser.add_argument("--switch-interval", type=float, default=worker.SWITCH_INTERVAL)
+    parser.add_argument("--compile-in", choices=("process", "thread"), default="process")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.pinned = [b for b in args.pinned.split(",") if b]
     worker.SWITCH_INTERVAL = args.switch_interval
+    process.ENABLED = args.compile_in == "process"
     torch.set_num_threads(1)
     cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    specularch.config.compile_cache_dir = os.path.join(cache, "specularch")
     try:
         results = [bench(name, args) for name in args.models.split(",")]
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     print(f"torch={torch.__version__} threads=1 switch_interval={args.switch_interval} "
+          f"compile_in={args.compile_in} "
           f"seconds={args.seconds}")
     for r in results:
         print(json.dumps(r, indent=1))

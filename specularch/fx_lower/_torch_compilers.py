@@ -293,6 +293,53 @@ def script_aten_graph(gm: torch.fx.GraphModule) -> torch.jit.ScriptModule:
         return torch.jit.freeze(scripted.eval())
 
 
+def scripted_flattened(gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
+    """``flatten`` (fake tensors: static shapes) and ``script_aten_graph``: the frozen module
+    and what ``run_scripted`` needs to call it (``converted``, ``devices``)."""
+    flat = flatten(gm, example_inputs, tracing_mode="fake")
+    scripted = script_aten_graph(flat.graph)
+    devices = [str(flat.inputs[i].device) for i in flat.converted]
+    return scripted, {"converted": flat.converted, "devices": devices}
+
+
+def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str) -> dict:
+    """``flatten`` (static shapes) compiled by Inductor's ``standalone_compile`` and saved to
+    ``path`` (for ``load_inductor_artifact`` in another process); returns the metadata that
+    call needs. Inductor's own caches are used as in ``inductor_without_autograd``."""
+    from torch._inductor import config as inductor_config, standalone_compile
+    flat = flatten(gm, example_inputs, tracing_mode="fake")
+    with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer(), \
+            _inductor_caches():
+        artifact = standalone_compile(flat.graph, flat.inputs,
+                                      dynamic_shapes="from_example_inputs")
+        artifact.save(path=path, format="binary")
+    return {"converted": flat.converted,
+            "devices": [str(flat.inputs[i].device) for i in flat.converted]}
+
+
+def load_inductor_artifact(path: str, meta: dict) -> Callable:
+    """What ``inductor_artifact`` saved, as the captured graph's compiled form (run under
+    ``no_grad``, Python numbers at ``meta["converted"]`` made 0-d tensors)."""
+    from torch._inductor import CompiledArtifact
+    with _no_leaked_pointer():
+        compiled = CompiledArtifact.load(path=path, format="binary")
+    converted, devices = meta["converted"], meta["devices"]
+
+    def run(*args):
+        if converted:
+            args = list(args)
+            for i, device in zip(converted, devices):
+                args[i] = as_tensor_input(args[i], device)
+        with torch.no_grad():
+            return distinct_outputs(compiled(*args))
+
+    return run
+
+
+def run_scripted(scripted, meta: dict) -> Callable:
+    return _run_scripted(scripted, meta["converted"], meta["devices"])
+
+
 def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """``flatten`` (fake tensors: static shapes) compiled by TorchScript, or loaded from the
     compile cache where an earlier run saved it. It runs in grad mode, as it was traced (some
@@ -303,11 +350,9 @@ def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list)
     if loaded is not None:
         scripted, meta = loaded
         return compile_cache.mark_cached(_run_scripted(scripted, meta["converted"], meta["devices"]))
-    flat = flatten(gm, example_inputs, tracing_mode="fake")
-    scripted = script_aten_graph(flat.graph)
-    devices = [str(flat.inputs[i].device) for i in flat.converted]
-    compile_cache.save_script(key, scripted, {"converted": flat.converted, "devices": devices})
-    return _run_scripted(scripted, flat.converted, devices)
+    scripted, meta = scripted_flattened(gm, example_inputs)
+    compile_cache.save_script(key, scripted, meta)
+    return run_scripted(scripted, meta)
 
 
 def _run_scripted(scripted, converted: list[int], devices: list[str]) -> Callable:

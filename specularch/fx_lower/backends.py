@@ -109,7 +109,7 @@ def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return bind_renamed_targets(rewritten_copy(gm, FOLD_CLONES, BATCH_FOREACH)).forward
 
 
-def _flattened(gm: torch.fx.GraphModule) -> bool:
+def flattened(gm: torch.fx.GraphModule) -> bool:
     """Graphs compiled as one ATen graph without autograd (``_torch_compilers.flatten``):
     whole training steps (an in-graph ``autograd.grad``) and graphs with dynamic sizes or
     Python-number inputs."""
@@ -196,7 +196,7 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
         return "it returns Python numbers computed inside the graph"
     if gm.meta.get("scalar_inputs") and not specialises and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
-    if _flattened(gm) and gm.meta.get("outputs_require_grad"):
+    if flattened(gm) and gm.meta.get("outputs_require_grad"):
         spent = spent_outputs(gm)
         if isinstance(spent, str):
             return ("it is compiled without autograd (an in-graph backward or Python-number "
@@ -259,7 +259,7 @@ def _torchscript(gm, example_inputs):
     per_value = _per_value(gm, example_inputs, "torchscript")
     if per_value is not None:
         return per_value
-    if _flattened(gm):
+    if flattened(gm):
         return _with_spent_history(gm, torchscript_without_autograd(gm, example_inputs))
     return aot_torchscript(gm, example_inputs)
 
@@ -275,7 +275,7 @@ def _inductor(gm, example_inputs):
     per_value = _per_value(gm, example_inputs, "inductor")
     if per_value is not None:
         return per_value
-    if _flattened(gm):
+    if flattened(gm):
         return _with_spent_history(gm, inductor_without_autograd(gm, example_inputs))
     return inductor(gm, example_inputs)
 

@@ -126,16 +126,30 @@ def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
     path = os.path.join(folder, f"{key}.pt")
     if not os.path.exists(path):
         return None
-    extra = {"specularch.json": ""}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = torch.jit.load(path, _extra_files=extra)
-        return module, json.loads(extra["specularch.json"])
+        return read_script(path)
     except Exception as e:
         _LOG.warning(f"compile cache: ignoring unreadable entry {path} "
                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling again")
         return None
+
+
+def read_script(path: str) -> tuple[torch.jit.ScriptModule, dict]:
+    """A module ``write_script`` saved (in this process or another), and its metadata."""
+    extra = {"specularch.json": ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = torch.jit.load(path, _extra_files=extra)
+    return module, json.loads(extra["specularch.json"])
+
+
+def write_script(path: str, module: torch.jit.ScriptModule, meta: dict) -> None:
+    """``module`` and ``meta`` saved to ``path`` atomically (a reader never sees half)."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # torch.jit.save's deprecation: it still works
+        warnings.simplefilter("ignore")
+        torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
+    _write_atomically(path, buffer.getvalue())
 
 
 def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
@@ -143,12 +157,8 @@ def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
     folder = directory("torchscript")
     if folder is None:
         return
-    buffer = io.BytesIO()
     try:
-        with warnings.catch_warnings():  # torch.jit.save's deprecation: it still works
-            warnings.simplefilter("ignore")
-            torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
-        _write_atomically(os.path.join(folder, f"{key}.pt"), buffer.getvalue())
+        write_script(os.path.join(folder, f"{key}.pt"), module, meta)
     except Exception as e:
         _LOG.warning(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
 

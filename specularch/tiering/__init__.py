@@ -4,6 +4,8 @@ candidate is timed on live calls against the current tier and kept only if faste
 
 * ``policy.py`` — when a graph is hot, its candidates, when one wins;
 * ``worker.py`` — the background compile thread; ``wait()`` for tests and benchmarks;
+* ``process.py``, ``job.py``, ``compile_worker.py`` — that thread's compiles run in a worker
+  process: the job file, the child's entry point, loading what it compiled;
 * ``trial.py`` — the per-graph ``Tier`` (counting, trials, swapping the entry's function);
 * ``history.py`` — what ``explain()`` shows of each graph's tiers.
 """

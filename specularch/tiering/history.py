@@ -19,11 +19,14 @@ class TierEvent:
     current_us: float | None = None    # ... and of the tier it was timed against
     against: str = ""                  # that tier's backend
     reason: str = ""
+    # "worker process", "from the compile cache", or "thread: " and why not a process
+    compiled_in: str = ""
 
     def __str__(self) -> str:
         line = f"{self.candidate}: {self.decision}"
         if self.compile_seconds:
-            line += f" (compile {self.compile_seconds:.2f}s)"
+            where = f", {self.compiled_in}" if self.compiled_in else ""
+            line += f" (compile {self.compile_seconds:.2f}s{where})"
         if self.candidate_us is not None:
             line += (f"; {self.candidate_us:.1f} µs/call vs {self.against} "
                      f"{self.current_us:.1f} µs/call")

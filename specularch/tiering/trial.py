@@ -18,8 +18,9 @@ from typing import Callable
 from ..config import config
 from ..entry_function import MISS
 from ..fx_lower import get_backend
+from ..fx_lower import compile_cache
 from ..fx_lower.backends import compile_in_background
-from . import policy, worker
+from . import policy, process, worker
 from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, TierEvent, TierHistory
 
 
@@ -33,6 +34,7 @@ class Candidate:
     graph_fn: Callable
     source: str
     compile_seconds: float
+    compiled_in: str = ""
 
 
 class Tier:
@@ -90,19 +92,28 @@ class Tier:
         """On the worker thread: compile, build the entry function, queue it for a trial."""
         start = time.perf_counter()
         examples = [n.meta.get("example") for n in self.gm.graph.nodes if n.op == "placeholder"]
+        why_not = process.route(name, self.gm) if process.ENABLED else "process.ENABLED is off"
+        where = "worker process" if why_not is None else f"thread: {why_not}"
         try:
-            graph_fn = compile_in_background(get_backend(name), self.gm, examples)
+            if why_not is None:
+                graph_fn = process.compile_candidate(name, self.gm, examples, process.TIMEOUT)
+            else:
+                graph_fn = compile_in_background(get_backend(name), self.gm, examples)
+            if compile_cache.from_cache(graph_fn):
+                where = "from the compile cache"
             fn, source = self.build(graph_fn)
         except Exception as e:
+            reason = str(e) if isinstance(e, process.WorkerFailed) else f"{type(e).__name__}: {e}"
             with self.lock:
                 self.compiling -= 1
                 self.history.add(TierEvent(name, FAILED, time.perf_counter() - start,
-                                           reason=f"{type(e).__name__}: {e}"))
+                                           reason=reason, compiled_in=where))
                 self._next_trial()
             return
         with self.lock:
             self.compiling -= 1
-            self.ready.append(Candidate(name, fn, graph_fn, source, time.perf_counter() - start))
+            self.ready.append(Candidate(name, fn, graph_fn, source, time.perf_counter() - start,
+                                        where))
             self._next_trial()
 
     def _next_trial(self) -> None:
@@ -166,7 +177,8 @@ class Trial:
             self.tier.decide(self, TierEvent(self.candidate.backend, RAISED,
                                              self.candidate.compile_seconds,
                                              reason=f"{type(e).__name__}: {e}; stays on "
-                                                    f"{self.tier.history.tier}"))
+                                                    f"{self.tier.history.tier}",
+                                             compiled_in=self.candidate.compiled_in))
             return self.tier.fn(L, C, G, B)
         elapsed = time.perf_counter() - start
         # (not while another graph's candidate compiles: see Tier._next_trial)
@@ -180,4 +192,5 @@ class Trial:
         current_us, candidate_us = (statistics.median(s) * 1e6 for s in self.samples)
         decision = KEPT if policy.faster(candidate_us, current_us) else REJECTED
         return TierEvent(self.candidate.backend, decision, self.candidate.compile_seconds,
-                         candidate_us, current_us, self.tier.history.tier)
+                         candidate_us, current_us, self.tier.history.tier,
+                         compiled_in=self.candidate.compiled_in)

@@ -6,8 +6,8 @@ runs long stretches of Python (``make_fx``, TorchScript's frontend, Inductor's l
 with CPython's default of 5 ms the user's thread, once it asks for the GIL, waits up to that
 long each time the worker holds it. The thread also runs at a lower priority (Linux
 ``setpriority`` on the thread), so that the C++ parts of a compile yield the core first.
-A process would leave the GIL alone but must send the compiled artefact back, which
-TorchScript's frozen modules and Inductor's loaded kernels do not survive cheaply.
+Flattened graphs are compiled in a worker process (``process.py``): the job on this thread
+then only waits for the child and loads its artefact, so the GIL stays with the program.
 """
 from __future__ import annotations
 

@@ -1,0 +1,128 @@
+"""A compile job as a file: a captured graph, what its inputs look like, and where the
+compiled artefact goes, written by the program (``process.py``) and read by the worker
+process (``compile_worker.py``).
+
+The graph travels as a pickled ``torch.fx.Graph`` (its nodes, targets by reference), not as
+a pickled ``GraphModule``: that one is rebuilt by tracing its generated code again, which
+drops what a tracer does not record (``set_grad_enabled`` calls) and every ``meta``. Inputs
+travel as metadata only (shape, stride, dtype, device): the compilers trace with fake
+tensors and never read values; Python numbers travel as they are (they are cheap, and
+``scalar_inputs_as_tensors`` must see that they are numbers). Capture-time constants
+(``get_attr``) travel with their values: they are baked into the compiled code.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+import sys
+from typing import Any
+
+import torch
+import torch.fx
+
+# Modules whose functions a graph sent to a worker may call: unpickling a target imports
+# its module, and a user's module would run the user's top-level code in the worker.
+TRUSTED = ("torch", "operator", "_operator", "math", "builtins", "specularch")
+
+
+def unsendable(gm: torch.fx.GraphModule) -> str | None:
+    """Why ``gm`` cannot be compiled in a worker process; None when it can."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            example = node.meta.get("example")
+            if not isinstance(example, (torch.Tensor, bool, int, float)):
+                return f"graph input {node.name} is a {type(example).__name__}"
+        elif node.op == "call_function":
+            module = getattr(node.target, "__module__", None) or ""
+            if module.split(".")[0] not in TRUSTED:
+                return f"it calls {getattr(node.target, '__qualname__', node.target)} of " \
+                       f"module {module or '?'} (a worker process imports only torch)"
+        elif node.op == "call_module":
+            return "it calls a module"
+    return None
+
+
+def pack(gm: torch.fx.GraphModule, examples: list, **fields: Any) -> dict:
+    """``gm`` and its inputs' metadata as a dict of plain, picklable values (plus ``fields``:
+    backend, cache settings). Raises what pickling raises for an unsendable target."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        node.meta = {}
+    return {"graph": _dumps(graph), "meta": {k: v for k, v in gm.meta.items() if _plain(v)},
+            "attrs": {n.target: _attribute(gm, n.target) for n in gm.graph.nodes
+                      if n.op == "get_attr"},
+            "inputs": [_spec(v) for v in examples], **fields}
+
+
+def unpack(job: dict) -> tuple[torch.fx.GraphModule, list]:
+    """The graph module and example inputs ``pack`` described (inputs: zero-filled tensors
+    of the same layout)."""
+    graph = pickle.loads(job["graph"])
+    gm = torch.fx.GraphModule(job["attrs"], graph)
+    gm.meta.update(job["meta"])
+    examples = [_example(spec) for spec in job["inputs"]]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, example in zip(placeholders, examples):
+        node.meta["example"] = example
+    return gm, examples
+
+
+def _attribute(gm: torch.fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _spec(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, str(value.device),
+                value.requires_grad, isinstance(value, torch.nn.Parameter))
+    return ("value", value)
+
+
+def _example(spec: tuple):
+    if spec[0] == "value":
+        return spec[1]
+    _, shape, stride, dtype, device, requires_grad, parameter = spec
+    tensor = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
+def _plain(value) -> bool:
+    """A value made of builtins only (a graph's ``meta`` flags and lists)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(map(_plain, value))
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
+class _Pickler(pickle.Pickler):
+    """Functions pickled as the attribute of their module they are (``F.max_pool2d`` is a
+    function made inside ``boolean_dispatch``, which pickle cannot name by ``__qualname__``)."""
+
+    def reducer_override(self, obj):
+        module, name = getattr(obj, "__module__", None), getattr(obj, "__name__", None)
+        if "<locals>" in str(getattr(obj, "__qualname__", "")) and isinstance(module, str) and \
+                isinstance(name, str) and \
+                module.split(".")[0] in TRUSTED and \
+                getattr(sys.modules.get(module), name, None) is obj:
+            return _by_name, (module, name)
+        return NotImplemented
+
+
+def _by_name(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+def _dumps(value) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(value)
+    return buffer.getvalue()
