@@ -252,16 +252,23 @@ def _per_value(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> 
     return per_value
 
 
-def _torchscript(gm, example_inputs):
-    from ._torch_compilers import aot_torchscript, torchscript_without_autograd
+def _compiled_by(name: str, gm, example_inputs, without_autograd: Callable, with_autograd: Callable):
+    """What a compiling backend makes of ``gm``: rolled loops' bodies compiled, or one compile
+    per value of the numbers that reach torch functions, or the graph flattened to ATen
+    without autograd (whole steps, dynamic graphs), else compiled through AOT autograd."""
     if gm.meta.get("rolled_loops"):
-        return _rolled_bodies(gm, example_inputs, "torchscript")
-    per_value = _per_value(gm, example_inputs, "torchscript")
+        return _rolled_bodies(gm, example_inputs, name)
+    per_value = _per_value(gm, example_inputs, name)
     if per_value is not None:
         return per_value
     if flattened(gm):
-        return _with_spent_history(gm, torchscript_without_autograd(gm, example_inputs))
-    return aot_torchscript(gm, example_inputs)
+        return _with_spent_history(gm, without_autograd(gm, example_inputs))
+    return with_autograd(gm, example_inputs)
+
+
+def _torchscript(gm, example_inputs):
+    from ._torch_compilers import aot_torchscript, torchscript_without_autograd
+    return _compiled_by("torchscript", gm, example_inputs, torchscript_without_autograd, aot_torchscript)
 
 
 def _inductor_supports(gm: torch.fx.GraphModule) -> str | None:
@@ -270,14 +277,7 @@ def _inductor_supports(gm: torch.fx.GraphModule) -> str | None:
 
 def _inductor(gm, example_inputs):
     from ._torch_compilers import inductor, inductor_without_autograd
-    if gm.meta.get("rolled_loops"):
-        return _rolled_bodies(gm, example_inputs, "inductor")
-    per_value = _per_value(gm, example_inputs, "inductor")
-    if per_value is not None:
-        return per_value
-    if flattened(gm):
-        return _with_spent_history(gm, inductor_without_autograd(gm, example_inputs))
-    return inductor(gm, example_inputs)
+    return _compiled_by("inductor", gm, example_inputs, inductor_without_autograd, inductor)
 
 
 def _cudagraphs(gm, example_inputs):
