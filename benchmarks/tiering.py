@@ -2,7 +2,8 @@
 and the pinned backends, for the MLP and LeNet of ``train_step.py``.
 
     python benchmarks/tiering.py [--seconds 60] [--models mlp,lenet] [--pinned fx,torchscript,inductor]
-        [--switch-interval 0.0005] [--compile-in process|thread] [--json PATH]
+        [--switch-interval 0.0005] [--compile-in process|thread] [--json PATH] [--trace]
+        [--cache-dir DIR]
 
 One thread (``torch.set_num_threads(1)``), unmodified Adam training steps. Per model:
 
@@ -18,7 +19,11 @@ One thread (``torch.set_num_threads(1)``), unmodified Adam training steps. Per m
 ``--compile-in`` chooses where candidates compile (``specularch.tiering.process.ENABLED``; default
 ``process``). ``--switch-interval`` sets the thread switch interval the background compiler uses
 (``specularch.tiering.worker.SWITCH_INTERVAL``; CPython's default is 0.005 s).
-Inductor and the compile cache start from fresh, empty directories (a first run).
+Inductor and the compile cache start from fresh, empty directories (a first run), unless
+``--cache-dir`` names one (run twice with the same one: the second run's numbers are a second
+run's). ``--trace`` lists the slowest steps while compiling with the tiering events that
+happened during each (worker started, job sent, artefact loaded, warm-up, trial calls,
+decisions), to find where a slow step's time went.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specularch  # noqa: E402
 from specularch.tiering import process, worker  # noqa: E402
+import tiering_trace  # noqa: E402
 from train_step import MODELS, build, make_step  # noqa: E402
 
 
@@ -54,10 +60,14 @@ def _eager_steps(step, batches, seconds):
         step(x, y)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    return median, max(times[1:]) / median
+    return median, max(times[1:]) / median, _p99(times[1:]) / median
 
 
-def tiered_run(name, batches, seconds, eager_s):
+def _p99(times):
+    return statistics.quantiles(times, n=100)[-1] if len(times) > 100 else max(times)
+
+
+def tiered_run(name, batches, seconds, eager_s, trace=None):
     """Every step of a fresh tiered step for ``seconds``."""
     model, opt = build(name)
     step = specularch.optimize(make_step(model, opt))
@@ -81,11 +91,14 @@ def tiered_run(name, batches, seconds, eager_s):
         "slowest_while_compiling_over_eager": max(while_compiling) / eager_s if while_compiling else None,
         "p90_while_compiling_over_eager":
             statistics.quantiles(while_compiling, n=10)[-1] / eager_s if len(while_compiling) > 10 else None,
+        "p99_while_compiling_over_eager": _p99(while_compiling) / eager_s if while_compiling else None,
         "steps_while_compiling": len(while_compiling),
+        "final_tier_s": trace.settled_at - first if trace and trace.settled_at else None,
         "first_speedup_s": min(kept) if kept else None,
         "last_10s_over_eager": eager_s / statistics.median(steady) if steady else None,
         "tiers": [line for g in graphs for line in g.tiers],
         "ended_on": [g.backend for g in graphs],
+        **({"slowest_steps": trace.slowest(rows, first, eager_s)} if trace else {}),
     }
 
 
@@ -104,10 +117,12 @@ def bench(name, args):
     batches = _batches(name)
     model, opt = build(name)
     eager = make_step(model, opt)
-    eager_s, eager_slowest = _eager_steps(eager, batches, 10)
+    eager_s, eager_slowest, eager_p99 = _eager_steps(eager, batches, 10)
     print(f"[{name}] eager step {eager_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
-    tiered, result = tiered_run(name, batches, args.seconds, eager_s)
-    result["slowest_eager_step_over_eager"] = eager_slowest
+    tiered, result = tiered_run(name, batches, args.seconds, eager_s,
+                                tiering_trace.Trace() if args.trace else None)
+    result.update(slowest_eager_step_over_eager=eager_slowest, p99_eager_step_over_eager=eager_p99,
+                  load_average=os.getloadavg())
     print(f"[{name}] tiered: {json.dumps(result, indent=1)}", file=sys.stderr, flush=True)
     specularch.tiering.wait()
     modes = {"eager": eager, "tiered": tiered}
@@ -135,17 +150,20 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=worker.SWITCH_INTERVAL)
     parser.add_argument("--compile-in", choices=("process", "thread"), default="process")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     args.pinned = [b for b in args.pinned.split(",") if b]
     worker.SWITCH_INTERVAL = args.switch_interval
     process.ENABLED = args.compile_in == "process"
     torch.set_num_threads(1)
-    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="inductor-")
     specularch.config.compile_cache_dir = os.path.join(cache, "specularch")
     try:
         results = [bench(name, args) for name in args.models.split(",")]
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        if not args.cache_dir:
+            shutil.rmtree(cache, ignore_errors=True)
     print(f"torch={torch.__version__} threads=1 switch_interval={args.switch_interval} "
           f"compile_in={args.compile_in} "
           f"seconds={args.seconds}")

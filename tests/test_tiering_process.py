@@ -22,13 +22,14 @@ from test_tiering import SmallLeNet, _batches, _mlp, _run
 
 pytestmark = pytest.mark.usefixtures("no_profiling")
 
-# Stand-ins for the worker's command (the job's folder is appended to it).
+# Stand-ins for the worker's command (the niceness is appended to it; each job's folder
+# comes as a line on its input, its status goes back as a line on its output).
 CRASH = [sys.executable, "-c", "import os; os._exit(7)"]
 HANG = [sys.executable, "-c", "import time; time.sleep(60)"]
-CORRUPT = [sys.executable, "-c", "import json, os, sys; f = sys.argv[1]; "
+CORRUPT = [sys.executable, "-c", "import json, os, sys; f = sys.stdin.readline().strip(); "
            "open(os.path.join(f, 'artefact'), 'wb').write(b'not a module'); "
            "json.dump({'meta': {'converted': [], 'devices': []}}, "
-           "open(os.path.join(f, 'result.json'), 'w'))"]
+           "open(os.path.join(f, 'result.json'), 'w')); print(0, flush=True); sys.stdin.read()"]
 
 
 @pytest.fixture

@@ -7,7 +7,10 @@ same program starts with the first run's compiled code instead of compiling agai
   and a backward function, glued by an autograd.Function) are not cached: that glue is
   Python, not a serializable artefact.
 * Inductor keeps its own on-disk caches (FX graph cache, AOT autograd cache); they are
-  pointed into ``<cache dir>/inductor`` by ``_torch_compilers``.
+  pointed into ``<cache dir>/inductor`` by ``_torch_compilers``. A flattened graph compiled
+  by a tiering worker process is also kept whole, as its ``standalone_compile`` artefact
+  (``save_artifact``, under ``<cache dir>/inductor-artifacts``): a later run loads it in
+  milliseconds, with no worker and no tracing.
 
 ``config.compile_cache_dir`` chooses the directory (``off``: no cache). An entry that cannot
 be read (corrupt, truncated, written by another torch) is ignored with one log line and
@@ -161,6 +164,45 @@ def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
         write_script(os.path.join(folder, f"{key}.pt"), module, meta)
     except Exception as e:
         _LOG.warning(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
+
+
+def save_artifact(key: str, path: str, meta: dict) -> None:
+    """Keep the Inductor artefact saved at ``path`` (``standalone_compile``'s binary format)
+    and ``meta`` under ``key``, so that the next run loads it without compiling."""
+    folder = directory("inductor-artifacts")
+    if folder is None:
+        return
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        _write_atomically(os.path.join(folder, f"{key}.bin"), data)
+        # The metadata last: an entry is complete once its .json exists.
+        _write_atomically(os.path.join(folder, f"{key}.json"), json.dumps(meta).encode())
+    except Exception as e:
+        _LOG.warning(f"compile cache: could not save an Inductor entry ({type(e).__name__}: {e})")
+
+
+def artifact(key: str) -> tuple[str, dict] | None:
+    """The path and metadata of the Inductor artefact saved under ``key``, or None."""
+    folder = directory("inductor-artifacts")
+    if folder is None:
+        return None
+    path = os.path.join(folder, f"{key}.bin")
+    try:
+        with open(os.path.join(folder, f"{key}.json")) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        ignore(path, e)
+        return None
+    return (path, meta) if os.path.exists(path) else None
+
+
+def ignore(path: str, error: Exception) -> None:
+    """One log line for an unreadable entry (it is compiled again and replaced)."""
+    _LOG.warning(f"compile cache: ignoring unreadable entry {path} ({type(error).__name__}: "
+                 f"{str(error).splitlines()[0] if str(error) else ''}); compiling again")
 
 
 def _write_atomically(path: str, data: bytes) -> None:

@@ -1,6 +1,14 @@
-"""The worker process: ``python -m specularch.tiering.compile_worker FOLDER [NICENESS]`` compiles the job
-in ``FOLDER/job.pt`` (``job.py``) and writes the artefact the program loads
-(``process.py``), then ``FOLDER/result.json``: ``{"meta": ...}`` or ``{"error": ...}``.
+"""The worker process: ``python -m specularch.tiering.compile_worker [NICENESS]`` is one
+long-lived child of the program that compiles jobs one after another. It reads a job's folder
+per line on its standard input, compiles ``FOLDER/job.pt`` (``job.py``), writes the artefact
+the program loads (``process.py``) and ``FOLDER/result.json`` (``{"meta": ...}`` or
+``{"error": ...}``), then answers the job's status (0: compiled) as a line on its standard
+output. What a job prints goes to ``FOLDER/log.txt``. It leaves when its input closes.
+
+Kept warm between jobs so that a candidate does not pay for starting Python and importing
+torch (2-3 s of CPU, far more at a low priority on a busy machine): the program starts it
+before its first graph is hot (``process.prestart``), and while no job is waiting it imports
+what the compilers import on first use (``PRELOAD``), one module at a time.
 
 It only compiles: it never runs the graph (the compilers trace it with fake tensors) nor
 imports the user's modules (``job.unsendable``). It runs at a lower priority on one thread,
@@ -8,25 +16,88 @@ so that the program's own thread keeps its core first.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
+import select
 import sys
 import time
 import traceback
 
+# Imported while idle, cheapest and most needed first: the flattening and TorchScript path,
+# then Inductor (seconds of imports on first use).
+PRELOAD = ("specularch.fx_lower._torch_compilers", "specularch.tiering.job",
+           "torch.fx.experimental.proxy_tensor", "torch._inductor.compile_fx",
+           "torch._inductor.standalone_compile")
 
 
-def main(folder: str, niceness: int) -> int:
+def serve(niceness: int) -> int:
     if hasattr(os, "nice"):
         os.nice(niceness)
     import torch
     torch.set_num_threads(1)
+    answers = os.fdopen(os.dup(1), "w")  # fd 1 and 2 go to each job's log
+    preload = list(PRELOAD)
+    while True:
+        folder = _next_job(preload)
+        if folder is None:
+            return 0
+        with _output_to(os.path.join(folder, "log.txt")):
+            code = compile_job(folder)
+        answers.write(f"{code}\n")
+        answers.flush()
+
+
+def _next_job(preload: list[str]) -> str | None:
+    """The next job's folder (None: the program closed our input), importing ``preload``
+    while none is waiting."""
+    line = b""
+    while not line.endswith(b"\n"):
+        if preload and not select.select([0], [], [], 0)[0]:
+            _preload(preload.pop(0))
+            continue
+        chunk = os.read(0, 4096)
+        if not chunk:
+            return None
+        line += chunk
+    return line.decode().strip()
+
+
+def _preload(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception:  # a job that needs it will say why
+        pass
+
+
+@contextlib.contextmanager
+def _output_to(path: str):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "wb") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def compile_job(folder: str) -> int:
+    import torch
     from specularch.fx_lower import compile_cache
     from specularch.tiering import job as jobs
-    job = torch.load(os.path.join(folder, "job.pt"), weights_only=False)
-    compile_cache.configure(lambda: job["cache_dir"], job["inductor_dir_chosen"])
     start = time.perf_counter()
     try:
+        job = torch.load(os.path.join(folder, "job.pt"), weights_only=False)
+        compile_cache.configure(lambda: job["cache_dir"], job["inductor_dir_chosen"])
         gm, examples = jobs.unpack(job)
         meta = _compile(job, gm, examples, os.path.join(folder, "artefact"))
     except Exception as e:
@@ -35,7 +106,7 @@ def main(folder: str, niceness: int) -> int:
         return 1
     seconds = time.perf_counter() - start
     print(f"compiled {job['backend']} in {seconds:.2f}s", flush=True)
-    _result(folder, {"meta": meta, "seconds": seconds})
+    _result(folder, {"meta": meta, "seconds": seconds, "pid": os.getpid()})
     return 0
 
 
@@ -48,7 +119,10 @@ def _compile(job: dict, gm, examples: list, artefact: str) -> dict:
             compile_cache.save_script(job["cache_key"], scripted, meta)
         return meta
     if job["backend"] == "inductor":
-        return compilers.inductor_artifact(gm, examples, artefact)
+        meta = compilers.inductor_artifact(gm, examples, artefact)
+        if job["cache_key"]:
+            compile_cache.save_artifact(job["cache_key"], artefact, meta)
+        return meta
     raise ValueError(f"no worker compile for backend {job['backend']!r}")
 
 
@@ -60,9 +134,9 @@ def _result(folder: str, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    code = serve(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     sys.stdout.flush()
     sys.stderr.flush()
-    # The result is written: skip the interpreter's teardown, which waits for Inductor's
-    # pool of compile processes to shut down (seconds to tens of seconds).
+    # Skip the interpreter's teardown, which waits for Inductor's pool of compile processes
+    # to shut down (seconds to tens of seconds).
     os._exit(code)

@@ -3,27 +3,33 @@ the GIL while a compiler holds it (TorchScript's and Inductor's C++ passes hold 
 a second at a time: with a compile thread, steps were up to 1400x slower; docs/tiering.md).
 
 The background thread (``worker.py``) still runs the job, but only waits: it writes the job
-(``job.py``), starts ``python -m specularch.tiering.compile_worker`` and waits for it (a
-wait on a child process releases the GIL), then loads the artefact: a ``torch.jit.save``d
-frozen module (TorchScript) or a saved ``standalone_compile`` artefact (Inductor), each a
-few milliseconds to load. Only graphs compiled as one flattened ATen graph travel
+(``job.py``), hands its folder to the worker process (``python -m
+specularch.tiering.compile_worker``: one long-lived child, started before the first graph is
+hot and kept warm between jobs) and waits for its answer (a wait on a pipe releases the
+GIL), then loads the artefact: a ``torch.jit.save``d frozen module (TorchScript) or a saved
+``standalone_compile`` artefact (Inductor), each a few milliseconds to load. Both are kept
+in the persistent compile cache, so a second run loads them without a worker. Only graphs compiled as one flattened ATen graph travel
 (``route``); the others (forward graphs through AOT autograd, whose forward and backward
 are glued by Python, and rolled loops) are compiled on the thread as before.
 
 A worker that crashes, runs past ``TIMEOUT`` or writes an artefact that
 cannot be loaded raises ``WorkerFailed``: the candidate is "compile failed", the graph stays
-on its tier. Children still running at exit are killed; each job's folder is removed.
+on its tier; a worker that crashed, hung or failed a compile is replaced by a fresh one for
+the next job. The worker is killed at exit (and leaves by itself when its input closes);
+each job's folder is removed.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+from tempfile import TemporaryFile
 from typing import Callable
 
 import torch
@@ -33,17 +39,21 @@ from ..fx_lower.backends import flattened, specialised_numbers
 from . import job as jobs
 from . import worker  # noqa: F401  (its exit handler must run after ours: atexit is LIFO)
 
-COMMAND = [sys.executable, "-m", "specularch.tiering.compile_worker"]  # + the job's folder
+COMMAND = [sys.executable, "-m", "specularch.tiering.compile_worker"]  # + the niceness
 # Module settings, not config options (the README's option table is not ours to change):
 ENABLED = True   # False: every candidate compiles on the background thread, as before
 TIMEOUT = 600.0  # seconds a worker may compile one candidate before it is killed
 NICENESS = 10    # the worker's, so that the program keeps its core first (docs/tiering.md)
+PRESTART = True  # start the worker before the first graph is hot (``prestart``)
 BACKENDS = ("torchscript", "inductor")
 # Variables a worker must not inherit: Inductor's address in this process, the global switch.
 PRIVATE_ENV = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "SPECULARCH")
 
 _children: set[subprocess.Popen] = set()
 _children_lock = threading.Lock()
+_current: "_Worker | None" = None  # the warm worker
+_worker_lock = threading.Lock()
+_prestarted = False
 
 
 class WorkerFailed(RuntimeError):
@@ -66,14 +76,13 @@ def route(backend: str, gm: torch.fx.GraphModule) -> str | None:
 
 
 def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, timeout: float) -> Callable:
-    """``backend``'s compiled form of ``gm``, compiled by a worker process (raises
-    ``WorkerFailed``). Call it on the background thread: it waits for the worker."""
-    key = None
-    if backend == "torchscript":
-        key = compile_cache.entry_key(gm, examples, "torchscript", "flattened")
-        cached = compile_cache.load_script(key)
-        if cached is not None:
-            return compile_cache.mark_cached(compilers.run_scripted(*cached))
+    """``backend``'s compiled form of ``gm``, compiled by the worker process (raises
+    ``WorkerFailed``), or loaded from the persistent compile cache, where an earlier run's
+    worker left it. Call it on the background thread: it waits for the worker."""
+    key = compile_cache.entry_key(gm, examples, backend, "flattened")
+    cached = _cached(backend, key)
+    if cached is not None:
+        return compile_cache.mark_cached(cached)
     folder = tempfile.mkdtemp(prefix="specularch-compile-")
     try:
         job = jobs.pack(gm, examples, backend=backend, cache_key=key,
@@ -85,36 +94,119 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _cached(backend: str, key: str) -> Callable | None:
+    if backend == "torchscript":
+        loaded = compile_cache.load_script(key)
+        return None if loaded is None else compilers.run_scripted(*loaded)
+    entry = compile_cache.artifact(key)
+    if entry is None:
+        return None
+    try:
+        return compilers.load_inductor_artifact(*entry)
+    except Exception as e:
+        compile_cache.ignore(entry[0], e)
+        return None
+
+
 def _cache_root() -> str | None:
     folder = compile_cache.directory("torchscript")
     return os.path.dirname(folder) if folder else None
 
 
-def _run(folder: str, timeout: float) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
-    # One compile thread: Inductor's default pool (a process per core, each running a C++
-    # compiler) would take the cores the program runs on.
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    with open(os.path.join(folder, "log.txt"), "wb") as log:
+def prestart() -> None:
+    """Start the worker process now, on a short-lived thread (starting a process is not for
+    the program's step to wait on), so that the first candidate finds it warm. Once."""
+    global _prestarted
+    if _prestarted or not ENABLED or not PRESTART:
+        return
+    _prestarted = True
+    threading.Thread(target=_worker, name="specularch-worker-start", daemon=True).start()
+
+
+class _Worker:
+    """The long-lived child (``compile_worker.py``): a job's folder in, its status out."""
+
+    def __init__(self, command: list[str]):
+        self.command = command
+        self.log = TemporaryFile()  # what it prints outside a job (its start)
+        env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+        # One compile thread: Inductor's default pool (a process per core, each running a
+        # C++ compiler) would take the cores the program runs on.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self.log, env=env)
         with _children_lock:
-            child = subprocess.Popen([*COMMAND, folder, str(NICENESS)], stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env)
-            _children.add(child)
+            _children.add(self.child)
+
+    def run(self, folder: str, timeout: float) -> int:
+        """The job's status; raises ``WorkerFailed`` when the child died or ran past
+        ``timeout`` (it is killed: the next job starts a fresh one)."""
         try:
-            code = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            raise WorkerFailed(f"the worker process ran past {timeout:g}s and was killed") from None
-        finally:
-            with _children_lock:
-                _children.discard(child)
+            self.child.stdin.write(f"{folder}\n".encode())
+            self.child.stdin.flush()
+        except OSError:
+            pass  # it died: its status tells why, below
+        # A wait on a pipe releases the GIL.
+        if not select.select([self.child.stdout], [], [], timeout)[0]:
+            self.close()
+            raise WorkerFailed(f"the worker process ran past {timeout:g}s and was killed")
+        answer = self.child.stdout.readline()
+        if not answer.strip():  # its output closed: it died
+            why = f"exited with status {self.child.wait()}: {_last_line(folder) or self._last_line()}"
+            self.close()
+            raise WorkerFailed(f"the worker process {why}")
+        return int(answer)
+
+    def close(self) -> None:
+        self.child.kill()
+        self.child.wait()
+        with _children_lock:
+            _children.discard(self.child)
+        self.log.close()
+
+    def _last_line(self) -> str:
+        self.log.seek(0)
+        lines = [line.strip() for line in self.log.read().decode(errors="replace").splitlines()
+                 if line.strip()]
+        return lines[-1] if lines else "no output"
+
+
+def _worker() -> _Worker:
+    """The warm worker, started if there is none (or it was started with other settings)."""
+    global _current
+    command = [*COMMAND, str(NICENESS)]
+    with _worker_lock:
+        if _current is not None and (_current.command != command or _current.child.poll() is not None):
+            _current.close()
+            _current = None
+        if _current is None:
+            _current = _Worker(command)
+        return _current
+
+
+def _run(folder: str, timeout: float) -> dict:
+    child = _worker()
+    try:
+        code = child.run(folder, timeout)
+    except WorkerFailed:
+        _retire(child)
+        raise
     result = _result(folder)
+    if "error" in result or code != 0:
+        _retire(child)  # a compile that raised may have left the child's state half-done
     if "error" in result:
         raise WorkerFailed(f"in the worker process: {result['error']}")
     if code != 0 or "meta" not in result:
-        raise WorkerFailed(f"the worker process exited with status {code}: {_last_line(folder)}")
+        raise WorkerFailed(f"the worker process answered status {code}: {_last_line(folder)}")
     return result["meta"]
+
+
+def _retire(child: _Worker) -> None:
+    global _current
+    with _worker_lock:
+        if _current is child:
+            _current = None
+    child.close()
 
 
 def _result(folder: str) -> dict:
@@ -131,8 +223,8 @@ def _last_line(folder: str) -> str:
         with open(os.path.join(folder, "log.txt"), errors="replace") as f:
             lines = [line.strip() for line in f if line.strip()]
     except OSError:
-        return "no output"
-    return lines[-1] if lines else "no output"
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _load(backend: str, path: str, meta: dict) -> Callable:

@@ -73,8 +73,11 @@ class Tier:
         result = self.fn(L, C, G, B)
         if result is not MISS:
             self.sampled.append(time.thread_time() - start)
-            if policy.hot(self.hits, self.hits * statistics.median(self.sampled)):
+            seconds = self.hits * statistics.median(self.sampled)
+            if policy.hot(self.hits, seconds):
                 self._submit()
+            elif seconds * 4 >= config.tier_min_seconds:  # a quarter of the way to hot
+                process.prestart()
         return result
 
     def _submit(self) -> None:
@@ -101,6 +104,7 @@ class Tier:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples)
             if compile_cache.from_cache(graph_fn):
                 where = "from the compile cache"
+            worker.warm_up(graph_fn, examples)  # its first calls' work, off the program's steps
             fn, source = self.build(graph_fn)
         except Exception as e:
             reason = str(e) if isinstance(e, process.WorkerFailed) else f"{type(e).__name__}: {e}"

@@ -8,6 +8,11 @@ long each time the worker holds it. The thread also runs at a lower priority (Li
 ``setpriority`` on the thread), so that the C++ parts of a compile yield the core first.
 Flattened graphs are compiled in a worker process (``process.py``): the job on this thread
 then only waits for the child and loads its artefact, so the GIL stays with the program.
+
+A compiled candidate is warmed here before its trial (``warm_up``): the first calls of a
+compiled graph do work of their own — TorchScript's profiling executor profiles the graph and
+then optimises it, Inductor's first call loads its kernels and allocates — which, left to the
+trial, would run inside the program's steps (tens to hundreds of times a step's time).
 """
 from __future__ import annotations
 
@@ -18,10 +23,16 @@ import sys
 import threading
 from typing import Callable
 
+import torch
+
 from .. import log
 
 SWITCH_INTERVAL = 0.0005  # seconds, while a compile runs (CPython's default: 0.005)
 NICENESS = 10
+# Calls of a compiled candidate on copies of its inputs before its trial: TorchScript profiles
+# on the first (torch._C._jit_get_num_profiled_runs() is 1), optimises on the second and may
+# bail out to a re-optimised plan on the third; Inductor loads its kernels on the first.
+WARM_CALLS = 3
 
 _jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
 _idle = threading.Condition()
@@ -65,6 +76,36 @@ def _drain() -> None:
         with _idle:
             _busy -= 1
     wait()
+
+
+def warm_up(graph_fn: Callable, examples: list) -> None:
+    """Call ``graph_fn`` ``WARM_CALLS`` times on copies of ``examples`` (the captured graph's
+    example inputs), on this thread. Copies: a compiled graph may update its inputs in place,
+    and the examples are the program's own tensors. Graphs taking anything but tensors and
+    numbers are not warmed (a copy of another object could behave differently). A call that
+    raises ends the warm-up: the trial decides what a raising candidate means."""
+    inputs = _copies(examples)
+    if inputs is None:
+        return
+    for _ in range(WARM_CALLS):
+        try:
+            graph_fn(*inputs)
+        except Exception:
+            return
+
+
+def _copies(examples: list) -> list | None:
+    out = []
+    for value in examples:
+        if isinstance(value, torch.Tensor):
+            if value.is_meta or type(value) not in (torch.Tensor, torch.nn.Parameter):
+                return None  # a fake or subclass tensor: nothing to run on
+            out.append(value.detach().clone().requires_grad_(value.requires_grad))
+        elif value is None or isinstance(value, (bool, int, float)):
+            out.append(value)
+        else:
+            return None
+    return out
 
 
 def _ensure_thread() -> None:
