@@ -10,7 +10,7 @@ import functools
 import threading
 import time
 
-from specularch.tiering import history, process, trial
+from specularch.tiering import history, job, process, trial, worker
 
 MAIN = threading.main_thread().ident
 
@@ -20,8 +20,9 @@ class Trace:
         self.records: list[list] = []  # [start, end, what, thread]
         self.settled_at: float | None = None
         spans = [(process, "_run", "worker job"), (process, "_load", "artefact load"),
-                 (process, "_start_worker", "worker start"), (process, "_send", "job sent"),
-                 (process, "warm_up", "warm-up"), (trial, "warm_up", "warm-up"),
+                 (worker, "warm_up", "warm-up"), (trial.Tier, "_submit", "submit"),
+                 (process, "prestart", "prestart"), (job, "pack", "job pack"),
+                 (process, "_Worker", "worker start"), (process, "_cached", "cache lookup"),
                  (trial.Tier, "_compile", "background job"), (trial.Trial, "__init__", "trial start"),
                  (trial.Trial, "call", "trial call"), (trial.Tier, "decide", "decision"),
                  (trial.Tier, "_next_trial", "next trial")]

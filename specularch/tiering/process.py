@@ -184,6 +184,15 @@ def _worker() -> _Worker:
         return _current
 
 
+def shut_down() -> None:
+    """Stop the warm worker (the next job, or ``prestart``, starts a fresh one)."""
+    global _current, _prestarted
+    with _worker_lock:
+        current, _current, _prestarted = _current, None, False
+    if current is not None:
+        current.close()
+
+
 def _run(folder: str, timeout: float) -> dict:
     child = _worker()
     try:
