@@ -93,7 +93,7 @@ def tiered_run(name, batches, seconds, eager_s, trace=None):
             statistics.quantiles(while_compiling, n=10)[-1] / eager_s if len(while_compiling) > 10 else None,
         "p99_while_compiling_over_eager": _p99(while_compiling) / eager_s if while_compiling else None,
         "steps_while_compiling": len(while_compiling),
-        "final_tier_s": trace.settled_at - first if trace and trace.settled_at else None,
+        "final_tier_s": (trace.final_tier_at(tiers) or first) - first if trace else None,
         "first_speedup_s": min(kept) if kept else None,
         "last_10s_over_eager": eager_s / statistics.median(steady) if steady else None,
         "tiers": [line for g in graphs for line in g.tiers],

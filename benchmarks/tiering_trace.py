@@ -18,7 +18,7 @@ MAIN = threading.main_thread().ident
 class Trace:
     def __init__(self):
         self.records: list[list] = []  # [start, end, what, thread]
-        self.settled_at: float | None = None
+        self.settled: dict[int, float] = {}  # id(TierHistory) -> when it settled
         spans = [(process, "_run", "worker job"), (process, "_load", "artefact load"),
                  (worker, "warm_up", "warm-up"), (trial.Tier, "_submit", "submit"),
                  (process, "prestart", "prestart"), (job, "pack", "job pack"),
@@ -53,9 +53,16 @@ class Trace:
                 if what == "trial call" and end - start > 0.002:
                     self.records.append(record)
                 if what == "next trial" and args and getattr(args[0], "history", None) \
-                        and args[0].history.settled and self.settled_at is None:
-                    self.settled_at = end
+                        and args[0].history.settled:
+                    self.settled.setdefault(id(args[0].history), end)
         setattr(owner, name, wrapped)
+
+    def final_tier_at(self, histories) -> float | None:
+        """When the last hot graph settled; None while one has candidates pending."""
+        hot = [h for h in histories if h.submitted_at is not None]
+        if not hot or not all(id(h) in self.settled for h in hot):
+            return None
+        return max(self.settled[id(h)] for h in hot)
 
     def slowest(self, rows, first, eager_s, count=8):
         """The ``count`` slowest steps while compiling, each with what overlapped it."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from .history import RAISED, TierEvent, TierHistory
 from .policy import AUTO, TIER0, tiered
 from .trial import Tier
+from . import worker
 from .worker import pending, wait
 
 __all__ = ["AUTO", "TierHistory", "first_tier", "pending", "ran_back_to_fx", "tiered", "wait",
@@ -29,6 +30,7 @@ def watch(entry, gm, build) -> None:
     """Put ``entry`` (a fresh ``fx`` graph entry) under tiering; ``build(graph_fn)`` gives
     the entry function and its source for another compiled form of ``gm``."""
     Tier(entry, gm, build)
+    worker.start()  # now, in the capture's call, rather than in a later step
 
 
 def ran_back_to_fx(entry, replacement, error: Exception) -> None:

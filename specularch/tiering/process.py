@@ -37,7 +37,7 @@ import torch
 from ..fx_lower import _torch_compilers as compilers, compile_cache
 from ..fx_lower.backends import flattened, specialised_numbers
 from . import job as jobs
-from . import worker  # noqa: F401  (its exit handler must run after ours: atexit is LIFO)
+from . import worker  # (imported first: its exit handler must run after ours, atexit is LIFO)
 
 COMMAND = [sys.executable, "-m", "specularch.tiering.compile_worker"]  # + the niceness
 # Module settings, not config options (the README's option table is not ours to change):
@@ -114,13 +114,13 @@ def _cache_root() -> str | None:
 
 
 def prestart() -> None:
-    """Start the worker process now, on a short-lived thread (starting a process is not for
+    """Start the worker process now, on the background thread (starting a process is not for
     the program's step to wait on), so that the first candidate finds it warm. Once."""
     global _prestarted
     if _prestarted or not ENABLED or not PRESTART:
         return
     _prestarted = True
-    threading.Thread(target=_worker, name="specularch-worker-start", daemon=True).start()
+    worker.soon(_worker)
 
 
 class _Worker:

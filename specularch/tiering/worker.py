@@ -34,7 +34,7 @@ NICENESS = 10
 # bail out to a re-optimised plan on the third; Inductor loads its kernels on the first.
 WARM_CALLS = 3
 
-_jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
+_jobs: "queue.Queue[tuple[Callable[[], None], bool]]" = queue.Queue()  # (job, counted)
 _idle = threading.Condition()
 _busy = 0  # jobs submitted and not finished
 _thread: threading.Thread | None = None
@@ -48,7 +48,21 @@ def submit(job: Callable[[], None]) -> None:
     with _idle:
         _busy += 1
     _ensure_thread()
-    _jobs.put(job)
+    _jobs.put((job, True))
+
+
+def soon(job: Callable[[], None]) -> None:
+    """Run ``job()`` on the background thread, not counted as a pending compile (preparing
+    one: starting the worker process)."""
+    _ensure_thread()
+    _jobs.put((job, False))
+
+
+def start() -> None:
+    """Start the background thread now. Called when a graph is captured (a call that costs far
+    more than this): starting a thread takes milliseconds on a busy machine, since
+    ``Thread.start`` waits until the new thread has run, which a later step would pay."""
+    _ensure_thread()
 
 
 def pending() -> int:
@@ -70,11 +84,12 @@ def _drain() -> None:
     global _busy
     while True:
         try:
-            _jobs.get_nowait()
+            _, counted = _jobs.get_nowait()
         except queue.Empty:
             break
-        with _idle:
-            _busy -= 1
+        if counted:
+            with _idle:
+                _busy -= 1
     wait()
 
 
@@ -120,7 +135,7 @@ def _run() -> None:
     global _busy, _saved_interval
     _lower_priority()
     while True:
-        job = _jobs.get()
+        job, counted = _jobs.get()
         if _saved_interval is None:
             _saved_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(_saved_interval, SWITCH_INTERVAL))
@@ -132,9 +147,10 @@ def _run() -> None:
             if _jobs.empty():
                 sys.setswitchinterval(_saved_interval)
                 _saved_interval = None
-            with _idle:
-                _busy -= 1
-                _idle.notify_all()
+            if counted:
+                with _idle:
+                    _busy -= 1
+                    _idle.notify_all()
 
 
 def _lower_priority() -> None:
