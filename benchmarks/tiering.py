@@ -93,13 +93,17 @@ def tiered_run(name, batches, seconds, eager_s, trace=None):
             statistics.quantiles(while_compiling, n=10)[-1] / eager_s if len(while_compiling) > 10 else None,
         "p99_while_compiling_over_eager": _p99(while_compiling) / eager_s if while_compiling else None,
         "steps_while_compiling": len(while_compiling),
-        "final_tier_s": (trace.final_tier_at(tiers) or first) - first if trace else None,
+        "final_tier_s": _since(trace.final_tier_at(tiers), first) if trace else None,
         "first_speedup_s": min(kept) if kept else None,
         "last_10s_over_eager": eager_s / statistics.median(steady) if steady else None,
         "tiers": [line for g in graphs for line in g.tiers],
         "ended_on": [g.backend for g in graphs],
         **({"slowest_steps": trace.slowest(rows, first, eager_s)} if trace else {}),
     }
+
+
+def _since(when, first):
+    return None if when is None else when - first
 
 
 def interleaved(modes, batches, rounds=5, steps=20):
