@@ -38,8 +38,17 @@ class RollList(Unsupported):
         self.source, self.site, self.where = source, site, where
 
 
-def form(source, enumerated: bool = False) -> str:
-    return f"for k, x in enumerate({source})" if enumerated else f"for x in {source}"
+def form(source, enumerated: bool = False, count_from: int = 0, zipped: tuple = ()) -> str:
+    """How ``explain()`` names the loop (the target's names are the usual ones, not the user's)."""
+    if zipped:
+        names = ", ".join(_NAMES[k] if k < len(_NAMES) else f"x{k}" for k in range(len(zipped)))
+        return f"for {names} in zip({', '.join(str(lst.source) for lst in zipped)})"
+    if enumerated:
+        return f"for k, x in enumerate({source}{f', {count_from}' if count_from else ''})"
+    return f"for x in {source}"
+
+
+_NAMES = ("x", "y", "z")
 
 
 def get_iter(frame, iterated: Value):
@@ -56,20 +65,70 @@ def get_iter(frame, iterated: Value):
 
 
 def enumerate_list(tracer, args: list, kwargs: dict):
-    """``enumerate(xs)`` (from 0) consumed right away by a ``for`` loop: rolled as ``for x in
-    xs`` is, handing out ``(k, xs[k])``; None where the loop is unrolled as before."""
-    frame = tracer.frames[-1] if tracer.frames else None
-    if frame is None or len(args) != 1 or kwargs or frame.ip + 1 >= len(frame.info.instructions) \
-            or frame.info.instructions[frame.ip].opname != "GET_ITER":
-        return None
-    frame.ip += 1  # as at the GET_ITER: what follows must be the loop's FOR_ITER
+    """``enumerate(xs)`` or ``enumerate(xs, start)`` consumed right away by a ``for`` loop:
+    rolled as ``for x in xs`` is, handing out ``(start + k, xs[k])``; None where the loop is
+    unrolled as before."""
+    frame = _consumed_by_a_loop(tracer)
+    start = kwargs.get("start", args[1] if len(args) == 2 else ConstV(0))
+    if frame is None or not 1 <= len(args) <= 2 or set(kwargs) - {"start"} \
+            or len(args) + len(kwargs) > 2 or not isinstance(start, ConstV) \
+            or type(start.value) is not int:
+        return None  # a start that varies would be a Python value the body depends on
+    it = _whole(frame, args[0])
+    if it is not None:
+        it.enumerated, it.count_from = True, start.value
+    return it
+
+
+def zip_lists(tracer, args: list, kwargs: dict):
+    """``zip(xs, ys, ...)`` of lists from the call, consumed right away by a ``for`` loop:
+    every list passed whole (one ``RollList`` restart each), the loop rolled as ``for x in
+    xs`` is, handing out ``(xs[k], ys[k], ...)`` for ``min(len(xs), len(ys), ...)``
+    iterations, as eager's zip stops at the shortest list; None where it is unrolled."""
+    frame = _consumed_by_a_loop(tracer)
+    if frame is None or len(args) < 2 or kwargs:
+        return None  # zip(strict=True) raises on lists of other lengths: unrolled
+    frame.ip += 1  # as at the GET_ITER
     try:
-        it = get_iter(frame, args[0])
+        if not all(isinstance(a, TensorListV) or type(a) is ListV and a.source is not None
+                   and _rollable(frame, a) for a in args):
+            return None
+        its = [get_iter(frame, a) for a in args]  # the first list not yet whole: RollList
     finally:
         frame.ip -= 1
-    if it is not None:
-        it.enumerated = True
+    it = its[0]
+    it.n, it.zipped = _shortest(tracer, [lst.of for lst in its]), tuple(lst.of for lst in its)
     return it
+
+
+def _shortest(tracer, lists: list) -> SymV:
+    """``min(len(xs), len(ys), ...)``: the trip count, guarded (as a length is) only where a
+    branch reads it."""
+    lengths = [lst.length for lst in lists]
+    node = tracer.graph.call_function(min, tuple(n.node for n in lengths))
+    known = all(n.expr is not None for n in lengths)
+    return SymV(min(n.value for n in lengths), node,
+                f"min({', '.join(n.expr for n in lengths)})" if known else None, tracer,
+                f"min({', '.join(n.label for n in lengths)})")
+
+
+def _consumed_by_a_loop(tracer):
+    """The frame calling a builtin whose result goes straight to ``GET_ITER`` and
+    ``FOR_ITER``, or None."""
+    frame = tracer.frames[-1] if tracer.frames else None
+    if frame is None or frame.ip + 1 >= len(frame.info.instructions) \
+            or frame.info.instructions[frame.ip].opname != "GET_ITER":
+        return None
+    return frame
+
+
+def _whole(frame, lst: Value):
+    """The rolling iterator of ``lst`` as ``GET_ITER`` would make it, from the call before."""
+    frame.ip += 1  # as at the GET_ITER: what follows must be the loop's FOR_ITER
+    try:
+        return get_iter(frame, lst)
+    finally:
+        frame.ip -= 1
 
 
 def _for_loop_next(frame) -> bool:
@@ -101,10 +160,10 @@ def _fresh(v: Value, source) -> bool:
     return isinstance(v, TensorV) and not v.dynamic and v.real is not None and v.source == source
 
 
-def item(loop, index: Value) -> Value:
-    """``xs[index]`` of the list a rolled loop iterates: its value in that iteration (a
-    tensor, or a tuple of tensors)."""
-    lst = loop.items
+def item(loop, index: Value, lst=None) -> Value:
+    """``xs[index]`` of the list a rolled loop iterates (or of ``lst``, one it zips): its value
+    in that iteration (a tensor, or a tuple of tensors)."""
+    lst = lst if lst is not None else loop.items
     at = index.node if isinstance(index, SymV) else index.value
     node = loop.graph.call_function(operator.getitem, (lst.node, at))
     example = lst.examples[index.value]
@@ -117,6 +176,14 @@ def item(loop, index: Value) -> Value:
         part.meta["example"] = t
         parts.append(TensorV(part, t))
     return TupleV(parts)
+
+
+def row(loop, index: Value) -> Value:
+    """What ``for`` hands out in the iteration of ``index``: ``xs[index]``, or the tuple of
+    every zipped list's item."""
+    if not loop.zipped:
+        return item(loop, index)
+    return TupleV([item(loop, index, lst) for lst in loop.zipped])
 
 
 def refused(error: Exception, rolled: frozenset) -> dict:

@@ -122,6 +122,8 @@ class ListIterV(SymRangeIterV):
 
     of: Any = None             # the TensorListV
     enumerated: bool = False   # ``enumerate(xs)``: hands out ``(k, xs[k])``
+    count_from: int = 0        # ``enumerate(xs, start)``: ``k`` is ``start + index``
+    zipped: tuple = ()         # ``zip(xs, ys, ...)``: every TensorListV; hands out a tuple
 
     def next(self) -> Value | None:
         raise Unsupported("unsupported_call", f"the iterator of {self.of.source} is used other "
