@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from .aliasing import DistinctGuard, storages_distinct
-from .guard import Guard, TensorGuard, _short, const_name
+from .guard import Guard, TensorGuard, _short, const_name, equal_condition
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,8 +64,98 @@ class TensorListGuard(Guard):
 
 
 def list_tensors(lst) -> list:
-    """The tensors of a list passed whole (its items, or the items of its tuples)."""
-    return [t for x in lst for t in (x if type(x) is tuple else (x,))]
+    """The tensors of a list passed whole (its items, the items of its tuples, or the
+    attributes of its objects)."""
+    return [t for x in lst for t in _parts(x) if isinstance(t, torch.Tensor)]
+
+
+def _parts(x) -> tuple:
+    if type(x) is tuple:
+        return x
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    attrs = getattr(x, "__dict__", None)
+    return tuple(attrs.values()) if isinstance(attrs, dict) else ()
+
+
+@dataclass(frozen=True, eq=False)
+class ObjectListGuard(Guard):
+    """A list of user objects passed whole (``rolled_objects.py``): every item of one class;
+    the length not guarded. What the loop reads of the items is ``ItemAttrGuard``'s."""
+
+    item_type: type = None
+
+    def conditions(self, v, consts):
+        cls = const_name(consts, self.item_type)
+        return [f"type({v}) is {const_name(consts, list)}", f"all(type(x) is {cls} for x in {v})"]
+
+    def describe(self):
+        return f"{self.source}: a list of {self.item_type.__qualname__} (any length)"
+
+    def mismatch(self, value):
+        if type(value) is not list:
+            return f"expected a list, got {type(value).__qualname__}"
+        for k, x in enumerate(value):
+            if type(x) is not self.item_type:
+                return f"[{k}] expected a {self.item_type.__qualname__}, got {_short(x)}"
+        return "did not match"
+
+
+@dataclass(frozen=True, eq=False)
+class ItemAttrGuard(Guard):
+    """Every item of a list of objects passed whole has the instance attribute ``name``:
+    a tensor like ``tensor``, a number of type ``kind``, or equal to ``equal[0]``."""
+
+    name: str = ""
+    tensor: TensorGuard | None = None
+    kind: type | None = None
+    equal: tuple = ()
+
+    def key(self):
+        return ("ItemAttr", str(self.source), self.name)
+
+    def conditions(self, v, consts):
+        x = f"x.__dict__[{self.name!r}]"
+        if self.tensor is not None:
+            each = self.tensor.conditions(x, consts)
+        elif self.kind is not None:
+            each = [f"type({x}) is {const_name(consts, self.kind)}"]
+        else:
+            each = [equal_condition(x, self.equal[0], consts)]
+        return [f"all({self.name!r} in x.__dict__ and {' and '.join(each)} for x in {v})"]
+
+    def describe(self):
+        what = (self.tensor.describe().split(": ", 1)[1] if self.tensor is not None else
+                f"an {self.kind.__name__}" if self.kind is not None else f"== {self.equal[0]!r}")
+        return f"{self.source}[*].{self.name}: {what}"
+
+    def mismatch(self, value):
+        for k, x in enumerate(value):
+            got = getattr(x, "__dict__", {}).get(self.name, "(missing)")
+            if not _ok(self, got):
+                return f"[{k}].{self.name} expected {self.describe().split(': ', 1)[1]}, got {_short(got)}"
+        return "did not match"
+
+    @staticmethod
+    def of_tensor(source, name: str, t: torch.Tensor, leaf, where: str = "") -> "ItemAttrGuard":
+        spec = TensorGuard(None, type(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()),
+                           t.requires_grad, leaf=leaf(t))
+        return ItemAttrGuard(source, name=name, tensor=spec, where=where)
+
+
+def _ok(guard: ItemAttrGuard, got) -> bool:
+    """Whether one item's attribute passes ``guard`` (its conditions on a list of one)."""
+    consts: dict = {}
+    try:
+        return all(eval(c, {**consts, "type": type}, {"v": [_Holder(guard.name, got)]})
+                   for c in guard.conditions("v", consts))
+    except Exception:
+        return False
+
+
+class _Holder:
+    def __init__(self, name, value):
+        self.__dict__[name] = value
 
 
 @dataclass(frozen=True, eq=False)

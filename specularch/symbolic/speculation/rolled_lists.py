@@ -25,9 +25,10 @@ import operator
 from ...guards.lists import uniform
 from ...guards.sources import ItemSource
 from ...records import Unsupported
+from . import rolled_objects
 from ..values.rolled import ListIterV, RollRefused, TensorListV
 from ..values.symint import SymV
-from ..values import ConstV, ListV, TensorV, TupleV, Value
+from ..values import ConstV, ListV, ObjV, TensorV, TupleV, Value
 
 
 class RollList(Unsupported):
@@ -150,13 +151,16 @@ def _rollable(frame, lst: ListV) -> bool:
     items = lst.items
     if len(items) < 2 or not all(_fresh(v, ItemSource(lst.source, k)) for k, v in enumerate(items)):
         return False  # too short to compare two iterations, or an item read another way too
-    return uniform([v.concrete() for v in items])
+    return uniform([v.concrete() for v in items]) or rolled_objects.plain_objects(
+        [v.concrete() for v in items])
 
 
 def _fresh(v: Value, source) -> bool:
     """A tensor read only as this item of the list (or a tuple of such tensors)."""
     if isinstance(v, TupleV) and v.cls is tuple and v.items:
         return all(_fresh(t, ItemSource(source, j)) for j, t in enumerate(v.items))
+    if isinstance(v, ObjV):
+        return v.source == source  # an object, read only as this item (its reads are guarded later)
     return isinstance(v, TensorV) and not v.dynamic and v.real is not None and v.source == source
 
 
@@ -166,6 +170,8 @@ def item(loop, index: Value, lst=None) -> Value:
     lst = lst if lst is not None else loop.items
     at = index.node if isinstance(index, SymV) else index.value
     node = loop.graph.call_function(operator.getitem, (lst.node, at))
+    if isinstance(lst, rolled_objects.ObjectListV):
+        return rolled_objects.RowV(lst, node, index.value, loop)
     example = lst.examples[index.value]
     if type(example) is not tuple:
         node.meta["example"] = example
