@@ -248,3 +248,44 @@ def _enumerated(objs, w, h):
 def test_enumerate_of_objects_is_rolled_once():
     report = check(_enumerated, _args, calls=len(LENGTHS), grad=True, expect="graph")
     _assert_rolled_once(report, "for k, x in enumerate(L['objs'], 1)")
+
+
+def _weighted(pairs, w, h):
+    outs = []
+    for x, c in pairs:
+        h = torch.tanh(x @ w + h) * c  # c: a Python number per item, used in tensor math
+        outs.append(h.sum(0) + c)
+    return torch.stack(outs), h, c
+
+
+def _pairs_args(i):
+    n = LENGTHS[i % len(LENGTHS)]
+    pairs = [(T(3, 5), k % 4 - 1) for k in range(n)]
+    if i % 8 == 7:  # one item's number of another type: the list guard fails
+        pairs[2] = (pairs[2][0], 2.5)
+    return A(pairs, T(5, 5, requires_grad=True), T(3, 5))
+
+
+@pytest.mark.parametrize("templates, rtol", MODES)
+def test_a_list_of_tuples_with_a_number_per_item_is_rolled_once(templates, rtol):
+    with specularch.config.patch(templates=templates):
+        report = check(_weighted, _pairs_args, calls=len(LENGTHS), grad=True, rtol=rtol,
+                       atol=rtol * 1e-2)
+    (loop,) = [loop for loop in _loops(report) if loop.rolled]
+    assert loop.form == "for x in L['pairs']" and len(loop.trips) == 16, report
+    assert "L['pairs'] [2][1] expected an int, got 2.5" in str(report), report
+    assert not [f for f in report.fallbacks if f.kind == "cache_limit"], report
+
+
+def _branches_on_the_number(pairs, w, h):
+    for x, c in pairs:
+        h = torch.tanh(x @ w + h) if c > 0 else h  # the number steers Python
+    return h * w.sum()
+
+
+def test_a_body_that_branches_on_an_items_number_unrolls_and_says_why():
+    report = check(_branches_on_the_number, _pairs_args, calls=6, grad=True)
+    loops = _loops(report)
+    assert loops and not any(loop.rolled for loop in loops), report
+    assert any(loop.form == "for x in L['pairs']" and "as a Python value" in loop.why
+               for loop in loops), report

@@ -25,13 +25,15 @@ class TensorListGuard(Guard):
         if isinstance(self.item, tuple):
             each = [f"type(x) is {const_name(consts, tuple)}", f"len(x) == {len(self.item)}"]
             for j, g in enumerate(self.item):
-                each += g.conditions(f"x[{j}]", consts)
+                each += [f"type(x[{j}]) is {const_name(consts, g)}"] if isinstance(g, type) else \
+                    g.conditions(f"x[{j}]", consts)
         else:
             each = self.item.conditions("x", consts)
         return [f"type({v}) is {const_name(consts, list)}", f"all({' and '.join(each)} for x in {v})"]
 
     def describe(self):
-        shown = [g.describe().split(": ", 1)[1] for g in self._guards()]
+        shown = [g.__name__ if isinstance(g, type) else g.describe().split(": ", 1)[1]
+                 for g in self._guards()]
         text = f"({', '.join(shown)})" if isinstance(self.item, tuple) else shown[0]
         return f"{self.source}: a list of {text} (any length)"
 
@@ -47,6 +49,10 @@ class TensorListGuard(Guard):
                 return f"[{k}] expected a tuple of {len(self.item)}, got {_short(x)}"
             for j, (g, t) in enumerate(zip(self._guards(), x if pairs else (x,))):
                 at = f"[{k}][{j}]" if pairs else f"[{k}]"
+                if isinstance(g, type):
+                    if type(t) is not g:
+                        return f"{at} expected an {g.__name__}, got {_short(t)}"
+                    continue
                 if not isinstance(t, torch.Tensor):
                     return f"{at} expected a tensor, got {_short(t)}"
                 if g.mismatch(t) != "did not match":
@@ -56,7 +62,9 @@ class TensorListGuard(Guard):
     @staticmethod
     def of(source, item, leaf, where: str = "") -> "TensorListGuard":
         """The guard for a list whose item 0 is ``item`` (a tensor or a tuple of tensors)."""
-        def one(t: torch.Tensor) -> TensorGuard:
+        def one(t: torch.Tensor) -> TensorGuard | type:
+            if type(t) in NUMBERS:
+                return type(t)  # a per-item number: a run-time value of the body
             return TensorGuard(None, type(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()),
                                t.requires_grad, leaf=leaf(t))
         spec = tuple(one(t) for t in item) if isinstance(item, tuple) else one(item)
@@ -187,13 +195,19 @@ def leaf_state(t: torch.Tensor) -> bool | None:
 
 
 def uniform(items: list) -> bool:
-    """Whether ``items`` are tensors (or plain tuples of tensors) that all share item 0's
-    metadata: what ``TensorListGuard.of(item 0)`` lets through."""
-    def metadata(x):
-        if type(x) is tuple and x and all(isinstance(t, torch.Tensor) for t in x):
-            return tuple(metadata(t) for t in x)
+    """Whether ``items`` are tensors (or plain tuples of tensors and numbers) that all share
+    item 0's metadata (a number: its type): what ``TensorListGuard.of(item 0)`` lets through."""
+    def metadata(x, part=False):
+        if part and type(x) in NUMBERS:
+            return type(x)
+        if not part and type(x) is tuple and any(isinstance(t, torch.Tensor) for t in x):
+            parts = tuple(metadata(t, True) for t in x)
+            return None if None in parts else parts
         if not isinstance(x, torch.Tensor) or x.is_inference():
             return None
         return (type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad, leaf_state(x))
     first = metadata(items[0]) if items else None
     return first is not None and all(metadata(x) == first for x in items[1:])
+
+
+NUMBERS = (int, float)  # a tuple's part that is a per-item number (not bool: a flag steers)

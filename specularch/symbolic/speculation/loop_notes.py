@@ -15,9 +15,9 @@ from ..library_files import is_library_file
 from ..values import IterV, ListV, TupleV
 
 LIST_WHY = ("a list from the call is iterated item by item: its length and items are guarded, "
-            "one graph per length (a list of tensors, or of tuples of tensors, that all share "
-            "item 0's dtype/shape/requires_grad is rolled, and so are enumerate() and zip() of such "
-            "lists: rolled_lists.py)")
+            "one graph per length (a list of tensors, or of tuples of tensors and numbers, that "
+            "all share item 0's dtype/shape/requires_grad, or of objects of one class, is rolled, "
+            "and so are enumerate() and zip() of such lists: rolled_lists.py, rolled_objects.py)")
 WHILE_WHY = ("its condition is decided by Python values at capture and guarded at every test, "
              "one graph per trip count (`while i < n:` with an int counter stepped by a constant "
              "and a run-time bound is rolled, as `for t in range(n)` is)")

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import operator
 
-from ...guards.lists import uniform
+import torch
+
+from ...guards.lists import NUMBERS, uniform
 from ...guards.sources import ItemSource
 from ...records import Unsupported
 from . import rolled_objects
-from ..values.rolled import ListIterV, RollRefused, TensorListV
+from ..values.rolled import ItemNumberV, ListIterV, RollRefused, TensorListV
 from ..values.symint import SymV
 from ..values import ConstV, ListV, ObjV, TensorV, TupleV, Value
 
@@ -155,10 +157,12 @@ def _rollable(frame, lst: ListV) -> bool:
         [v.concrete() for v in items])
 
 
-def _fresh(v: Value, source) -> bool:
+def _fresh(v: Value, source, part: bool = False) -> bool:
     """A tensor read only as this item of the list (or a tuple of such tensors)."""
     if isinstance(v, TupleV) and v.cls is tuple and v.items:
-        return all(_fresh(t, ItemSource(source, j)) for j, t in enumerate(v.items))
+        return all(_fresh(t, ItemSource(source, j), True) for j, t in enumerate(v.items))
+    if part and isinstance(v, (ConstV, SymV)) and type(v.value) in NUMBERS:
+        return True  # a number of a tuple: guarded by its type over the whole list
     if isinstance(v, ObjV):
         return v.source == source  # an object, read only as this item (its reads are guarded later)
     return isinstance(v, TensorV) and not v.dynamic and v.real is not None and v.source == source
@@ -180,8 +184,17 @@ def item(loop, index: Value, lst=None) -> Value:
     for j, t in enumerate(example):
         part = loop.graph.call_function(operator.getitem, (node, j))
         part.meta["example"] = t
-        parts.append(TensorV(part, t))
+        # a number differs per item: a run-time value (a branch on it refuses the roll)
+        parts.append(TensorV(part, t) if isinstance(t, torch.Tensor) else
+                     ItemNumberV(t, part, None, loop.tracer, f"{lst.source}[k][{j}]", part=(lst, j)))
     return TupleV(parts)
+
+
+def part_of(loop, index: Value, part: tuple) -> Value:
+    """``xs[index][j]`` or ``xs[index].name`` (``part``: the list and ``j`` or ``name``)."""
+    lst, key = part
+    value = item(loop, index, lst)
+    return value.items[key] if isinstance(key, int) else rolled_objects.attr(loop.tracer, value, key)
 
 
 def row(loop, index: Value) -> Value:

@@ -490,8 +490,9 @@ class _Roll:
         index = self.loop.last_index(last) if self.match.index_slots else None
         for holder, key in self.match.index_slots:
             set_slot(holder, key, index)
-        for (holder, key), lst in self.match.row_slots:
-            set_slot(holder, key, rolled_lists.item(self.loop, last, lst))
+        for (holder, key), (lst, part) in self.match.row_slots:
+            set_slot(holder, key, rolled_lists.item(self.loop, last, lst) if part is None else
+                     rolled_lists.part_of(self.loop, last, (lst, part)))
         stacked = self._hoisted(node)
         for lst, head_items, appended in self.match.appends:
             head_nodes = [_fx(v) for v in head_items]

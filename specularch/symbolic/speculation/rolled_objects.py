@@ -23,8 +23,7 @@ import torch.nn as nn
 
 from ...guards.lists import ItemAttrGuard, leaf_state, uniform
 from .._torch_dispatch import storage_key
-from ..values.rolled import TensorListV
-from ..values.symint import SymV
+from ..values.rolled import ItemNumberV, TensorListV
 from ..values import TensorV, Value
 
 _NUMBERS = (int, float)
@@ -93,7 +92,7 @@ def attr(tracer, v: RowV, name: str) -> Value:
     if type(value) in _NUMBERS and all(type(x) is type(value) for x in values):
         tracer.guards.add(ItemAttrGuard(lst.source, name=name, kind=type(value), where=tracer.where()))
         node.meta["example"] = value
-        return SymV(value, node, None, tracer, f"{lst.source}[k].{name}")
+        return ItemNumberV(value, node, None, tracer, f"{lst.source}[k].{name}", part=(lst, name))
     if not all(_same(x, value) for x in values):
         loop.refuse(f"the items' `{name}` differ and are neither tensors nor numbers")
     tracer.guards.add(ItemAttrGuard(lst.source, name=name, equal=(value,), where=tracer.where()))
