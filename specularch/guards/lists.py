@@ -4,6 +4,7 @@ metadata, or a tuple of such tensors); the length is not guarded (the loop's tri
 run-time value)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -86,24 +87,62 @@ def _parts(x) -> tuple:
     return tuple(attrs.values()) if isinstance(attrs, dict) else ()
 
 
+_BROKEN = object()     # ends a walk that a node without the link, or a cycle, broke
+WALK_LIMIT = 1 << 20
+
+
+def walked(head, link: str) -> list:
+    """``[head, head.link, head.link.link, ...]`` up to ``None`` (``rolled_walk.py``); a walk
+    that meets a node without the instance attribute ``link``, or runs on past
+    ``WALK_LIMIT`` nodes (a cycle), ends with ``_BROKEN``, which no guard lets through."""
+    nodes = []
+    while head is not None:
+        if len(nodes) == WALK_LIMIT:
+            return nodes + [_BROKEN]
+        nodes.append(head)
+        attrs = getattr(head, "__dict__", None)
+        if not isinstance(attrs, dict) or link not in attrs:
+            return nodes + [_BROKEN]
+        head = attrs[link]
+    return nodes
+
+
+def _items(guard, v: str, consts: dict) -> str:
+    """The expression of the items a guard checks: the list, or the walk from its head."""
+    return f"{const_name(consts, walked)}({v}, {guard.walk!r})" if guard.walk else v
+
+
 @dataclass(frozen=True, eq=False)
 class ObjectListGuard(Guard):
-    """A list of user objects passed whole (``rolled_objects.py``): every item of one class;
+    """A list of user objects passed whole (``rolled_objects.py``), or the nodes a linked
+    walk from ``source`` by ``walk`` meets (``rolled_walk.py``): every item of one class;
     the length not guarded. What the loop reads of the items is ``ItemAttrGuard``'s."""
 
     item_type: type = None
+    walk: str = ""
+
+    def key(self):
+        return ("ObjectList", str(self.source), self.walk)
 
     def conditions(self, v, consts):
         cls = const_name(consts, self.item_type)
-        return [f"type({v}) is {const_name(consts, list)}", f"all(type(x) is {cls} for x in {v})"]
+        items = _items(self, v, consts)
+        whole = [] if self.walk else [f"type({v}) is {const_name(consts, list)}"]
+        return whole + [f"all(type(x) is {cls} for x in {items})"]
 
     def describe(self):
+        if self.walk:
+            return f"{self.source}: walked by .{self.walk}, {self.item_type.__qualname__} nodes (any length)"
         return f"{self.source}: a list of {self.item_type.__qualname__} (any length)"
 
     def mismatch(self, value):
-        if type(value) is not list:
+        if self.walk:
+            value = walked(value, self.walk)
+        elif type(value) is not list:
             return f"expected a list, got {type(value).__qualname__}"
         for k, x in enumerate(value):
+            if x is _BROKEN:
+                return f"node {k - 1} has no attribute `{self.walk}`, or the walk is a cycle"
             if type(x) is not self.item_type:
                 return f"[{k}] expected a {self.item_type.__qualname__}, got {_short(x)}"
         return "did not match"
@@ -118,9 +157,10 @@ class ItemAttrGuard(Guard):
     tensor: TensorGuard | None = None
     kind: type | None = None
     equal: tuple = ()
+    walk: str = ""      # the items are the nodes of the walk from ``source`` by this link
 
     def key(self):
-        return ("ItemAttr", str(self.source), self.name)
+        return ("ItemAttr", str(self.source), self.name, self.walk)
 
     def conditions(self, v, consts):
         x = f"x.__dict__[{self.name!r}]"
@@ -130,33 +170,38 @@ class ItemAttrGuard(Guard):
             each = [f"type({x}) is {const_name(consts, self.kind)}"]
         else:
             each = [equal_condition(x, self.equal[0], consts)]
-        return [f"all({self.name!r} in x.__dict__ and {' and '.join(each)} for x in {v})"]
+        return [f"all({self.name!r} in x.__dict__ and {' and '.join(each)} for x in "
+                f"{_items(self, v, consts)})"]
 
     def describe(self):
         what = (self.tensor.describe().split(": ", 1)[1] if self.tensor is not None else
                 f"an {self.kind.__name__}" if self.kind is not None else f"== {self.equal[0]!r}")
-        return f"{self.source}[*].{self.name}: {what}"
+        items = f"{self.source} (walked by .{self.walk})" if self.walk else str(self.source)
+        return f"{items}[*].{self.name}: {what}"
 
     def mismatch(self, value):
-        for k, x in enumerate(value):
+        for k, x in enumerate(walked(value, self.walk) if self.walk else value):
             got = getattr(x, "__dict__", {}).get(self.name, "(missing)")
             if not _ok(self, got):
-                return f"[{k}].{self.name} expected {self.describe().split(': ', 1)[1]}, got {_short(got)}"
+                at = f"(walked by .{self.walk}) node {k}" if self.walk else f"[{k}]"
+                return f"{at}.{self.name} expected {self.describe().split(': ', 1)[1]}, got {_short(got)}"
         return "did not match"
 
     @staticmethod
-    def of_tensor(source, name: str, t: torch.Tensor, leaf, where: str = "") -> "ItemAttrGuard":
+    def of_tensor(source, name: str, t: torch.Tensor, leaf, where: str = "",
+                  walk: str = "") -> "ItemAttrGuard":
         spec = TensorGuard(None, type(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()),
                            t.requires_grad, leaf=leaf(t))
-        return ItemAttrGuard(source, name=name, tensor=spec, where=where)
+        return ItemAttrGuard(source, name=name, tensor=spec, where=where, walk=walk)
 
 
 def _ok(guard: ItemAttrGuard, got) -> bool:
     """Whether one item's attribute passes ``guard`` (its conditions on a list of one)."""
     consts: dict = {}
     try:
+        flat = dataclasses.replace(guard, walk="")  # one item, not a walk from it
         return all(eval(c, {**consts, "type": type}, {"v": [_Holder(guard.name, got)]})
-                   for c in guard.conditions("v", consts))
+                   for c in flat.conditions("v", consts))
     except Exception:
         return False
 

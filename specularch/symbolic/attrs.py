@@ -199,6 +199,8 @@ def _instance_attr(tracer, v: ObjV, name: str) -> Value:
 def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     """``owner.name = value`` (``value`` None: ``del owner.name``). Objects created in this
     call are plain values; writes to objects that existed before go to the shadow heap."""
+    if isinstance(owner, rolled_objects.RowV):  # unrolled, the write goes to the shadow heap
+        owner.loop.refuse(f"its body writes `{name}` of an item of {owner.of.source}")
     if isinstance(owner, NewObjV):
         MODELS.refuse_frozen_write(owner, name)
         problem = MODELS.slot_write_problem(owner.cls, name)

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 from ..guards import AliasGuard, InferenceGuard, TensorGuard, TypeGuard
-from ..guards.lists import ObjectListGuard, TensorListGuard, leaf_state, list_tensors, uniform
+from ..guards.lists import ObjectListGuard, TensorListGuard, leaf_state, list_tensors, uniform, walked
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
@@ -114,6 +114,26 @@ def wrap_tensor_list(tracer, obj: list, source: Source, where: str) -> Value | N
             if key in tracer._external:  # another input: the graph would read the old value
                 tracer.viewed.add(key)
             tracer._external.setdefault(key, TensorV(node, t))
+    return value
+
+
+def wrap_walk(tracer, source: Source, link: str, nodes: list, where: str) -> ObjectListV:
+    """The nodes of the linked walk from the object at ``source`` by ``link`` (``nodes`` at
+    capture), walked when the graph runs, for the rolled loop at ``where``
+    (``speculation/rolled_walk.py``); guarded: every node of item 0's class."""
+    tracer.guards.add(ObjectListGuard(source, item_type=type(nodes[0]), walk=link,
+                                      where=tracer.where()))
+    head = placeholder(tracer, node_name(source))
+    head.meta["example"] = nodes[0]
+    tracer.input_sources.append(source)
+    node = tracer.graph.call_function(walked, (head, link))
+    node.meta["example"] = list(nodes)
+    length = tracer.graph.call_function(len, (node,))
+    length.meta["example"] = len(nodes)
+    value = ObjectListV(node, list(nodes), SymV(len(nodes), length, None, tracer,
+                                                f"the nodes of {source} walked by .{link}"),
+                        where, source)
+    value.walk = link
     return value
 
 

@@ -46,6 +46,7 @@ class ObjectListV(TensorListV):
     """A list of user objects passed whole: iterated only by its rolled loop (``RowV``)."""
 
     holds_tensors = False
+    walk = ""  # the link of a linked walk from ``source`` (``rolled_walk.py``), not a list
 
     def __repr__(self):
         return f"ObjectListV({self.source}, {self.length!r})"
@@ -55,11 +56,14 @@ class RowV(Value):
     """``objs[k]`` in a rolled loop over an ``ObjectListV``: only its attributes are read
     (``at``: ``k`` at capture, the item whose values stand for every item's)."""
 
-    def __init__(self, of: ObjectListV, node, at: int, loop):
+    def __init__(self, of: ObjectListV, node, at: int, loop, successor: bool = False):
         self.of, self.node, self.at, self.loop = of, node, at, loop
-        self.example = of.examples[at]
+        self.successor = successor  # ``node.next`` of a walk: only stored back into ``node``
+        self.example = of.examples[at] if at < len(of.examples) else None
 
     def concrete(self):
+        if self.successor:
+            self.loop.refuse(f"its body uses `.{self.of.walk}` other than to step to the next node")
         self.loop.refuse(f"its body uses an item of {self.of.source} other than by reading "
                          "its attributes (a call, identity, a write)")
 
@@ -73,8 +77,12 @@ class RowV(Value):
 def attr(tracer, v: RowV, name: str) -> Value:
     """``obj.name`` of an item: one node per read, guarded over every item of the list."""
     lst, loop = v.of, v.loop
+    if v.successor:
+        v.concrete()  # the node after the last is None: reading it is eager's AttributeError
+    if name == lst.walk:
+        return RowV(lst, None, v.at + 1, loop, successor=True)
     values = [x.__dict__.get(name, _MISSING) for x in lst.examples]
-    _no_earlier_writes(tracer, lst, loop)
+    no_earlier_writes(tracer, lst, loop)
     if hasattr(type(v.example), name):
         loop.refuse(f"its body reads `{name}` of the items' class (a method, a class attribute: "
                     "only instance attributes are read per item)")
@@ -85,17 +93,20 @@ def attr(tracer, v: RowV, name: str) -> Value:
     if isinstance(value, torch.Tensor):
         if not uniform(values):
             loop.refuse(f"the items' `{name}` differ in dtype, shape or requires_grad")
-        tracer.guards.add(ItemAttrGuard.of_tensor(lst.source, name, value, leaf_state, tracer.where()))
+        tracer.guards.add(ItemAttrGuard.of_tensor(lst.source, name, value, leaf_state, tracer.where(),
+                                                  walk=lst.walk))
         _externals(tracer, values, node)
         node.meta["example"] = value
         return TensorV(node, value)
     if type(value) in _NUMBERS and all(type(x) is type(value) for x in values):
-        tracer.guards.add(ItemAttrGuard(lst.source, name=name, kind=type(value), where=tracer.where()))
+        tracer.guards.add(ItemAttrGuard(lst.source, name=name, kind=type(value), where=tracer.where(),
+                                        walk=lst.walk))
         node.meta["example"] = value
         return ItemNumberV(value, node, None, tracer, f"{lst.source}[k].{name}", part=(lst, name))
     if not all(_same(x, value) for x in values):
         loop.refuse(f"the items' `{name}` differ and are neither tensors nor numbers")
-    tracer.guards.add(ItemAttrGuard(lst.source, name=name, equal=(value,), where=tracer.where()))
+    tracer.guards.add(ItemAttrGuard(lst.source, name=name, equal=(value,), where=tracer.where(),
+                                    walk=lst.walk))
     tracer.graph.erase_node(node)
     return tracer.wrap_python(value)
 
@@ -118,7 +129,7 @@ def _externals(tracer, values: list, node) -> None:
             tracer._external.setdefault(key, TensorV(node, t))
 
 
-def _no_earlier_writes(tracer, lst: ObjectListV, loop) -> None:
+def no_earlier_writes(tracer, lst: ObjectListV, loop) -> None:
     """The graph reads the items when it runs, before the commit: a Python write to an object
     of their class earlier in the call (through another path) would not be seen."""
     cls = type(lst.examples[0])
