@@ -20,6 +20,7 @@ not roll makes capture start again with the loop unrolled, and ``explain()`` say
 """
 from __future__ import annotations
 
+import dis
 import operator
 
 import torch
@@ -30,7 +31,7 @@ from ...records import Unsupported
 from . import rolled_objects
 from ..values.rolled import ItemNumberV, ListIterV, RollRefused, TensorListV
 from ..values.symint import SymV
-from ..values import ConstV, ListV, ObjV, TensorV, TupleV, Value
+from ..values import ConstV, FuncV, ListV, ObjV, TensorV, TupleV, Value
 
 
 class RollList(Unsupported):
@@ -57,14 +58,31 @@ _NAMES = ("x", "y", "z")
 def get_iter(frame, iterated: Value):
     """``GET_ITER``: the iterator that rolls a ``for x in xs`` loop, or None (as before)."""
     if isinstance(iterated, TensorListV):
-        if not _for_loop_next(frame):
+        if loop_site(frame) is None:
             raise Unsupported("unsupported_call", f"{iterated.source} passed whole is iterated "
-                              "other than by a for loop")
+                              "other than by a for loop or a list comprehension")
         return ListIterV([], n=iterated.length, start=ConstV(0), step=1, of=iterated)
     if type(iterated) is ListV and iterated.source is not None and _rollable(frame, iterated):
-        site = (id(frame.code), frame.info.instructions[frame.ip].offset)
-        raise RollList(iterated.source, site, f"{frame.code.co_filename}:{frame.lineno}")
+        raise RollList(iterated.source, loop_site(frame), f"{frame.code.co_filename}:{frame.lineno}")
     return None
+
+
+def loop_site(frame):
+    """(id(code), offset of FOR_ITER) of the loop that consumes the iterator ``GET_ITER``
+    makes: the next instruction, or the first ``FOR_ITER`` of the list comprehension called
+    with it (``[f(x) for x in xs]``: ``GET_ITER; PRECALL 0; CALL 0``); None for anything else."""
+    code = frame.info.instructions
+    if frame.ip >= len(code):
+        return None
+    if code[frame.ip].opname == "FOR_ITER":
+        return (id(frame.code), code[frame.ip].offset)
+    comprehension = frame.stack[-1] if frame.stack else None
+    if frame.ip + 1 >= len(code) or (code[frame.ip].opname, code[frame.ip].arg) != ("PRECALL", 0) \
+            or code[frame.ip + 1].opname != "CALL" or not isinstance(comprehension, FuncV) \
+            or comprehension.code.co_name != "<listcomp>":
+        return None
+    head = next((i for i in dis.get_instructions(comprehension.code) if i.opname == "FOR_ITER"), None)
+    return None if head is None else (id(comprehension.code), head.offset)
 
 
 def enumerate_list(tracer, args: list, kwargs: dict):
@@ -134,17 +152,12 @@ def _whole(frame, lst: Value):
         frame.ip -= 1
 
 
-def _for_loop_next(frame) -> bool:
-    code = frame.info.instructions
-    return frame.ip < len(code) and code[frame.ip].opname == "FOR_ITER"
-
-
 def _rollable(frame, lst: ListV) -> bool:
     tracer = frame.tracer
-    if not _for_loop_next(frame) or frame.code.co_name.startswith("<") \
+    site = loop_site(frame)
+    if site is None or frame.code.co_name.startswith("<") \
             or tracer.merging or tracer.template is not None:
-        return False  # a comprehension's list is most often the model's fixed one
-    site = (id(frame.code), frame.info.instructions[frame.ip].offset)
+        return False
     if lst.source not in tracer.assumptions.varied_lists:
         return False  # one length so far: unrolled, as a ``range()`` over a fixed number is
     if site in tracer.assumptions.unrolled_loops or ("rolled_loop", *site) in tracer.unstable_sites \

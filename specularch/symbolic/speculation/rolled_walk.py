@@ -25,7 +25,6 @@ than to step, ``break``/``continue``/``else``, or a body that does not roll keep
 from __future__ import annotations
 
 from ...guards.lists import walked
-from .. import inputs
 from ..values import ConstV, ObjV, Value
 from . import rolled_lists, rolled_objects
 from .rolled_loops import _why_not_roll
@@ -95,7 +94,7 @@ class _Walk(_While):
         self.where = f"{frame.code.co_filename}:{frame.lineno}"
         self.start, self.step, self.items, self.first = ConstV(0), 1, None, None
         self.form = f"while {var} is not None: {var} = {var}.{link}"
-        self.nodes = inputs.wrap_walk(self.tracer, head.source, link, nodes, self.where)
+        self.nodes = self.tracer.wrap_walk(head.source, link, nodes, self.where)
         self.n = self.nodes.length
         rolled_objects.no_earlier_writes(self.tracer, self.nodes, self)
 
