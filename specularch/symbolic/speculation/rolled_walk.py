@@ -78,8 +78,8 @@ def _loop_shape(frame, ins, value: Value):
     if tuple(i.opname for i in end) != _END or end[0].argval != var or end[2].argval != var:
         return None
     if any(i.opname in ("STORE_FAST", "DELETE_FAST") and i.argval == var
-           for i in code[at + 1:bottom - 3]):
-        return None
+           or i.opname in ("STORE_ATTR", "DELETE_ATTR") for i in code[at + 1:bottom - 3]):
+        return None  # an attribute write outlives an iteration: never rolled, left to loop_notes
     return at + 1, bottom, exit_, var, end[1].argval
 
 
