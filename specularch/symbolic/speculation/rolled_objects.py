@@ -71,7 +71,8 @@ class RowV(Value):
         return type(self.example)
 
     def __repr__(self):
-        return f"RowV({self.of.source}[{self.node.args[1]}])"
+        at = f".{self.of.walk}" if self.successor else f"[{self.node.args[1]}]"
+        return f"RowV({self.of.source}{at})"
 
 
 def attr(tracer, v: RowV, name: str) -> Value:

@@ -25,6 +25,7 @@ than to step, ``break``/``continue``/``else``, or a body that does not roll keep
 from __future__ import annotations
 
 from ...guards.lists import walked
+from ..library_files import is_library_file
 from ..values import ConstV, ObjV, Value
 from . import rolled_lists, rolled_objects
 from .rolled_loops import _why_not_roll
@@ -63,7 +64,7 @@ def _loop_shape(frame, ins, value: Value):
     code, at = frame.info.instructions, frame.ip - 1  # ``at``: the test's jump
     if ins.opname != "POP_JUMP_FORWARD_IF_NONE" or at < 1 or code[at - 1].opname != "LOAD_FAST" \
             or not isinstance(value, ObjV) or value.source is None \
-            or frame.code.co_name.startswith("<"):
+            or frame.code.co_name.startswith("<") or is_library_file(frame.code.co_filename):
         return None
     var = code[at - 1].argval
     exit_ = frame.info.index_of[ins.argval]
