@@ -16,6 +16,7 @@ from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
 from .values.deque import DequeV
+from .speculation import rolled_objects
 from .speculation.leaf_writes import metadata_of
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
 from .models import MODELS
@@ -36,6 +37,8 @@ TENSOR_VIEWS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 
 
 def load_attr(tracer, frame, v: Value, name: str) -> Value:
+    if isinstance(v, rolled_objects.RowV):  # an item of a rolled loop over objects
+        return rolled_objects.attr(tracer, v, name)
     if isinstance(v, TensorV):
         return _tensor_attr(tracer, v, name)
     if isinstance(v, ObjV) and isinstance(v.obj, BaseException) and v.source is None:
@@ -196,6 +199,8 @@ def _instance_attr(tracer, v: ObjV, name: str) -> Value:
 def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     """``owner.name = value`` (``value`` None: ``del owner.name``). Objects created in this
     call are plain values; writes to objects that existed before go to the shadow heap."""
+    if isinstance(owner, rolled_objects.RowV):  # unrolled, the write goes to the shadow heap
+        owner.loop.refuse(f"its body writes `{name}` of an item of {owner.of.source}")
     if isinstance(owner, NewObjV):
         MODELS.refuse_frozen_write(owner, name)
         problem = MODELS.slot_write_problem(owner.cls, name)

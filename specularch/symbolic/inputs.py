@@ -12,10 +12,11 @@ import torch
 import torch.fx
 
 from ..guards import AliasGuard, InferenceGuard, TensorGuard, TypeGuard
-from ..guards.lists import TensorListGuard, leaf_state, list_tensors, uniform
+from ..guards.lists import ObjectListGuard, TensorListGuard, leaf_state, list_tensors, uniform, walked
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
+from .speculation.rolled_objects import ObjectListV, plain_objects
 from .values.rolled import TensorListV
 from .values.symint import SymV
 from .values import GeneratorV, TensorV, Value
@@ -97,17 +98,16 @@ def wrap_generator(tracer, g: torch.Generator, source: Source | None) -> Generat
 
 def wrap_tensor_list(tracer, obj: list, source: Source, where: str) -> Value | None:
     """The list at ``source`` as one graph input, for the rolled loop at ``where`` over it
-    (``speculation/rolled_lists.py``); None when its items no longer fit (it changed since)."""
+    (``speculation/rolled_lists.py``), or its objects' (``rolled_objects.py``); None when its
+    items no longer fit (it changed since)."""
+    if plain_objects(obj):
+        tracer.guards.add(ObjectListGuard(source, item_type=type(obj[0]), where=tracer.where()))
+        return ObjectListV(*_whole_list(tracer, obj, source), where, source)
     if not uniform(obj):
         return None
     tracer.guards.add(TensorListGuard.of(source, obj[0], leaf_state, tracer.where()))
-    node = placeholder(tracer, node_name(source))
-    node.meta["example"] = list(obj)
-    tracer.input_sources.append(source)
-    length = tracer.graph.call_function(len, (node,))
-    length.meta["example"] = len(obj)
-    value = TensorListV(node, list(obj), SymV(len(obj), length, f"len({source.expr()})", tracer,
-                                              f"len({source})"), where, source)
+    node, items, length = _whole_list(tracer, obj, source)
+    value = TensorListV(node, items, length, where, source)
     for t in list_tensors(obj):  # a write into an item is refused: no source could commit it
         if t.numel():
             key = storage_key(t)
@@ -115,6 +115,36 @@ def wrap_tensor_list(tracer, obj: list, source: Source, where: str) -> Value | N
                 tracer.viewed.add(key)
             tracer._external.setdefault(key, TensorV(node, t))
     return value
+
+
+def wrap_walk(tracer, source: Source, link: str, nodes: list, where: str) -> ObjectListV:
+    """The nodes of the linked walk from the object at ``source`` by ``link`` (``nodes`` at
+    capture), walked when the graph runs, for the rolled loop at ``where``
+    (``speculation/rolled_walk.py``); guarded: every node of item 0's class."""
+    tracer.guards.add(ObjectListGuard(source, item_type=type(nodes[0]), walk=link,
+                                      where=tracer.where()))
+    head = placeholder(tracer, node_name(source))
+    head.meta["example"] = nodes[0]
+    tracer.input_sources.append(source)
+    node = tracer.graph.call_function(walked, (head, link))
+    node.meta["example"] = list(nodes)
+    length = tracer.graph.call_function(len, (node,))
+    length.meta["example"] = len(nodes)
+    value = ObjectListV(node, list(nodes), SymV(len(nodes), length, None, tracer,
+                                                f"the nodes of {source} walked by .{link}"),
+                        where, source)
+    value.walk = link
+    return value
+
+
+def _whole_list(tracer, obj: list, source: Source) -> tuple:
+    """(its node, its items, its length) of a list that is one graph input."""
+    node = placeholder(tracer, node_name(source))
+    node.meta["example"] = list(obj)
+    tracer.input_sources.append(source)
+    length = tracer.graph.call_function(len, (node,))
+    length.meta["example"] = len(obj)
+    return node, list(obj), SymV(len(obj), length, f"len({source.expr()})", tracer, f"len({source})")
 
 
 def placeholder(tracer, name: str) -> torch.fx.Node:

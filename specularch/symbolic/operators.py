@@ -17,7 +17,7 @@ from ..guards.sources import ModuleDictSource
 from ..records import Unsupported
 from .exceptions import python_error
 from .values import symint
-from .speculation import untracked
+from .speculation import rolled_objects, untracked
 from .values.symint import SymV
 from .values.scalar import ScalarV
 from .models import MODELS
@@ -164,6 +164,9 @@ def _identity_comparable(v: Value) -> bool:
 
 def identical(a: Value, b: Value) -> bool:
     """Python's ``a is b`` for values."""
+    for v in (a, b):
+        if isinstance(v, rolled_objects.RowV):
+            v.concrete()  # an item of a rolled loop: identity would be one iteration's
     if a is b:
         return True
     if isinstance(a, (ConstV, ObjV, TensorV)) and isinstance(b, (ConstV, ObjV, TensorV)):

@@ -240,6 +240,11 @@ class Tracer:
         """Tensors read from outside the frame (placeholders), in the order first read."""
         return [v for v in self._by_tensor_id.values() if v.source is not None]
 
+    def wrap_walk(self, source, link: str, nodes: list, where: str) -> Value:
+        """The nodes of a linked walk from ``source``, walked when the graph runs
+        (``speculation/rolled_walk.py``; ``inputs.wrap_walk``)."""
+        return inputs.wrap_walk(self, source, link, nodes, where)
+
     def sym_size(self, t: TensorV, dim: int) -> Value:
         """``t.shape[dim]``: a constant unless the tensor's shape may vary between calls."""
         size = t.example.shape[dim]

@@ -285,6 +285,9 @@ def _enumerate(tracer, fn, args, kwargs):
 
 @model(zip)
 def _zip(tracer, fn, args, kwargs):
+    rolled = rolled_lists.zip_lists(tracer, args, kwargs)
+    if rolled is not None:  # `for x, y in zip(xs, ys)` over lists passed whole: rolled
+        return rolled
     columns = [ops.iterate(tracer, a) for a in args]
     strict = kwargs.get("strict", ConstV(False)).concrete()
     return IterV([], source=_zip_rows(columns, strict))

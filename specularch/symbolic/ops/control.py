@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ...records import Unsupported
 from ..operators import iterate, truth
-from ..speculation import branch_merge, loop_notes, raising_branch, rolled_lists, rolled_loops
+from ..speculation import (branch_merge, loop_notes, raising_branch, rolled_lists, rolled_loops,
+                           rolled_objects, rolled_walk)
 from .registry import handles
 from ..values.rolled import SymRangeIterV
 from ..values import ConstV, TensorV
@@ -39,12 +40,18 @@ def _branch(frame, ins, jump_if: bool):
 
 
 def _is_none(v) -> bool:
+    if isinstance(v, rolled_objects.RowV):
+        v.concrete()  # ``node.next is None`` of a rolled walk: one iteration's answer
     return isinstance(v, ConstV) and v.value is None
 
 
 @handles("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NONE")
 def _pop_jump_if_none(frame, ins):
-    if _is_none(frame.pop()):
+    value = frame.pop()
+    after_loop = rolled_walk.head_test(frame, ins, value)  # ``while node is not None:``
+    if after_loop is not None:
+        return after_loop
+    if _is_none(value):
         return ins.argval
 
 

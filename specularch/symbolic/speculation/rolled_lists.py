@@ -20,14 +20,18 @@ not roll makes capture start again with the loop unrolled, and ``explain()`` say
 """
 from __future__ import annotations
 
+import dis
 import operator
 
-from ...guards.lists import uniform
+import torch
+
+from ...guards.lists import NUMBERS, uniform
 from ...guards.sources import ItemSource
 from ...records import Unsupported
-from ..values.rolled import ListIterV, RollRefused, TensorListV
+from . import rolled_objects
+from ..values.rolled import ItemNumberV, ListIterV, RollRefused, TensorListV
 from ..values.symint import SymV
-from ..values import ConstV, ListV, TensorV, TupleV, Value
+from ..values import ConstV, FuncV, ListV, ObjV, TensorV, TupleV, Value
 
 
 class RollList(Unsupported):
@@ -38,51 +42,122 @@ class RollList(Unsupported):
         self.source, self.site, self.where = source, site, where
 
 
-def form(source, enumerated: bool = False) -> str:
-    return f"for k, x in enumerate({source})" if enumerated else f"for x in {source}"
+def form(source, enumerated: bool = False, count_from: int = 0, zipped: tuple = ()) -> str:
+    """How ``explain()`` names the loop (the target's names are the usual ones, not the user's)."""
+    if zipped:
+        names = ", ".join(_NAMES[k] if k < len(_NAMES) else f"x{k}" for k in range(len(zipped)))
+        return f"for {names} in zip({', '.join(str(lst.source) for lst in zipped)})"
+    if enumerated:
+        return f"for k, x in enumerate({source}{f', {count_from}' if count_from else ''})"
+    return f"for x in {source}"
+
+
+_NAMES = ("x", "y", "z")
 
 
 def get_iter(frame, iterated: Value):
     """``GET_ITER``: the iterator that rolls a ``for x in xs`` loop, or None (as before)."""
     if isinstance(iterated, TensorListV):
-        if not _for_loop_next(frame):
+        if loop_site(frame) is None:
             raise Unsupported("unsupported_call", f"{iterated.source} passed whole is iterated "
-                              "other than by a for loop")
+                              "other than by a for loop or a list comprehension")
         return ListIterV([], n=iterated.length, start=ConstV(0), step=1, of=iterated)
     if type(iterated) is ListV and iterated.source is not None and _rollable(frame, iterated):
-        site = (id(frame.code), frame.info.instructions[frame.ip].offset)
-        raise RollList(iterated.source, site, f"{frame.code.co_filename}:{frame.lineno}")
+        raise RollList(iterated.source, loop_site(frame), f"{frame.code.co_filename}:{frame.lineno}")
     return None
 
 
-def enumerate_list(tracer, args: list, kwargs: dict):
-    """``enumerate(xs)`` (from 0) consumed right away by a ``for`` loop: rolled as ``for x in
-    xs`` is, handing out ``(k, xs[k])``; None where the loop is unrolled as before."""
-    frame = tracer.frames[-1] if tracer.frames else None
-    if frame is None or len(args) != 1 or kwargs or frame.ip + 1 >= len(frame.info.instructions) \
-            or frame.info.instructions[frame.ip].opname != "GET_ITER":
+def loop_site(frame):
+    """(id(code), offset of FOR_ITER) of the loop that consumes the iterator ``GET_ITER``
+    makes: the next instruction, or the first ``FOR_ITER`` of the list comprehension called
+    with it (``[f(x) for x in xs]``: ``GET_ITER; PRECALL 0; CALL 0``); None for anything else."""
+    code = frame.info.instructions
+    if frame.ip >= len(code):
         return None
-    frame.ip += 1  # as at the GET_ITER: what follows must be the loop's FOR_ITER
-    try:
-        it = get_iter(frame, args[0])
-    finally:
-        frame.ip -= 1
+    if code[frame.ip].opname == "FOR_ITER":
+        return (id(frame.code), code[frame.ip].offset)
+    comprehension = frame.stack[-1] if frame.stack else None
+    if frame.ip + 1 >= len(code) or (code[frame.ip].opname, code[frame.ip].arg) != ("PRECALL", 0) \
+            or code[frame.ip + 1].opname != "CALL" or not isinstance(comprehension, FuncV) \
+            or comprehension.code.co_name != "<listcomp>":
+        return None
+    head = next((i for i in dis.get_instructions(comprehension.code) if i.opname == "FOR_ITER"), None)
+    return None if head is None else (id(comprehension.code), head.offset)
+
+
+def enumerate_list(tracer, args: list, kwargs: dict):
+    """``enumerate(xs)`` or ``enumerate(xs, start)`` consumed right away by a ``for`` loop:
+    rolled as ``for x in xs`` is, handing out ``(start + k, xs[k])``; None where the loop is
+    unrolled as before."""
+    frame = _consumed_by_a_loop(tracer)
+    start = kwargs.get("start", args[1] if len(args) == 2 else ConstV(0))
+    if frame is None or not 1 <= len(args) <= 2 or set(kwargs) - {"start"} \
+            or len(args) + len(kwargs) > 2 or not isinstance(start, ConstV) \
+            or type(start.value) is not int:
+        return None  # a start that varies would be a Python value the body depends on
+    it = _whole(frame, args[0])
     if it is not None:
-        it.enumerated = True
+        it.enumerated, it.count_from = True, start.value
     return it
 
 
-def _for_loop_next(frame) -> bool:
-    code = frame.info.instructions
-    return frame.ip < len(code) and code[frame.ip].opname == "FOR_ITER"
+def zip_lists(tracer, args: list, kwargs: dict):
+    """``zip(xs, ys, ...)`` of lists from the call, consumed right away by a ``for`` loop:
+    every list passed whole (one ``RollList`` restart each), the loop rolled as ``for x in
+    xs`` is, handing out ``(xs[k], ys[k], ...)`` for ``min(len(xs), len(ys), ...)``
+    iterations, as eager's zip stops at the shortest list; None where it is unrolled."""
+    frame = _consumed_by_a_loop(tracer)
+    if frame is None or len(args) < 2 or kwargs:
+        return None  # zip(strict=True) raises on lists of other lengths: unrolled
+    frame.ip += 1  # as at the GET_ITER
+    try:
+        if not all(isinstance(a, TensorListV) or type(a) is ListV and a.source is not None
+                   and _rollable(frame, a) for a in args):
+            return None
+        its = [get_iter(frame, a) for a in args]  # the first list not yet whole: RollList
+    finally:
+        frame.ip -= 1
+    it = its[0]
+    it.n, it.zipped = _shortest(tracer, [lst.of for lst in its]), tuple(lst.of for lst in its)
+    return it
+
+
+def _shortest(tracer, lists: list) -> SymV:
+    """``min(len(xs), len(ys), ...)``: the trip count, guarded (as a length is) only where a
+    branch reads it."""
+    lengths = [lst.length for lst in lists]
+    node = tracer.graph.call_function(min, tuple(n.node for n in lengths))
+    known = all(n.expr is not None for n in lengths)
+    return SymV(min(n.value for n in lengths), node,
+                f"min({', '.join(n.expr for n in lengths)})" if known else None, tracer,
+                f"min({', '.join(n.label for n in lengths)})")
+
+
+def _consumed_by_a_loop(tracer):
+    """The frame calling a builtin whose result goes straight to ``GET_ITER`` and
+    ``FOR_ITER``, or None."""
+    frame = tracer.frames[-1] if tracer.frames else None
+    if frame is None or frame.ip + 1 >= len(frame.info.instructions) \
+            or frame.info.instructions[frame.ip].opname != "GET_ITER":
+        return None
+    return frame
+
+
+def _whole(frame, lst: Value):
+    """The rolling iterator of ``lst`` as ``GET_ITER`` would make it, from the call before."""
+    frame.ip += 1  # as at the GET_ITER: what follows must be the loop's FOR_ITER
+    try:
+        return get_iter(frame, lst)
+    finally:
+        frame.ip -= 1
 
 
 def _rollable(frame, lst: ListV) -> bool:
     tracer = frame.tracer
-    if not _for_loop_next(frame) or frame.code.co_name.startswith("<") \
+    site = loop_site(frame)
+    if site is None or frame.code.co_name.startswith("<") \
             or tracer.merging or tracer.template is not None:
-        return False  # a comprehension's list is most often the model's fixed one
-    site = (id(frame.code), frame.info.instructions[frame.ip].offset)
+        return False
     if lst.source not in tracer.assumptions.varied_lists:
         return False  # one length so far: unrolled, as a ``range()`` over a fixed number is
     if site in tracer.assumptions.unrolled_loops or ("rolled_loop", *site) in tracer.unstable_sites \
@@ -91,22 +166,29 @@ def _rollable(frame, lst: ListV) -> bool:
     items = lst.items
     if len(items) < 2 or not all(_fresh(v, ItemSource(lst.source, k)) for k, v in enumerate(items)):
         return False  # too short to compare two iterations, or an item read another way too
-    return uniform([v.concrete() for v in items])
+    return uniform([v.concrete() for v in items]) or rolled_objects.plain_objects(
+        [v.concrete() for v in items])
 
 
-def _fresh(v: Value, source) -> bool:
+def _fresh(v: Value, source, part: bool = False) -> bool:
     """A tensor read only as this item of the list (or a tuple of such tensors)."""
     if isinstance(v, TupleV) and v.cls is tuple and v.items:
-        return all(_fresh(t, ItemSource(source, j)) for j, t in enumerate(v.items))
+        return all(_fresh(t, ItemSource(source, j), True) for j, t in enumerate(v.items))
+    if part and isinstance(v, (ConstV, SymV)) and type(v.value) in NUMBERS:
+        return True  # a number of a tuple: guarded by its type over the whole list
+    if isinstance(v, ObjV):
+        return v.source == source  # an object, read only as this item (its reads are guarded later)
     return isinstance(v, TensorV) and not v.dynamic and v.real is not None and v.source == source
 
 
-def item(loop, index: Value) -> Value:
-    """``xs[index]`` of the list a rolled loop iterates: its value in that iteration (a
-    tensor, or a tuple of tensors)."""
-    lst = loop.items
+def item(loop, index: Value, lst=None) -> Value:
+    """``xs[index]`` of the list a rolled loop iterates (or of ``lst``, one it zips): its value
+    in that iteration (a tensor, or a tuple of tensors)."""
+    lst = lst if lst is not None else loop.items
     at = index.node if isinstance(index, SymV) else index.value
     node = loop.graph.call_function(operator.getitem, (lst.node, at))
+    if isinstance(lst, rolled_objects.ObjectListV):
+        return rolled_objects.RowV(lst, node, index.value, loop)
     example = lst.examples[index.value]
     if type(example) is not tuple:
         node.meta["example"] = example
@@ -115,8 +197,25 @@ def item(loop, index: Value) -> Value:
     for j, t in enumerate(example):
         part = loop.graph.call_function(operator.getitem, (node, j))
         part.meta["example"] = t
-        parts.append(TensorV(part, t))
+        # a number differs per item: a run-time value (a branch on it refuses the roll)
+        parts.append(TensorV(part, t) if isinstance(t, torch.Tensor) else
+                     ItemNumberV(t, part, None, loop.tracer, f"{lst.source}[k][{j}]", part=(lst, j)))
     return TupleV(parts)
+
+
+def part_of(loop, index: Value, part: tuple) -> Value:
+    """``xs[index][j]`` or ``xs[index].name`` (``part``: the list and ``j`` or ``name``)."""
+    lst, key = part
+    value = item(loop, index, lst)
+    return value.items[key] if isinstance(key, int) else rolled_objects.attr(loop.tracer, value, key)
+
+
+def row(loop, index: Value) -> Value:
+    """What ``for`` hands out in the iteration of ``index``: ``xs[index]``, or the tuple of
+    every zipped list's item."""
+    if not loop.zipped:
+        return item(loop, index)
+    return TupleV([item(loop, index, lst) for lst in loop.zipped])
 
 
 def refused(error: Exception, rolled: frozenset) -> dict:

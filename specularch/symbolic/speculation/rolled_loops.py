@@ -109,6 +109,15 @@ def _join(head: list, tail: list) -> list:
     return [*head, *tail]
 
 
+def _plus(tracer, index: Value, c: int) -> Value:
+    """``index + c`` (``enumerate``'s counter from ``c``), symbolic where ``index`` is."""
+    if not c:
+        return index
+    if isinstance(index, ConstV):
+        return ConstV(index.value + c)
+    return arithmetic(tracer, operator.add, index, ConstV(c))
+
+
 def _loop_index(site: tuple) -> int:  # stands for ``t`` while iteration 1 is captured
     raise RuntimeError("a rolled loop's index node was left in the graph")
 
@@ -204,9 +213,11 @@ class _Loop:
         self.start, self.step = it.start, it.step
         self.items = getattr(it, "of", None)          # ``for x in xs``: the TensorListV
         self.enumerated = getattr(it, "enumerated", False)
-        self.counter = None                           # the index of iteration 1
-        self.form = rolled_lists.form(self.items.source, self.enumerated) \
-            if self.items is not None else _form(it.bounds or [it.n])
+        self.count_from = getattr(it, "count_from", 0)  # ``enumerate(xs, start)``
+        self.zipped = getattr(it, "zipped", ())         # ``zip(xs, ys)``: every list
+        self.counter = None                           # the ``k`` of iteration 1
+        self.form = rolled_lists.form(self.items.source, self.enumerated, self.count_from,
+                                      self.zipped) if self.items is not None else _form(it.bounds or [it.n])
         self.first = None                             # what iteration 0 bound the target to
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
@@ -265,9 +276,10 @@ class _Loop:
         if self.items is None:
             return index
         if not self.enumerated:
-            return rolled_lists.item(self, index)
-        self.counter = index if self.counter is None and isinstance(index, SymV) else self.counter
-        return TupleV([index, rolled_lists.item(self, index)])
+            return rolled_lists.row(self, index)
+        k = _plus(self.tracer, index, self.count_from)
+        self.counter = k if self.counter is None and isinstance(index, SymV) else self.counter
+        return TupleV([k, rolled_lists.row(self, index)])
 
     def _after_first(self) -> None:
         """What iteration 0 tells of the loop (``rolled_while.py``: its step, its trip count)."""
@@ -277,7 +289,7 @@ class _Loop:
         ``k`` of ``for k, x in enumerate(xs)``)."""
         if a is not self.counter or a is None:
             return False
-        if not (isinstance(h, ConstV) and h.value == 0):
+        if not (isinstance(h, ConstV) and h.value == self.count_from):
             self.refuse("the enumerate() counter is held only from the second iteration on")
         return True
 
@@ -306,8 +318,9 @@ class _Loop:
 
     def last_index(self, last: Value) -> Value:
         """The index after the loop (of iteration ``n - 1``), or ``xs[n - 1]``."""
-        if self.items is not None and not self.enumerated:
-            return rolled_lists.item(self, last)
+        if self.items is not None:
+            return _plus(self.tracer, last, self.count_from) if self.enumerated else \
+                rolled_lists.row(self, last)
         if self.plain():
             return last
         scaled = arithmetic(self.tracer, operator.mul, last, ConstV(self.step))
@@ -477,6 +490,9 @@ class _Roll:
         index = self.loop.last_index(last) if self.match.index_slots else None
         for holder, key in self.match.index_slots:
             set_slot(holder, key, index)
+        for (holder, key), (lst, part) in self.match.row_slots:
+            set_slot(holder, key, rolled_lists.item(self.loop, last, lst) if part is None else
+                     rolled_lists.part_of(self.loop, last, (lst, part)))
         stacked = self._hoisted(node)
         for lst, head_items, appended in self.match.appends:
             head_nodes = [_fx(v) for v in head_items]

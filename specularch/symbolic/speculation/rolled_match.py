@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 
-from ..values.rolled import LoopIndexV, RolledListV
+from .rolled_objects import RowV
+from ..values.rolled import ItemNumberV, LoopIndexV, RolledListV
 from ..values.symint import SymV
 from ..values import (CellV, ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,
                      TupleV)
@@ -140,6 +141,7 @@ class Match:
         self.head, self.after, self.index, self.growing, self.loop = head, after, index, growing, loop
         self.carried: dict = {}          # (id(h), id(a)) -> [h, a, slots]
         self.index_slots: list = []
+        self.row_slots: list = []        # (slot, (list, None / j / name)): the item's
         self.appends: list = []          # (list, items before iteration 1, appended tensor)
         self.visited: set = set()        # ids of containers compared
         self._pairs: set = set()
@@ -166,6 +168,11 @@ class Match:
             if not self.loop.is_first(h):
                 self.loop.refuse(f"`{path}` holds the index only from the second iteration on")
             self.index_slots.append(slot)
+        elif isinstance(h, RowV) and isinstance(a, RowV) and h.of is a.of \
+                and (h.at, a.at) == (0, 1):
+            self.row_slots.append((slot, (a.of, None)))  # an item of a list of objects
+        elif isinstance(h, ItemNumberV) and isinstance(a, ItemNumberV) and h.part == a.part:
+            self.row_slots.append((slot, a.part))  # a number of the item: the last one's after
         elif isinstance(h, TensorV) and isinstance(a, TensorV):
             if h is not a:
                 self._tensor(h, a, slot, path)

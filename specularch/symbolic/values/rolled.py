@@ -122,7 +122,18 @@ class ListIterV(SymRangeIterV):
 
     of: Any = None             # the TensorListV
     enumerated: bool = False   # ``enumerate(xs)``: hands out ``(k, xs[k])``
+    count_from: int = 0        # ``enumerate(xs, start)``: ``k`` is ``start + index``
+    zipped: tuple = ()         # ``zip(xs, ys, ...)``: every TensorListV; hands out a tuple
 
     def next(self) -> Value | None:
         raise Unsupported("unsupported_call", f"the iterator of {self.of.source} is used other "
                           "than by its for loop")
+
+
+@dataclass(eq=False, repr=False)
+class ItemNumberV(SymV):
+    """A number of the item of a rolled loop over a list passed whole (``xs[k][j]`` of a list
+    of tuples, ``objs[k].name`` of a list of objects): a run-time value, ``part`` = (the
+    list, ``j`` or ``name``); a variable that holds it after the loop holds the last item's."""
+
+    part: tuple = ()

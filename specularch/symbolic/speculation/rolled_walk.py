@@ -1,0 +1,128 @@
+"""Rolled linked walks: ``while node is not None: ...; node = node.next`` over user objects
+from the call, captured once, whatever the walk's length.
+
+Unrolled, every test of ``node is not None`` and every node's attributes are guarded: one
+graph per length. Python 3.11 compiles the loop as a ``POP_JUMP_FORWARD_IF_NONE`` test, the
+body, and the same test jumping back. At the first test, when ``node`` holds an object from
+the call (an argument, an attribute) and the body ends with ``node = node.<link>`` (and
+binds ``node`` nowhere else), the loop is rolled as a loop over a list of objects is
+(``rolled_objects.py``, ``rolled_loops.py``):
+
+1. the walk ``[node, node.link, ...]`` up to ``None`` is a graph node (``walked``) from the
+   head, an input; its length is the trip count, a run-time value;
+2. the guards are checked per node of the walk: every node of the head's class
+   (``ObjectListGuard``) and, for each attribute the body reads, the same kind in every
+   node (``ItemAttrGuard``: tensors of one dtype/shape/requires_grad, numbers of one type,
+   an equal constant). A walk with a node that differs fails a guard before anything runs:
+   the call is captured again, with the loop unrolled where the new walk cannot roll, and
+   ``explain()`` says why;
+3. in an iteration ``node`` is the ``k``-th node of the walk (``RowV``); ``node.link`` is
+   only stored back into ``node``, which holds ``None`` after the loop.
+
+A walk reached by a Python write earlier in the call, a body that reads ``node.link`` other
+than to step, ``break``/``continue``/``else``, or a body that does not roll keep it unrolled.
+"""
+from __future__ import annotations
+
+from ...guards.lists import walked
+from ..library_files import is_library_file
+from ..values import ConstV, ObjV, Value
+from . import rolled_lists, rolled_objects
+from .rolled_loops import _why_not_roll
+from .rolled_while import _While
+
+_END = ("LOAD_FAST", "LOAD_ATTR", "STORE_FAST")  # ``node = node.link``, the body's last line
+
+
+def head_test(frame, ins, value: Value):
+    """``POP_JUMP_FORWARD_IF_NONE`` of ``while node is not None:``: runs and rolls the whole
+    walk; returns where the frame goes on (after the loop), or None (as before)."""
+    shape = _loop_shape(frame, ins, value)
+    if shape is None:
+        return None
+    body, bottom, exit_, var, link = shape
+    tracer = frame.tracer
+    site = (id(frame.code), frame.info.instructions[body].offset)
+    if site in tracer.assumptions.unrolled_loops or tracer.rolling or tracer.merging \
+            or tracer.template is not None:
+        return None
+    nodes = walked(value.obj, link)
+    if len(nodes) < 2 or not rolled_objects.plain_objects(nodes):
+        return None  # too short to compare two iterations, a broken walk, nodes of two classes
+    loop = _Walk(frame, site, (body, bottom, exit_), var, link, value, nodes)
+    tracer.rolling += 1
+    try:
+        loop.run()
+    finally:
+        tracer.rolling -= 1
+    return frame.info.instructions[exit_].offset
+
+
+def _loop_shape(frame, ins, value: Value):
+    """(body, bottom test, exit) instruction indices, the variable and the link of a loop
+    ``while var is not None: ...; var = var.link`` whose ``var`` holds an object from the call."""
+    code, at = frame.info.instructions, frame.ip - 1  # ``at``: the test's jump
+    if ins.opname != "POP_JUMP_FORWARD_IF_NONE" or at < 1 or code[at - 1].opname != "LOAD_FAST" \
+            or not isinstance(value, ObjV) or value.source is None \
+            or frame.code.co_name.startswith("<") or is_library_file(frame.code.co_filename):
+        return None
+    var = code[at - 1].argval
+    exit_ = frame.info.index_of[ins.argval]
+    if frame.locals.get(var) is not value or exit_ < at + 6:
+        return None
+    jump, load = code[exit_ - 1], code[exit_ - 2]
+    if jump.opname != "POP_JUMP_BACKWARD_IF_NOT_NONE" or jump.argval != code[at + 1].offset \
+            or (load.opname, load.argval) != ("LOAD_FAST", var):
+        return None  # a ``while ... else``, a test of another form
+    bottom = exit_ - 2
+    end = code[bottom - 3:bottom]
+    if tuple(i.opname for i in end) != _END or end[0].argval != var or end[2].argval != var:
+        return None
+    if any(i.opname in ("STORE_FAST", "DELETE_FAST") and i.argval == var
+           or i.opname in ("STORE_ATTR", "DELETE_ATTR") for i in code[at + 1:bottom - 3]):
+        return None  # an attribute write outlives an iteration: never rolled, left to loop_notes
+    return at + 1, bottom, exit_, var, end[1].argval
+
+
+class _Walk(_While):
+    """One walk: the ``k``-th node in iteration ``k``; then as ``_Loop``."""
+
+    def __init__(self, frame, site, where_in_code: tuple, var: str, link: str, head: ObjV,
+                 nodes: list):
+        self.frame, self.tracer, self.graph = frame, frame.tracer, frame.tracer.graph
+        self.body, self.head, self.exit = where_in_code
+        self.var, self.link, self.site = var, link, site
+        self.where = f"{frame.code.co_filename}:{frame.lineno}"
+        self.start, self.step, self.items, self.first = ConstV(0), 1, None, None
+        self.form = f"while {var} is not None: {var} = {var}.{link}"
+        self.nodes = self.tracer.wrap_walk(head.source, link, nodes, self.where)
+        self.n = self.nodes.length
+        rolled_objects.no_earlier_writes(self.tracer, self.nodes, self)
+
+    def _iterate(self, index: Value) -> None:
+        frame = self.frame
+        frame.locals[self.var] = rolled_lists.item(self, index, self.nodes)
+        frame.ip = self.body
+        while frame.ip != self.head:
+            if frame.result is not None or not self.body <= frame.ip < self.head:
+                self.refuse("an iteration leaves the loop (break, continue, return or an "
+                            "exception)")
+            frame._step()
+
+    def _after_first(self) -> None:
+        if not _successor(self.frame.locals.get(self.var)):
+            self.refuse(f"`{self.var}` is not `{self.var}.{self.link}` after its first iteration")
+        why = _why_not_roll(self.tracer, self.site, self.n)
+        if why is not None:
+            self.refuse(why)
+
+    def is_next(self, h: Value, a: Value, index: Value) -> bool:
+        """``node = node.link``: the walk stepping, ``None`` after the loop."""
+        return _successor(h) and _successor(a)
+
+    def last_index(self, last: Value) -> Value:
+        return ConstV(None)  # where the test fails
+
+
+def _successor(v) -> bool:
+    return isinstance(v, rolled_objects.RowV) and v.successor
