@@ -7,6 +7,9 @@ that take it (``supports``), cheapest compile first, so that a quick win comes e
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 
 from ..config import config
@@ -21,8 +24,22 @@ CANDIDATES = ("torchscript", "inductor", "cudagraphs")  # cheapest compile first
 MARGIN = 0.05   # a candidate is kept only when its median is this much below the current one
 ROUNDS = 3      # interleaved rounds of a trial: config.tier_trial_calls calls per side each
 WARM_UP = 3     # a candidate's first calls, not timed (TorchScript's profiling runs)
+# A candidate whose first round's median is this many times the current tier's is rejected
+# then: each further call of it would slow the program down (Inductor on LeNet: 0.5x eager).
+HOPELESS = 1.5
 # Backends whose flattened compile (fake tensors, never run) draws no random numbers
 FLATTENED_DRAW_NOTHING = ("torchscript", "inductor")
+
+
+def clock() -> Callable[[], float]:
+    """What a trial times calls with: this thread's CPU time when torch computes on this
+    thread alone (one thread, no GPU), so that a call preempted by other jobs on a busy
+    machine costs no more than it computed (on the team's 2-core VM at load 8 a tiny step
+    measured 138 ms of wall time, and trials decided on the noise); wall time otherwise,
+    where the work of torch's other threads, or of a GPU, is not this thread's CPU time."""
+    if torch.get_num_threads() == 1 and not torch.cuda.is_initialized():
+        return time.thread_time
+    return time.perf_counter
 
 
 def tiered(backend: str) -> bool:
@@ -68,3 +85,8 @@ def _random_refusal(name: str, gm: torch.fx.GraphModule) -> str | None:
 
 def faster(candidate_us: float, current_us: float) -> bool:
     return candidate_us < current_us * (1 - MARGIN)
+
+
+def hopeless(candidate_us: float, current_us: float) -> bool:
+    """Rejected after one round: far slower, and not ``faster`` either."""
+    return candidate_us > current_us * HOPELESS and not faster(candidate_us, current_us)

@@ -160,13 +160,14 @@ class Trial:
     of the candidate (for a graph that draws random numbers, each checked to draw eager's),
     then ``policy.ROUNDS`` rounds of ``k`` calls each side, interleaved (so
     that a slow phase of the program, or a compile running beside it, weighs on both),
-    compared by median."""
+    compared by median of the calls' CPU time (``policy.clock``)."""
 
     def __init__(self, tier: Tier, candidate: Candidate):
         self.tier, self.candidate = tier, candidate
         self.calls = 0
         self.samples: tuple[list, list] = ([], [])  # seconds per call: current, candidate
         self.k = tier.trial_calls
+        self.clock = policy.clock()
 
     def call(self, L, C, G, B):
         n = self.calls
@@ -176,7 +177,7 @@ class Trial:
         fn = self.candidate.fn if side else self.tier.fn
         if not timed and self.candidate.checked_fn is not None:
             fn = self.candidate.checked_fn  # (same_draws.py)
-        start = time.perf_counter()
+        start = self.clock()
         try:
             result = fn(L, C, G, B)
         except Exception as e:
@@ -190,13 +191,21 @@ class Trial:
                                                     f"{self.tier.history.tier}",
                                              compiled_in=self.candidate.compiled_in))
             return self.tier.fn(L, C, G, B)
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         # (not while another graph's candidate compiles: see Tier._next_trial)
         if timed and result is not MISS and not worker.pending():
             self.samples[side].append(elapsed)
-            if min(map(len, self.samples)) >= self.k * policy.ROUNDS:
+            if min(map(len, self.samples)) >= self.k * policy.ROUNDS or self._hopeless(side):
                 self.tier.decide(self, self._verdict())
         return result
+
+    def _hopeless(self, side: int) -> bool:
+        """After the candidate's first round: far slower already (``policy.HOPELESS``), so
+        that a trial of a slow candidate costs the program one round, not three."""
+        current, candidate = self.samples
+        if not side or len(candidate) != self.k or len(current) < self.k:
+            return False
+        return policy.hopeless(statistics.median(candidate), statistics.median(current))
 
     def _verdict(self) -> TierEvent:
         current_us, candidate_us = (statistics.median(s) * 1e6 for s in self.samples)
