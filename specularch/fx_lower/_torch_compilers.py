@@ -302,14 +302,17 @@ def scripted_flattened(gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
     return scripted, {"converted": flat.converted, "devices": devices}
 
 
-def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str) -> dict:
+def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
+                      threads: int | None = None) -> dict:
     """``flatten`` (static shapes) compiled by Inductor's ``standalone_compile`` and saved to
     ``path`` (for ``load_inductor_artifact`` in another process); returns the metadata that
-    call needs. Inductor's own caches are used as in ``inductor_without_autograd``."""
+    call needs. Inductor's own caches are used as in ``inductor_without_autograd``.
+    ``threads``: the thread count the kernels are written for (Inductor's default is this
+    process's ``torch.get_num_threads()``, one in a worker)."""
     from torch._inductor import config as inductor_config, standalone_compile
     flat = flatten(gm, example_inputs, tracing_mode="fake")
-    with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer(), \
-            _inductor_caches():
+    with torch.no_grad(), inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}), \
+            _no_leaked_pointer(), _inductor_caches():
         artifact = standalone_compile(flat.graph, flat.inputs,
                                       dynamic_shapes="from_example_inputs")
         artifact.save(path=path, format="binary")

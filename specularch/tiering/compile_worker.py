@@ -48,7 +48,7 @@ def _compile(job: dict, gm, examples: list, artefact: str) -> dict:
             compile_cache.save_script(job["cache_key"], scripted, meta)
         return meta
     if job["backend"] == "inductor":
-        return compilers.inductor_artifact(gm, examples, artefact)
+        return compilers.inductor_artifact(gm, examples, artefact, threads=job.get("threads"))
     raise ValueError(f"no worker compile for backend {job['backend']!r}")
 
 
