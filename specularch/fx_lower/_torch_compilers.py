@@ -44,7 +44,8 @@ def background_tracing():
     and put it back after (``torch._dynamo.utils.preserve_rng_state``, which calls
     ``torch.random.set_rng_state``): from this thread that would rewind the generator under
     draws the user's thread made meanwhile, so on this thread putting it back is skipped.
-    Only graphs that draw no random numbers are compiled here, so tracing them draws none.
+    Graphs that draw random numbers come here only flattened (fake tensors, never run), so
+    tracing them draws none (``tiering/policy.py``).
     Also keeps ``script_aten_graph`` off the process-wide warning filters
     (``warnings.catch_warnings`` is not thread-safe)."""
     _install_thread_aware_patcher()
