@@ -159,3 +159,22 @@ def test_random_forward_graph_stays_refused(hot):
     events = specularch.api._state_of(opt).entries[0].tier.events
     assert [e.decision for e in events] == ["refused", "refused"]
     assert all("random" in e.reason for e in events)
+
+
+def test_compiling_the_flattened_form_draws_nothing():
+    """The premise of compiling a random graph on the compile thread: its flattened form is
+    traced with fake tensors and never run, so the compile leaves the generator alone."""
+    from specularch.fx_lower.backends import compile_in_background
+    torch.manual_seed(0)
+    model = _dropout_mlp()
+    step = specularch.optimize(mse_train_step(model, torch.optim.Adam(model.parameters())),
+                               backend="fx")
+    for x, y in _batches((8, 16), 4, 6):
+        step(x, y)
+    entry = max(specularch.api._state_of(step).entries, key=lambda e: e.hits)
+    gm = entry.capture.graph_module
+    assert policy.candidates(gm) == [("torchscript", None), ("inductor", None)]
+    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    before = torch.get_rng_state()
+    compile_in_background(get_backend("torchscript"), gm, examples)
+    assert torch.equal(torch.get_rng_state(), before)
