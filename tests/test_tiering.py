@@ -104,6 +104,14 @@ def test_backend():
         BACKENDS.pop(name)
 
 
+def spin(seconds):
+    """Compute for ``seconds`` of this thread's CPU time: what a trial measures (a sleeping
+    call would cost it nothing, like a call preempted by another job)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def _fx(gm, inputs):
     return get_backend("fx").compile(gm, inputs)
 
@@ -136,7 +144,7 @@ def test_slower_candidate_is_rejected_and_remembered(low_thresholds, candidates,
         fn = _fx(gm, inputs)
 
         def run(*args):
-            time.sleep(0.03)  # far above this machine's noise on a tiny step
+            spin(0.03)  # far above this machine's noise on a tiny step
             return fn(*args)
         return run
     test_backend("slow_fx", slow)

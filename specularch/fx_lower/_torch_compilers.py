@@ -44,7 +44,8 @@ def background_tracing():
     and put it back after (``torch._dynamo.utils.preserve_rng_state``, which calls
     ``torch.random.set_rng_state``): from this thread that would rewind the generator under
     draws the user's thread made meanwhile, so on this thread putting it back is skipped.
-    Only graphs that draw no random numbers are compiled here, so tracing them draws none.
+    Graphs that draw random numbers come here only flattened (fake tensors, never run), so
+    tracing them draws none (``tiering/policy.py``).
     Also keeps ``script_aten_graph`` off the process-wide warning filters
     (``warnings.catch_warnings`` is not thread-safe)."""
     _install_thread_aware_patcher()
@@ -302,14 +303,17 @@ def scripted_flattened(gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
     return scripted, {"converted": flat.converted, "devices": devices}
 
 
-def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str) -> dict:
+def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
+                      threads: int | None = None) -> dict:
     """``flatten`` (static shapes) compiled by Inductor's ``standalone_compile`` and saved to
     ``path`` (for ``load_inductor_artifact`` in another process); returns the metadata that
-    call needs. Inductor's own caches are used as in ``inductor_without_autograd``."""
+    call needs. Inductor's own caches are used as in ``inductor_without_autograd``.
+    ``threads``: the thread count the kernels are written for (Inductor's default is this
+    process's ``torch.get_num_threads()``, one in a worker)."""
     from torch._inductor import config as inductor_config, standalone_compile
     flat = flatten(gm, example_inputs, tracing_mode="fake")
-    with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer(), \
-            _inductor_caches():
+    with torch.no_grad(), inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}), \
+            _no_leaked_pointer(), _inductor_caches():
         artifact = standalone_compile(flat.graph, flat.inputs,
                                       dynamic_shapes="from_example_inputs")
         artifact.save(path=path, format="binary")

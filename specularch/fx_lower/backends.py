@@ -74,8 +74,9 @@ def compile_in_background(backend: Backend, gm: torch.fx.GraphModule, example_in
     """``backend.compile`` for a thread other than the user's (``tiering/worker.py``): without
     ``_drawing_nothing``'s save and restore of the global random-number state, which would put
     back, in the middle of the user's program, a state from before draws it made meanwhile.
-    So only for graphs that draw no random numbers (``randomness.graph_uses_randomness``):
-    a compiler that runs such a graph while compiling draws nothing either."""
+    So a graph that draws random numbers comes here only in a form whose compile never runs
+    it (flattened, traced with fake tensors: ``tiering/policy.py``); other compilers may
+    run their graph while compiling, which draws nothing only when the graph draws nothing."""
     from ._torch_compilers import background_tracing
     since = fx_sources.mark()
     try:

@@ -119,7 +119,7 @@ def _compile(job: dict, gm, examples: list, artefact: str) -> dict:
             compile_cache.save_script(job["cache_key"], scripted, meta)
         return meta
     if job["backend"] == "inductor":
-        meta = compilers.inductor_artifact(gm, examples, artefact)
+        meta = compilers.inductor_artifact(gm, examples, artefact, threads=job.get("threads"))
         if job["cache_key"]:
             compile_cache.save_artifact(job["cache_key"], artefact, meta)
         return meta

@@ -7,11 +7,16 @@ that take it (``supports``), cheapest compile first, so that a quick win comes e
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 
 from ..config import config
 from ..fx_lower import get_backend
+from ..fx_lower.backends import flattened
 from ..fx_lower.randomness import graph_uses_randomness
+from . import process
 
 AUTO = "auto"  # the tiered mode's backend name (registered in fx_lower/backends.py)
 TIER0 = "fx"
@@ -19,6 +24,22 @@ CANDIDATES = ("torchscript", "inductor", "cudagraphs")  # cheapest compile first
 MARGIN = 0.05   # a candidate is kept only when its median is this much below the current one
 ROUNDS = 3      # interleaved rounds of a trial: config.tier_trial_calls calls per side each
 WARM_UP = 3     # a candidate's first calls, not timed (TorchScript's profiling runs)
+# A candidate whose first round's median is this many times the current tier's is rejected
+# then: each further call of it would slow the program down (Inductor on LeNet: 0.5x eager).
+HOPELESS = 1.5
+# Backends whose flattened compile (fake tensors, never run) draws no random numbers
+FLATTENED_DRAW_NOTHING = ("torchscript", "inductor")
+
+
+def clock() -> Callable[[], float]:
+    """What a trial times calls with: this thread's CPU time when torch computes on this
+    thread alone (one thread, no GPU), so that a call preempted by other jobs on a busy
+    machine costs no more than it computed (on the team's 2-core VM at load 8 a tiny step
+    measured 138 ms of wall time, and trials decided on the noise); wall time otherwise,
+    where the work of torch's other threads, or of a GPU, is not this thread's CPU time."""
+    if torch.get_num_threads() == 1 and not torch.cuda.is_initialized():
+        return time.thread_time
+    return time.perf_counter
 
 
 def tiered(backend: str) -> bool:
@@ -40,11 +61,32 @@ def candidates(gm: torch.fx.GraphModule) -> list[tuple[str, str | None]]:
 
 
 def _refusal(name: str, gm: torch.fx.GraphModule) -> str | None:
-    if graph_uses_randomness(gm):  # see backends.compile_in_background
-        return ("the graph draws random numbers: compiling it beside the running program "
-                "could not keep the generators' state apart")
-    return get_backend(name).supports(gm)
+    return get_backend(name).supports(gm) or (
+        _random_refusal(name, gm) if graph_uses_randomness(gm) else None)
+
+
+def _random_refusal(name: str, gm: torch.fx.GraphModule) -> str | None:
+    """Why a graph that draws random numbers cannot be compiled in the background by
+    ``name``, or None. The global generator is shared by every thread of the program: its
+    compile must neither draw from it nor set its state (AOT autograd and Inductor save and
+    restore it around tracing) while the program draws. In a worker process neither can
+    happen; on the compile thread the state is never set (``background_tracing``), and the
+    flattened form is traced with fake tensors and never run, so it draws nothing. AOT
+    autograd's forward and backward compilers (``ts_compile`` runs its graph on real
+    inputs) and rolled loops' bodies are not known to draw nothing. The compiled graph
+    itself must draw eager's numbers: checked in its trial (``same_draws.py``)."""
+    if process.ENABLED and process.route(name, gm) is None:
+        return None
+    if name in FLATTENED_DRAW_NOTHING and flattened(gm) and not gm.meta.get("rolled_loops"):
+        return None
+    return ("the graph draws random numbers, and compiling its form beside the running "
+            "program could draw from the program's generator")
 
 
 def faster(candidate_us: float, current_us: float) -> bool:
     return candidate_us < current_us * (1 - MARGIN)
+
+
+def hopeless(candidate_us: float, current_us: float) -> bool:
+    """Rejected after one round: far slower, and not ``faster`` either."""
+    return candidate_us > current_us * HOPELESS and not faster(candidate_us, current_us)

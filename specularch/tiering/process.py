@@ -85,7 +85,9 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
         return compile_cache.mark_cached(cached)
     folder = tempfile.mkdtemp(prefix="specularch-compile-")
     try:
-        job = jobs.pack(gm, examples, backend=backend, cache_key=key,
+        # threads: Inductor writes its C++ kernels for the program's thread count, not the
+        # worker's one thread.
+        job = jobs.pack(gm, examples, backend=backend, cache_key=key, threads=torch.get_num_threads(),
                         cache_dir=_cache_root(), inductor_dir_chosen=compile_cache.inductor_dir_chosen())
         torch.save(job, os.path.join(folder, "job.pt"))
         meta = _run(folder, timeout)

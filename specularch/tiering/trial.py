@@ -20,7 +20,9 @@ from ..entry_function import MISS
 from ..fx_lower import get_backend
 from ..fx_lower import compile_cache
 from ..fx_lower.backends import compile_in_background
+from ..fx_lower.randomness import graph_uses_randomness
 from . import policy, process, worker
+from .same_draws import Checked
 from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, TierEvent, TierHistory
 
 
@@ -35,6 +37,8 @@ class Candidate:
     source: str
     compile_seconds: float
     compiled_in: str = ""
+    # Its first calls, for a graph that draws random numbers: checked against fx's draws.
+    checked_fn: Callable | None = None
 
 
 class Tier:
@@ -44,6 +48,8 @@ class Tier:
     def __init__(self, entry, gm, build: Callable):
         self.entry, self.gm, self.build = entry, gm, build
         self.fn = entry.fn  # the current tier's entry function
+        self.reference = entry.graph_fn  # fx's graph: eager's random numbers
+        self.random = graph_uses_randomness(gm)
         self.history = entry.tier = TierHistory()
         self.hits, self.submitted = 0, False
         self.sampled: deque[float] = deque(maxlen=15)  # CPU seconds of the sampled calls
@@ -106,6 +112,7 @@ class Tier:
                 where = "from the compile cache"
             worker.warm_up(graph_fn, examples)  # its first calls' work, off the program's steps
             fn, source = self.build(graph_fn)
+            checked_fn = self.build(Checked(graph_fn, self.reference))[0] if self.random else None
         except Exception as e:
             reason = str(e) if isinstance(e, process.WorkerFailed) else f"{type(e).__name__}: {e}"
             with self.lock:
@@ -117,7 +124,7 @@ class Tier:
         with self.lock:
             self.compiling -= 1
             self.ready.append(Candidate(name, fn, graph_fn, source, time.perf_counter() - start,
-                                        where))
+                                        where, checked_fn))
             self._next_trial()
 
     def _next_trial(self) -> None:
@@ -154,15 +161,17 @@ class Tier:
 
 class Trial:
     """A candidate against the current tier on live calls: ``policy.WARM_UP`` untimed calls
-    of the candidate, then ``policy.ROUNDS`` rounds of ``k`` calls each side, interleaved (so
+    of the candidate (for a graph that draws random numbers, each checked to draw eager's),
+    then ``policy.ROUNDS`` rounds of ``k`` calls each side, interleaved (so
     that a slow phase of the program, or a compile running beside it, weighs on both),
-    compared by median."""
+    compared by median of the calls' CPU time (``policy.clock``)."""
 
     def __init__(self, tier: Tier, candidate: Candidate):
         self.tier, self.candidate = tier, candidate
         self.calls = 0
         self.samples: tuple[list, list] = ([], [])  # seconds per call: current, candidate
         self.k = tier.trial_calls
+        self.clock = policy.clock()
 
     def call(self, L, C, G, B):
         n = self.calls
@@ -170,7 +179,9 @@ class Trial:
         timed = n >= policy.WARM_UP
         side = ((n - policy.WARM_UP) // self.k) % 2 if timed else 1
         fn = self.candidate.fn if side else self.tier.fn
-        start = time.perf_counter()
+        if not timed and self.candidate.checked_fn is not None:
+            fn = self.candidate.checked_fn  # (same_draws.py)
+        start = self.clock()
         try:
             result = fn(L, C, G, B)
         except Exception as e:
@@ -184,13 +195,21 @@ class Trial:
                                                     f"{self.tier.history.tier}",
                                              compiled_in=self.candidate.compiled_in))
             return self.tier.fn(L, C, G, B)
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         # (not while another graph's candidate compiles: see Tier._next_trial)
         if timed and result is not MISS and not worker.pending():
             self.samples[side].append(elapsed)
-            if min(map(len, self.samples)) >= self.k * policy.ROUNDS:
+            if min(map(len, self.samples)) >= self.k * policy.ROUNDS or self._hopeless(side):
                 self.tier.decide(self, self._verdict())
         return result
+
+    def _hopeless(self, side: int) -> bool:
+        """After the candidate's first round: far slower already (``policy.HOPELESS``), so
+        that a trial of a slow candidate costs the program one round, not three."""
+        current, candidate = self.samples
+        if not side or len(candidate) != self.k or len(current) < self.k:
+            return False
+        return policy.hopeless(statistics.median(candidate), statistics.median(current))
 
     def _verdict(self) -> TierEvent:
         current_us, candidate_us = (statistics.median(s) * 1e6 for s in self.samples)

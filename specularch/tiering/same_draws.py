@@ -1,0 +1,83 @@
+"""A candidate for a graph that draws random numbers must draw eager's: the same numbers from
+the same generator, so that the program's results and its generator's state after each call
+are what eager's would be (the README's promise). TorchScript calls eager's random ops and
+Inductor is compiled with ``fallback_random``, so both should; ``Checked`` makes sure of it on
+the candidate's first calls of its trial, before any of its results is timed or kept.
+
+On such a call the graph runs twice from the same generator state: first the reference (the
+graph's ``fx`` code, eager's numbers), then the candidate. The candidate's result is used
+when it left the generator where the reference did and its outputs are within float rounding
+of the reference's; otherwise the state is put back and ``DrawsOtherNumbers`` is raised: the
+trial drops the candidate and the current tier runs the call, as for any candidate that
+raises. Graphs are functions of their inputs (the commit writes their results afterwards),
+so running one twice changes nothing but the generator, which is restored.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+RTOL, ATOL = 1e-3, 1e-5  # float rounding of a compiled graph; another mask is far outside
+
+
+class DrawsOtherNumbers(RuntimeError):
+    """The candidate's random numbers (or the outputs they give) are not eager's."""
+
+
+def _states() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore(states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    if not torch.equal(a[0], b[0]):
+        return False
+    return (a[1] is None) == (b[1] is None) and \
+        (a[1] is None or all(torch.equal(x, y) for x, y in zip(a[1], b[1])))
+
+
+def _close(got, expected) -> bool:
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            return False
+        if not expected.is_floating_point() and not expected.is_complex():
+            return torch.equal(got, expected)
+        return torch.allclose(got.detach(), expected.detach(), rtol=RTOL, atol=ATOL,
+                              equal_nan=True)
+    if isinstance(expected, (list, tuple)):
+        return isinstance(got, (list, tuple)) and len(got) == len(expected) and \
+            all(_close(g, e) for g, e in zip(got, expected))
+    if isinstance(expected, float):
+        return isinstance(got, (int, float)) and abs(got - expected) <= ATOL + RTOL * abs(expected)
+    return True  # other values do not come from random numbers
+
+
+class Checked:
+    """``candidate``'s graph function, checked against ``reference`` on each call."""
+
+    def __init__(self, candidate: Callable, reference: Callable):
+        self.candidate, self.reference = candidate, reference
+
+    def __call__(self, *args):
+        before = _states()
+        expected = self.reference(*args)
+        after = _states()
+        _restore(before)
+        got = self.candidate(*args)
+        if not _same_states(after, _states()):
+            _restore(before)
+            raise DrawsOtherNumbers("its random numbers are not eager's: it left the "
+                                    "generator in another state")
+        if not _close(got, expected):
+            _restore(before)
+            raise DrawsOtherNumbers("its random numbers are not eager's: its outputs differ "
+                                    "from the fx graph's beyond float rounding")
+        return got

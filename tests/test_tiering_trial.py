@@ -1,0 +1,74 @@
+"""The trial of a candidate on live calls, differential against eager: a candidate far slower
+than the current tier after its first round is rejected then (each further call of it would
+slow the program), every result bit-identical to eager's because ``fx`` ran every call that
+returned; the rejection is remembered."""
+import time
+
+import pytest
+import torch
+
+import specularch
+from specularch import tiering
+from specularch.tiering import policy
+
+from test_tiering import (_batches, _fx, _graph, _mlp, _pair, _run, _settle,  # noqa: F401
+                          candidates, low_thresholds, spin, test_backend)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread, as the benchmarks run: trials time CPU work (``policy.clock``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_far_slower_candidate_is_rejected_after_one_round(low_thresholds, candidates,  # noqa: F811
+                                                          test_backend):  # noqa: F811
+    calls = [0]
+
+    def slow(gm, inputs):
+        fn = _fx(gm, inputs)
+
+        def run(*args):
+            calls[0] += 1
+            spin(0.03)  # far above this machine's noise on a tiny step
+            return fn(*args)
+        return run
+    test_backend("slow_fx", slow)
+    candidates("slow_fx")
+    eager, opt, model, twin = _pair(_mlp)
+    batches = _batches((8, 16), 4, 4)
+    _run(eager, opt, batches)
+    entry = _settle(opt, batches, eager)
+    _run(eager, opt, batches * 4)
+    (event,) = entry.tier.events
+    assert event.decision == "rejected" and event.candidate_us > event.current_us * policy.HOPELESS
+    k = specularch.config.tier_trial_calls
+    assert calls[0] == policy.WARM_UP + k, calls  # not WARM_UP + ROUNDS * k
+    assert _graph(opt).backend == "fx" and tiering.pending() == 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert (p == q).all()
+
+
+def test_trial_times_cpu_work_not_preemption(low_thresholds, candidates, test_backend,  # noqa: F811
+                                             monkeypatch):
+    """On one torch thread a call is timed by this thread's CPU time: a candidate whose calls
+    spend 30 ms off the CPU (as when another job preempts them on a busy machine) is not
+    judged 30 ms slower; one that computes 30 ms more is."""
+    def waiting(gm, inputs):
+        fn = _fx(gm, inputs)
+
+        def run(*args):
+            time.sleep(0.03)
+            return fn(*args)
+        return run
+    test_backend("waiting_fx", waiting)
+    candidates("waiting_fx")
+    eager, opt, _, _ = _pair(_mlp)
+    batches = _batches((8, 16), 4, 4)
+    _run(eager, opt, batches)
+    entry = _settle(opt, batches, eager)
+    (event,) = entry.tier.events
+    assert event.candidate_us < event.current_us + 20000, event
