@@ -110,7 +110,10 @@ class Tier:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples)
             if compile_cache.from_cache(graph_fn):
                 where = "from the compile cache"
-            worker.warm_up(graph_fn, examples)  # its first calls' work, off the program's steps
+            if not self.random:  # its first calls' work, off the program's steps; a graph that
+                # draws random numbers would draw them here, beside the program, from its generator:
+                # its first calls are the checked ones in the trial instead (same_draws.py)
+                worker.warm_up(graph_fn, examples)
             fn, source = self.build(graph_fn)
             checked_fn = self.build(Checked(graph_fn, self.reference))[0] if self.random else None
         except Exception as e:
