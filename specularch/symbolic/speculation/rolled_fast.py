@@ -31,7 +31,7 @@ import torch.fx
 
 from ...fx_lower import rolled_cells
 from ...fx_lower.randomness import is_identity_dropout
-from . import rolled_hoist
+from . import rolled_hoist, rolled_project
 
 
 def _rows(tensor: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,14 +46,17 @@ class Prepare:
     """Per call: the prelude's per-iteration rows, then the cells' weight sinks."""
 
     def __init__(self, prelude: torch.fx.GraphModule | None, reads: list,
-                 cells: rolled_cells.FusedCells | None):
+                 cells: rolled_cells.FusedCells | None, projected: int = 0):
         self.prelude, self.reads, self.cells = prelude, reads, cells
+        self.projected = projected  # cells whose input projection runs in the prelude
 
     def __str__(self) -> str:
         done = []
         if self.prelude is not None:
             done.append(f"{len(self.prelude.frontier)} per-iteration values computed before the "
                         f"loop ({', '.join(self.prelude.frontier)})")
+        if self.projected:
+            done.append(f"{self.projected} LSTM input projections computed before the loop")
         if self.cells is not None:
             done.append(f"{len(self.cells.sites)} LSTM cells fused (one weight-gradient product "
                         "per call)")
@@ -73,11 +76,15 @@ def speed_up(body: torch.fx.GraphModule, invariants: list, report) -> Prepare | 
     ``report``; ``invariants``: the outer graph's nodes the body's ``invariant_<k>``
     placeholders stand for. None when nothing changed."""
     names = [f"invariant_{k + 1}" for k in range(len(invariants))]
+    split = rolled_project.split(body.graph, names)
     prelude, reads = _prelude(body, names)
+    projected = rolled_project.unsplit(body.graph) if split else 0
+    if split:
+        body.recompile()
     cells = rolled_cells.fuse(body, names)
     if prelude is None and cells is None:
         return None
-    prepare = Prepare(prelude, reads, cells)
+    prepare = Prepare(prelude, reads, cells, projected)
     report.faster = f", {prepare}"
     return prepare
 
@@ -103,6 +110,8 @@ def _prelude_nodes(graph: torch.fx.Graph, index, invariants: set) -> list:
         elif not inputs or not all(a in row or a in invariants for a in inputs) \
                 or not any(a in row for a in inputs):
             continue
+        elif rolled_project.is_projection(node):
+            pass  # a product, but allowed to round differently (rolled_project.py)
         elif _is_product(node) or not is_identity_dropout(node) and \
                 rolled_hoist.why_not_row_wise(node, row, index) is not None:
             continue
