@@ -16,11 +16,14 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
   finds it. An op that raises (an index past the end, out of an embedding's range) raises
   before the first rolled iteration instead of in iteration ``t``: the graph raised, so the
   call runs eagerly and raises eager's error (nothing was committed).
+* **projections**: an ``lstm_cell`` whose input the prelude computes has its input
+  projection ``x @ w_ih.T + b_ih`` computed in the prelude too, one product for all
+  iterations (``rolled_project.py``: the one matrix product the prelude takes).
 * **cells**: ``torch.lstm_cell`` with invariant weights becomes one autograd node per
   iteration, with one weight-gradient product per call (``fx_lower/rolled_cells.py``).
 
-Forward values stay eager's bit for bit; gradients are eager's up to rounding (summed in
-another order).
+Forward values stay eager's bit for bit but for the projections (a product over all rows
+may round differently); gradients are eager's up to rounding (summed in another order).
 """
 from __future__ import annotations
 
