@@ -133,3 +133,19 @@ def test_a_hoisted_linear_runs_the_first_item_with_the_others():
                                          T(3, 5, requires_grad=True)),
                    calls=len(lengths), grad=True, expect="graph", rtol=RTOL, atol=1e-7)
     assert "headed_tail" in report.graphs[-1].code, report.graphs[-1].code
+
+
+def _head_unlike_the_rows(x, w, h):
+    outs = [h[:1] * w]  # an item before the loop: its input has 1 row, the loop's have 3
+    for t in range(x.shape[0]):
+        h = torch.tanh(x[t] + h)
+        outs.append(h * w)
+    return torch.stack(outs), h
+
+
+def test_a_first_item_whose_input_is_unlike_the_rows_runs_on_its_own():
+    lengths = [4, 6, 3, 7, 5, 9, 1, 2]
+    check(_head_unlike_the_rows, lambda i: A(T(lengths[i], 3, 5, requires_grad=True),
+                                             T(3, 5, requires_grad=True),
+                                             T(3, 5, requires_grad=True)),
+          calls=len(lengths), grad=True, expect="graph", rtol=RTOL, atol=1e-7)

@@ -30,7 +30,16 @@ class HeadedTail:
         self.tail = tail
 
     def __call__(self, heads: list, per_iteration: tuple, invariants: tuple) -> torch.Tensor:
-        return self.tail.gm(torch.stack([*heads, *per_iteration[0]]), *invariants)[0]
+        values = [*heads, *per_iteration[0]]
+        if all(_alike(v, values[0]) for v in values):
+            return self.tail.gm(torch.stack(values), *invariants)[0]
+        # an item from before the loop unlike the rest (`[h0[:1] * w]`, then `h * w` per
+        # iteration: results alike, inputs not): each on its own
+        return torch.cat([self.tail.gm(v.unsqueeze(0), *invariants)[0] for v in values])
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def join_heads(graph: torch.fx.Graph) -> int:
