@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import specularch
+from specularch.symbolic.speculation.rolled_head import HeadedTail
 from specularch.symbolic.speculation.rolled_hoist import HoistedTail
 from specularch.symbolic.speculation.rolled_loops import RolledLoop
 from specularch.workloads import lstm_lm
@@ -22,6 +23,11 @@ def _graph(opt_fn):
 
 def _targets(gm, kind):
     return [n.target for n in gm.graph.nodes if isinstance(n.target, kind)]
+
+
+def _tails(gm):
+    """The hoisted tails, also those that run the loop's first item too (rolled_head.py)."""
+    return _targets(gm, HoistedTail) + [h.tail for h in _targets(gm, HeadedTail)]
 
 
 def _linears(gm):
@@ -66,8 +72,9 @@ def test_the_lm_decoder_runs_once_after_the_loop_on_all_time_steps():
     assert loop.hoisted >= 1 and "hoisted after the loop" in str(report), report
     gm = _graph(opt_step)
     (rolled,) = _targets(gm, RolledLoop)
-    (tail,) = _targets(gm, HoistedTail)
+    (tail,) = _tails(gm)
     assert not _linears(rolled.body), rolled.body.code  # the decoder left the body
+    assert not _linears(gm), gm.code  # iteration 0's decoder runs with the others
     assert len(_linears(tail.gm)) == 1, tail.gm.code    # one linear over [n - 1, B, H]
     assert any("dropout" in str(n.target) for n in rolled.body.graph.nodes)  # random: stays
 
@@ -76,7 +83,7 @@ def test_exact_templates_keep_the_decoder_in_the_body_bit_for_bit():
     opt_step = _lm_training("exact")
     gm = _graph(opt_step)
     (rolled,) = _targets(gm, RolledLoop)
-    assert not _targets(gm, HoistedTail) and len(_linears(rolled.body)) == 1, gm.code
+    assert not _tails(gm) and len(_linears(rolled.body)) == 1, gm.code
     assert "nothing hoisted: templates='exact'" in str(specularch.explain(opt_step))
 
 

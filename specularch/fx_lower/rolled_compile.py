@@ -122,8 +122,8 @@ class CompiledBody:
             if n.op in ("placeholder", "output") or n in in_index or n not in needed:
                 continue
             env[n] = graph.node_copy(n, lambda x: env[x])
-            if n.target is rolled_cells.fused_lstm_cell:  # autograd of the compiled body instead
-                env[n].target, env[n].args = torch.lstm_cell, env[n].args[2:]
+            if n.target in rolled_cells.UNFUSED:  # autograd of the compiled body instead
+                env[n].target, env[n].args = rolled_cells.UNFUSED[n.target], env[n].args[2:]
         graph.output(tuple(env[r] for r in outs))
         graph.eliminate_dead_code()
         for p in [n for n in graph.nodes if n.op == "placeholder" and not n.users]:

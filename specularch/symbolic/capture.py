@@ -34,6 +34,7 @@ from .values.deque import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
 from .library.printing import StrV
+from .speculation import rolled_head
 from .speculation.rolled_hoist import stack_whole
 from .speculation import rolled_lists
 from .speculation.rolled_loops import LoopReport
@@ -166,6 +167,8 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     if tracer.template_calls and hooks.after_graph is not None:
         hooks.after_graph(tracer)  # the trees of a batch: one wavefront (templates/merge.py)
     stack_whole(tracer.graph)  # a list a hoisted rolled loop appended to, stacked
+    if not tracer.assumptions.exact_loops:
+        rolled_head.join_heads(tracer.graph)  # its first item computed with the others
     _eliminate_dead_code(tracer.graph)
     inputs = _drop_unused_inputs(tracer.graph, tracer.input_sources)
     tracer.graph.lint()

@@ -16,11 +16,14 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
   finds it. An op that raises (an index past the end, out of an embedding's range) raises
   before the first rolled iteration instead of in iteration ``t``: the graph raised, so the
   call runs eagerly and raises eager's error (nothing was committed).
+* **projections**: an ``lstm_cell`` whose input the prelude computes has its input
+  projection ``x @ w_ih.T + b_ih`` computed in the prelude too, one product for all
+  iterations (``rolled_project.py``: the one matrix product the prelude takes).
 * **cells**: ``torch.lstm_cell`` with invariant weights becomes one autograd node per
   iteration, with one weight-gradient product per call (``fx_lower/rolled_cells.py``).
 
-Forward values stay eager's bit for bit; gradients are eager's up to rounding (summed in
-another order).
+Forward values stay eager's bit for bit but for the projections (a product over all rows
+may round differently); gradients are eager's up to rounding (summed in another order).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import torch.fx
 
 from ...fx_lower import rolled_cells
 from ...fx_lower.randomness import is_identity_dropout
-from . import rolled_hoist
+from . import rolled_hoist, rolled_project
 
 
 def _rows(tensor: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,14 +49,17 @@ class Prepare:
     """Per call: the prelude's per-iteration rows, then the cells' weight sinks."""
 
     def __init__(self, prelude: torch.fx.GraphModule | None, reads: list,
-                 cells: rolled_cells.FusedCells | None):
+                 cells: rolled_cells.FusedCells | None, projected: int = 0):
         self.prelude, self.reads, self.cells = prelude, reads, cells
+        self.projected = projected  # cells whose input projection runs in the prelude
 
     def __str__(self) -> str:
         done = []
         if self.prelude is not None:
             done.append(f"{len(self.prelude.frontier)} per-iteration values computed before the "
                         f"loop ({', '.join(self.prelude.frontier)})")
+        if self.projected:
+            done.append(f"{self.projected} LSTM input projections computed before the loop")
         if self.cells is not None:
             done.append(f"{len(self.cells.sites)} LSTM cells fused (one weight-gradient product "
                         "per call)")
@@ -73,11 +79,15 @@ def speed_up(body: torch.fx.GraphModule, invariants: list, report) -> Prepare | 
     ``report``; ``invariants``: the outer graph's nodes the body's ``invariant_<k>``
     placeholders stand for. None when nothing changed."""
     names = [f"invariant_{k + 1}" for k in range(len(invariants))]
+    split = rolled_project.split(body.graph, names)
     prelude, reads = _prelude(body, names)
+    projected = rolled_project.unsplit(body.graph) if split else 0
+    if split:
+        body.recompile()
     cells = rolled_cells.fuse(body, names)
     if prelude is None and cells is None:
         return None
-    prepare = Prepare(prelude, reads, cells)
+    prepare = Prepare(prelude, reads, cells, projected)
     report.faster = f", {prepare}"
     return prepare
 
@@ -103,6 +113,8 @@ def _prelude_nodes(graph: torch.fx.Graph, index, invariants: set) -> list:
         elif not inputs or not all(a in row or a in invariants for a in inputs) \
                 or not any(a in row for a in inputs):
             continue
+        elif rolled_project.is_projection(node):
+            pass  # a product, but allowed to round differently (rolled_project.py)
         elif _is_product(node) or not is_identity_dropout(node) and \
                 rolled_hoist.why_not_row_wise(node, row, index) is not None:
             continue
