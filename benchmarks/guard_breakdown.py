@@ -24,6 +24,7 @@ import torch
 
 import specularch
 from specularch import config
+from specularch.guards.slots import compact_locals
 
 from guard_cost import _entry_namespace, make_step  # this folder's guard-cost benchmark
 
@@ -74,7 +75,7 @@ class Breakdown:
         fn, original = ns["entry"], ns["entry"].__code__
         # The wrappers around the entry (commit lock, tiering) hold the function: swap its code.
         ns.update(_T=stamps, _PC=time.perf_counter)
-        fn.__code__ = code["entry"].__code__
+        fn.__code__ = compact_locals(code["entry"].__code__)  # as the entry itself is
         self.dispatch, self.lines = [], collections.defaultdict(list)
         try:
             for _ in range(calls):
