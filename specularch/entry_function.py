@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from .guards import GlobalStateGuard, GuardSet, SourceNamer, TensorGuard, guard_lines
+from .guards.slots import compact_locals
 from .guards.sources import PINNED
 from .shadow_heap import Rebuild
 from .shadow_heap.render import COMMIT_NAMESPACE, Renderer, commit_lines
@@ -126,6 +127,8 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
                               GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state,
                               SET_GRAD=torch.set_grad_enabled, GRAD=_guarded_grad_mode(guards))
     exec(compile(text, "<specularch entry>", "exec"), ns)
+    entry = ns["entry"]
+    entry.__code__ = compact_locals(entry.__code__)  # a big entry's frame fits the data stack
     guards.timer = _guard_timer(ns)
     return ns["entry"], text
 

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from ._torch_guards import global_state_checker, tensor_checker
+from .slots import compact_locals
 from .sources import PINNED, Source
 from .aliasing import AliasGuard, DistinctGuard
 from .guard import GlobalStateGuard, Guard, InferenceGuard, TensorGuard, const_name, same_value
@@ -144,7 +145,9 @@ class GuardSet:
         src += "        return True\n    except Exception:\n        return False\n"
         ns: dict[str, Any] = dict(consts, MISS=False, O=PINNED)
         exec(compile(src, "<specularch guards>", "exec"), ns)
-        return ns["check"]
+        check = ns["check"]
+        check.__code__ = compact_locals(check.__code__)
+        return check
 
     def first_failure(self, L, C, G, B) -> str | None:
         """The first failing guard's explanation, or None if all pass."""
