@@ -211,3 +211,27 @@ def test_an_old_gradient_the_call_reads_is_not_released_early(keep):
         _same(model, opt, ref_model, ref_opt)
     assert specularch.explain(fast).stats.graph_hits >= 4
     assert "RELEASE_GRADS" not in _source(fast)
+
+
+def test_a_gradient_set_before_zero_grad_through_another_path_ends_none():
+    """``model[0].weight.grad = saved`` then ``opt.zero_grad()``: the same tensor's ``.grad``
+    written through the module, then dropped through the optimizer. The drop is not done
+    before the graph (the commit's earlier write would then bring ``saved`` back)."""
+    def make(model, opt, box):
+        def step(x):
+            model[0].weight.grad = box.saved
+            opt.zero_grad()
+            return model(x).sum().item()
+        return step
+    box, ref_box = _Box(), _Box()
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = _OPTS[0](model.parameters()), _OPTS[0](ref_model.parameters())
+    fast, ref = specularch.optimize(make(model, opt, box)), make(ref_model, ref_opt, ref_box)
+    for i, (x, _) in enumerate(_batches(7)):
+        box.saved, ref_box.saved = torch.full((16, 6), float(i)), torch.full((16, 6), float(i))
+        assert fast(x) == ref(x)
+        _same(model, opt, ref_model, ref_opt)
+        assert model[0].weight.grad is None
+    assert specularch.explain(fast).stats.graph_hits >= 3
+    assert "RELEASE_GRADS" not in _source(fast)

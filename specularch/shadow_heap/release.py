@@ -9,8 +9,8 @@ whose pages a large model faults in anew each step (issue 14 item 6).
 The entry does such a write before the graph (``RELEASE`` in ``entry_function.py``) when no
 run can tell the difference:
 
-* it is the call's first write of that ``.grad`` and was made before the call ran any graph
-  op (``SetAttr.before_ops``): the graph cannot raise before it in eager's order, and the
+* no write of a ``.grad`` other than these releases comes before it, and it was made before
+  the call ran any graph op (``SetAttr.before_ops``): the graph cannot raise before it in eager's order, and the
   eager re-run after a graph that raised starts with ``.grad`` None, where eager itself is
   once its ``zero_grad()`` ran;
 * nothing after the guards reads an old gradient (no graph input, commit value or return
@@ -18,8 +18,8 @@ run can tell the difference:
 * the graph has no in-graph assumption: an assumption that fails returns before the commit
   and the call runs eagerly from the state before it, as it does today.
 
-The commit then leaves out the released write (it was the first write of that attribute, so
-every later one still runs after it, in program order).
+The commit then leaves out the released writes (no other write of a ``.grad`` came before
+them, so every later one still runs after them, in program order).
 """
 from __future__ import annotations
 
@@ -38,13 +38,12 @@ def early_releases(writes: list[Write], input_sources: Iterable[Source], output:
         return [], writes
     if _reads_a_grad([*input_sources, *_sources_read(writes, output)]):
         return [], writes
-    released, seen = [], set()
+    released, written = [], False
     for w in writes:
-        if isinstance(w, (SetAttr, DelAttr)) and isinstance(w.target, FromSource):
-            key = (w.target.source, w.name)
-            if key not in seen and _is_release(w):
-                released.append(w)
-            seen.add(key)
+        if _is_release(w) and not written:
+            released.append(w)
+        elif isinstance(w, (SetAttr, DelAttr)) and w.name == "grad":
+            written = True  # (any tensor's: two sources may name one tensor)
     ids = {id(w) for w in released}
     return released, [w for w in writes if id(w) not in ids]
 
