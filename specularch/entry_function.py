@@ -81,6 +81,14 @@ def _numbers(lines: list[str], random_graph: bool) -> list[str]:
             "    except BaseException:", "        SET_RNG(RNG)", "        raise"]
 
 
+def _runs_on_fx(graph_fn: Callable) -> bool:
+    """Whether ``graph_fn`` is a GraphModule's own code (``fx``). Only such a graph releases
+    old gradients before it runs (``shadow_heap/release.py``): one that raises is run again
+    eagerly, which needs no gradient, where a compiling backend's is retried with ``fx``
+    (``misses.fx_instead``), whose guards must see the state the call started with."""
+    return isinstance(getattr(graph_fn, "__self__", None), torch.fx.GraphModule)
+
+
 def _guarded_grad_mode(guards: GuardSet) -> bool:
     """The grad mode a call passing ``guards`` runs in (every capture guards it)."""
     return next(g.grad_enabled for g in guards if isinstance(g, GlobalStateGuard))
@@ -96,7 +104,8 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     body = guard_lines(guards, namer, consts, fast_tensors)
     inputs = [namer.name(s) for s in input_sources]
     render = Renderer(namer, consts)
-    released, writes = early_releases(list(writes), input_sources, output_spec, assertions)
+    released, writes = early_releases(list(writes), input_sources, output_spec, assertions) \
+        if _runs_on_fx(graph_fn) else ([], list(writes))
     release = release_lines(render, released)  # last step's .grad, freed before the graph
     commit = commit_lines(render, writes, _only_plain_tensors(guards))
     result = render.expr(output_spec)

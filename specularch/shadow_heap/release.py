@@ -16,7 +16,9 @@ run can tell the difference:
 * nothing after the guards reads an old gradient (no graph input, commit value or return
   value is read through a ``.grad`` attribute), so the old value is not needed later;
 * the graph has no in-graph assumption: an assumption that fails returns before the commit
-  and the call runs eagerly from the state before it, as it does today.
+  and the call runs eagerly from the state before it, as it does today;
+* the graph runs on ``fx`` (``entry_function._runs_on_fx``): a compiling backend's graph that
+  raises is retried with ``fx`` on the same call, whose guards must see its gradients.
 
 The commit then leaves out the released writes (no other write of a ``.grad`` came before
 them, so every later one still runs after them, in program order).
