@@ -35,6 +35,7 @@ from .guards import GlobalStateGuard, GuardSet, SourceNamer, TensorGuard, guard_
 from .guards.slots import compact_locals
 from .guards.sources import PINNED
 from .shadow_heap import Rebuild
+from .shadow_heap.release import NAMESPACE as RELEASE_NAMESPACE, early_releases, release_lines
 from .shadow_heap.render import COMMIT_NAMESPACE, Renderer, commit_lines
 
 MISS = object()
@@ -81,6 +82,14 @@ def _numbers(lines: list[str], random_graph: bool) -> list[str]:
             "    except BaseException:", "        SET_RNG(RNG)", "        raise"]
 
 
+def _runs_on_fx(graph_fn: Callable) -> bool:
+    """Whether ``graph_fn`` is a GraphModule's own code (``fx``). Only such a graph releases
+    old gradients before it runs (``shadow_heap/release.py``): one that raises is run again
+    eagerly, which needs no gradient, where a compiling backend's is retried with ``fx``
+    (``misses.fx_instead``), whose guards must see the state the call started with."""
+    return isinstance(getattr(graph_fn, "__self__", None), torch.fx.GraphModule)
+
+
 def _guarded_grad_mode(guards: GuardSet) -> bool:
     """The grad mode a call passing ``guards`` runs in (every capture guards it)."""
     return next(g.grad_enabled for g in guards if isinstance(g, GlobalStateGuard))
@@ -96,7 +105,10 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     body = guard_lines(guards, namer, consts, fast_tensors)
     inputs = [namer.name(s) for s in input_sources]
     render = Renderer(namer, consts)
-    commit = commit_lines(render, list(writes), _only_plain_tensors(guards))
+    released, writes = early_releases(list(writes), input_sources, output_spec, assertions) \
+        if _runs_on_fx(graph_fn) else ([], list(writes))
+    release = release_lines(render, released)  # last step's .grad, freed before the graph
+    commit = commit_lines(render, writes, _only_plain_tensors(guards))
     result = render.expr(output_spec)
     body += namer.lines
     failed = [AssumptionFailed(where, site, expected) for _, expected, where, site in assertions]
@@ -111,7 +123,7 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     # graph had never run.
     restore = ["SET_GRAD(GRAD)", *(["SET_RNG(RNG)"] if random_graph else [])]
     src += ["    RNG = GET_RNG()"] if random_graph else []
-    src += [f"    {line}" for line in _clock_reads(render, "before")]
+    src += [f"    {line}" for line in _clock_reads(render, "before") + release]
     src += ["    try:", f"        {call}", "    except BaseException:",
             *[f"        {line}" for line in restore], "        raise"]
     for i, (index, expected, _, _) in enumerate(assertions):
@@ -122,8 +134,8 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     src += [f"    {line}" for line in render.prelude + commit]
     src.append(f"    return {result}")
     text = "\n".join(src) + "\n"
-    ns: dict[str, Any] = dict(consts, **COMMIT_NAMESPACE, MISS=MISS, GRAPH=graph_fn, O=PINNED,
-                              FAILED=failed,
+    ns: dict[str, Any] = dict(consts, **COMMIT_NAMESPACE, **RELEASE_NAMESPACE, MISS=MISS,
+                              GRAPH=graph_fn, O=PINNED, FAILED=failed,
                               GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state,
                               SET_GRAD=torch.set_grad_enabled, GRAD=_guarded_grad_mode(guards))
     exec(compile(text, "<specularch entry>", "exec"), ns)
@@ -146,9 +158,11 @@ def _guard_timer(namespace: dict) -> Callable:
     reads of the graph's inputs), or None when the guards do not pass: it runs the entry
     with a stand-in graph that notes the time and stops it (nothing is committed). Called
     once, at compile time, on the capturing call, before the entry is in the cache (no
-    other thread runs it meanwhile)."""
+    other thread runs it meanwhile). Old gradients are not released (``RELEASE_GRADS``): the
+    call that follows must pass the same guards."""
     def time_guards(L, C, G, B) -> float | None:
         entry, graph, reached = namespace["entry"], namespace["GRAPH"], []
+        release = namespace["RELEASE_GRADS"]
 
         def stand_in(*args):
             reached.append(time.perf_counter())
@@ -162,7 +176,7 @@ def _guard_timer(namespace: dict) -> Callable:
                 return reached[-1] - start
             return None
 
-        namespace["GRAPH"] = stand_in
+        namespace["GRAPH"], namespace["RELEASE_GRADS"] = stand_in, _no_release
         try:
             # The first run is not counted: right after a capture it also pays for the
             # garbage collection that capture deferred (``misses.gc_paused``).
@@ -172,5 +186,9 @@ def _guard_timer(namespace: dict) -> Callable:
             calls = max(3, min(GUARD_TIMING_CALLS, int(GUARD_TIMING_BUDGET_S / max(first, 1e-9))))
             return statistics.median([once() or first for _ in range(calls)]) * 1e6
         finally:
-            namespace["GRAPH"] = graph
+            namespace["GRAPH"], namespace["RELEASE_GRADS"] = graph, release
     return time_guards
+
+
+def _no_release(tensors: tuple) -> None:
+    pass

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import specularch
+from specularch.api import _state_of
 from specularch.distributed import DistributedStepError
 from specularch.distributed.allreduce import plan_buckets
 
@@ -124,7 +125,10 @@ def _train_like_ddp(rank, world, out_dir, name, bucket_mb):
     e = specularch.explain(step)
     torch.save({"fast": _flat(fast), "ref": _flat(ref.module), "graphs": len(e.graphs),
                 "fallbacks": [str(f) for f in e.fallbacks], "hits": e.stats.graph_hits,
-                "code": e.graphs[0].code if e.graphs else ""}, os.path.join(out_dir, f"{rank}.pt"))
+                "code": e.graphs[0].code if e.graphs else "",
+                "released": any("RELEASE_GRADS((" in entry.entry_source  # shadow_heap/release.py
+                                for entry in _state_of(step).entries)},
+               os.path.join(out_dir, f"{rank}.pt"))
     del ref, ref_step
 
 
@@ -138,6 +142,7 @@ def test_two_process_training_matches_ddp(tmp_path, name, bucket_mb):
     for r in results:
         assert r["fallbacks"] == [] and r["graphs"] <= 2 and r["hits"] >= STEPS - 2, r  # + momentum init
         assert "grad_and_allreduce" in r["code"]
+        assert r["released"]  # last step's gradients dropped before the graph, as eager
         torch.testing.assert_close(r["fast"], r["ref"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[0]["fast"], results[1]["fast"], rtol=0, atol=0)  # identical ranks
 

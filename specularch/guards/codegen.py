@@ -40,6 +40,10 @@ class SourceNamer:
         self._names[source] = var
         return var
 
+    def named(self, source: Source) -> str | None:
+        """The local already bound to ``source``, or None (binds nothing)."""
+        return self._names.get(source)
+
 
 def guard_lines(guards: Iterable[Guard], namer: SourceNamer, consts: dict[str, Any],
                 fast_tensors: bool = True) -> list[str]:

@@ -33,8 +33,11 @@ DELETED = object()
 
 
 class ShadowHeap:
-    def __init__(self) -> None:
+    def __init__(self, graph=None) -> None:
         self._log: list[Write] = []
+        self._graph = graph  # the capture's fx.Graph: has an op run yet? (``_before_ops``)
+        self._ops_started = graph is None
+        self._nodes_seen = 0
         self._attrs: dict[int, dict[str, Any]] = {}
         self._globals: dict[int, dict[str, Any]] = {}
         self._touched: set[int] = set()
@@ -49,7 +52,21 @@ class ShadowHeap:
     def write_attr(self, owner, owner_obj: Any, name: str, value, where: str = "") -> None:
         self._attrs.setdefault(id(owner_obj), {})[name] = value
         self._keep.append(owner_obj)
-        self._log.append(SetAttr(owner, name, value, where))
+        self._log.append(SetAttr(owner, name, value, where, before_ops=self._before_ops()))
+
+    def _before_ops(self) -> bool:
+        """Whether the call has run no graph op yet (only read its inputs): nothing before
+        this point can raise or be seen, so a write made here may be done before the graph
+        (``release.py``). Placeholders go before the first op and other nodes at the end,
+        so a new op is among the nodes added since the last look, which are the last ones."""
+        if not self._ops_started:
+            nodes = self._graph.nodes
+            added, self._nodes_seen = len(nodes) - self._nodes_seen, len(nodes)
+            for node, _ in zip(reversed(nodes), range(added)):
+                if node.op not in ("placeholder", "get_attr"):
+                    self._ops_started = True
+                    break
+        return not self._ops_started
 
     def delete_attr(self, owner, owner_obj: Any, name: str, where: str = "") -> None:
         self._attrs.setdefault(id(owner_obj), {})[name] = DELETED

@@ -53,13 +53,15 @@ def _source_of(value, what: str) -> FromSource:
 
 @dataclass(frozen=True, eq=False)
 class SetAttr(Write):
-    """``target.name = value`` (target: an object, module or tensor with a source)."""
+    """``target.name = value`` (target: an object, module or tensor with a source).
+    ``before_ops``: made before the call ran any graph op (``release.py``)."""
 
     kind: ClassVar[str] = "setattr"
     target: Any
     name: str
     value: Any
     where: str = ""
+    before_ops: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -67,7 +69,7 @@ class SetAttr(Write):
 
     def lower(self, lowering):
         return SetAttr(_source_of(self.target, "SetAttr"), self.name, lowering.build(self.value),
-                       self.where)
+                       self.where, self.before_ops)
 
     def rebuilds(self):
         return iter((self.target, self.value))

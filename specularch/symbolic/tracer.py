@@ -86,7 +86,7 @@ class Tracer:
         self._by_source: dict[Source, Value] = {}
         self._by_tensor_id: dict[int, TensorV] = {}
         self._by_container_id: dict[int, Value] = {}
-        self.heap = ShadowHeap()
+        self.heap = ShadowHeap(self.graph)
         # (predicate node, expected truth, where, site) checked after the graph runs
         self.assertions: list[tuple] = []
         self.assumptions = assumptions  # what not to specialise on (see assumptions.py)
