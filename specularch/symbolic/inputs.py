@@ -134,6 +134,7 @@ def wrap_walk(tracer, source: Source, link: str, nodes: list, where: str) -> Obj
                                                 f"the nodes of {source} walked by .{link}"),
                         where, source)
     value.walk = link
+    tracer.walks.append(value)  # its nodes' tensors are guarded against written ones (alias_guards.py)
     return value
 
 
