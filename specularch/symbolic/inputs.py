@@ -123,9 +123,11 @@ def wrap_walk(tracer, source: Source, link: str, nodes: list, where: str) -> Obj
     (``speculation/rolled_walk.py``); guarded: every node of item 0's class."""
     tracer.guards.add(ObjectListGuard(source, item_type=type(nodes[0]), walk=link,
                                       where=tracer.where()))
-    head = placeholder(tracer, node_name(source))
-    head.meta["example"] = nodes[0]
-    tracer.input_sources.append(source)
+    head = next((w.node.args[0] for w in tracer.walks if w.source == source), None)
+    if head is None:  # a second walk from the same head (a helper called twice) shares its input
+        head = placeholder(tracer, node_name(source))
+        head.meta["example"] = nodes[0]
+        tracer.input_sources.append(source)
     node = tracer.graph.call_function(walked, (head, link))
     node.meta["example"] = list(nodes)
     length = tracer.graph.call_function(len, (node,))
