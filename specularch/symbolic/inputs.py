@@ -6,6 +6,9 @@ becomes; what becomes a graph input is made here.
 from __future__ import annotations
 
 import contextlib
+import dis
+import functools
+import types
 from typing import Any
 
 import torch
@@ -19,15 +22,34 @@ from ._torch_dispatch import storage_key
 from .speculation.rolled_objects import ObjectListV, plain_objects
 from .values.rolled import TensorListV
 from .values.symint import SymV
-from .values import GeneratorV, TensorV, Value
+from .values import GeneratorV, ObjV, TensorV, Value
 
 
 def wrap_arguments(tracer, argnames: tuple, slots: tuple) -> dict[str, Value]:
-    """The values of the frame's arguments, generalised as ``tracer.assumptions`` say."""
+    """The values of the frame's arguments, generalised as ``tracer.assumptions`` say. An
+    argument the code never reads is not wrapped: nothing the call does depends on it, so
+    guarding it (a list's length, a tensor's shape) would only capture again."""
     dims, scalars = tracer.assumptions.dynamic_dims, tracer.assumptions.symbolic_scalars
-    return {name: wrap_argument(tracer, value, LocalSource(i, name), dims.get(i, frozenset()),
-                                i in scalars)
+    unread = unread_arguments(tracer.code, argnames)
+    return {name: ObjV(value, LocalSource(i, name)) if name in unread else
+            wrap_argument(tracer, value, LocalSource(i, name), dims.get(i, frozenset()), i in scalars)
             for i, (name, value) in enumerate(zip(argnames, slots))}
+
+
+_INTROSPECTION = frozenset({"locals", "vars", "super", "dir", "eval", "exec", "_getframe",
+                            "currentframe", "f_locals"})
+
+
+@functools.lru_cache(maxsize=512)
+def unread_arguments(code: types.CodeType, argnames: tuple) -> frozenset:
+    """The arguments no instruction of ``code`` reads (only ``STORE_FAST`` names them), in
+    code that cannot reach its frame's locals another way (``locals()``, zero-argument
+    ``super()``, ``sys._getframe()``)."""
+    if _INTROSPECTION & set(code.co_names):
+        return frozenset()
+    named = {i.argval for i in dis.get_instructions(code) if i.opname != "STORE_FAST"
+             and isinstance(i.argval, str)}
+    return frozenset(argnames) - named
 
 
 def wrap_argument(tracer, obj: Any, source: Source, dynamic_dims: frozenset,
