@@ -160,7 +160,8 @@ def _consumed_by_enumerate(tracer) -> tuple:
         return None, 0
     code, at = frame.info.instructions, frame.ip
     ops = [(i.opname, i.arg) for i in code[at:at + 5]]
-    if ops[:4] == [("PRECALL", 1), ("CALL", 1), ("GET_ITER", None), ("FOR_ITER", ops[3][1])]:
+    if ops[:3] == [("PRECALL", 1), ("CALL", 1), ("GET_ITER", None)] and len(ops) > 3 \
+            and ops[3][0] == "FOR_ITER":
         return frame, 2
     if len(ops) == 5 and ops[0][0] == "LOAD_CONST" and type(code[at].argval) is int \
             and ops[1:4] == [("PRECALL", 2), ("CALL", 2), ("GET_ITER", None)] \
