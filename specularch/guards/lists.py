@@ -107,9 +107,11 @@ def walked(head, link: str) -> list:
     return nodes
 
 
-def _items(guard, v: str, consts: dict) -> str:
-    """The expression of the items a guard checks: the list, or the walk from its head."""
-    return f"{const_name(consts, walked)}({v}, {guard.walk!r})" if guard.walk else v
+def _items(guard, v: str, consts: dict, link: str | None = None) -> str:
+    """The expression of the items a guard checks: the list, or the walk from its head (by
+    ``link``, or by the guard's own)."""
+    link = guard.walk if link is None else link
+    return f"{const_name(consts, walked)}({v}, {link!r})" if link else v
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,21 +216,30 @@ class _Holder:
 @dataclass(frozen=True, eq=False)
 class ListDistinctGuard(DistinctGuard):
     """Tensors the call writes share no memory with the items of lists passed whole
-    (``others``): the rolled body reads those items when the graph runs, before the commit,
-    so it would not see a write eager's loop sees."""
+    (``others``), or with the tensors of the nodes of linked walks from ``others`` (``walks``:
+    each other's link, ``""`` for a list): the rolled body reads those items when the graph
+    runs, before the commit, so it would not see a write eager's loop sees."""
+
+    walks: tuple = ()
 
     def key(self):
-        return ("ListDistinct", tuple(map(str, self.written)), tuple(map(str, self.others)))
+        return ("ListDistinct", tuple(map(str, self.written)), tuple(map(str, self.others)),
+                self.walks)
 
     def conditions(self, v, consts, name_of=lambda s: s.expr()):
         check, flat = const_name(consts, storages_distinct), const_name(consts, list_tensors)
         written = "".join(f"{name_of(s)}, " for s in self.written)
-        items = " + ".join(f"{flat}({name_of(s)})" for s in self.others)
+        items = " + ".join(f"{flat}({_items(self, name_of(s), consts, link)})"
+                           for s, link in zip(self.others, self._links()))
         return [f"{check}(({written}), {items})"]
 
+    def _links(self) -> tuple:
+        return self.walks or ("",) * len(self.others)
+
     def describe(self):
-        return (f"written {', '.join(map(str, self.written))} share no memory with the items of "
-                f"{', '.join(map(str, self.others))}")
+        others = ", ".join(f"{s} (walked by .{link})" if link else str(s)
+                           for s, link in zip(self.others, self._links()))
+        return f"written {', '.join(map(str, self.written))} share no memory with the items of {others}"
 
 
 def leaf_state(t: torch.Tensor) -> bool | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..guards import AliasGuard, DistinctGuard, InferenceGuard, ListDistinctGuard
+from ..guards.aliasing import storages_distinct
+from ..guards.lists import list_tensors
 from ..records import Unsupported
 
 _OBJECT_WRITES = ("setattr", "delattr", "container", "item", "append")
@@ -28,9 +30,7 @@ def _guard_tensor_writes(tracer, pending: list) -> None:
         excluded = set(written)  # a set: every input is checked against every written one
         others = tuple(v.source for v in tracer.graph_inputs() if v.source not in excluded)
         tracer.add_guard(DistinctGuard, None, written=tuple(written), others=others)
-        whole = tuple(s for s, _, _ in tracer.assumptions.rolled_lists if s in tracer._by_source)
-        if whole:  # lists passed whole (rolled_lists.py): their items are inputs too
-            tracer.add_guard(ListDistinctGuard, None, written=tuple(written), others=whole)
+        _guard_whole_lists(tracer, pending, tuple(written))
         if not torch.is_inference_mode_enabled():  # the commit's writes would be refused
             for w in pending:
                 if w.kind == "tensor" and w.target.source is not None \
@@ -40,6 +40,28 @@ def _guard_tensor_writes(tracer, pending: list) -> None:
                                       "graph's commit runs outside it, where torch refuses")
             for source in written:
                 tracer.add_guard(InferenceGuard, source, expected=False)
+
+
+def _guard_whole_lists(tracer, pending: list, written: tuple) -> None:
+    """Lists passed whole (``rolled_lists.py``) and linked walks (``rolled_walk.py``): the
+    rolled body reads their tensors when the graph runs, before the commit, so none may share
+    memory with a written tensor. Sharing now refuses the capture (it starts again with the
+    loops unrolled, where the reads are ordinary inputs); later, the guard fails."""
+    whole = {(s, ""): tracer._by_source[s] for s, _, _ in tracer.assumptions.rolled_lists
+             if s in tracer._by_source}
+    whole.update(((w.source, w.walk), w) for w in tracer.walks)
+    if not whole:
+        return
+    reals = tuple(w.target.real for w in pending if w.kind == "tensor"
+                  and w.target.source is not None and w.target.real is not None)
+    for (source, link), value in whole.items():
+        if not storages_distinct(reals, tuple(list_tensors(getattr(value, "examples", ())))):
+            raise Unsupported("input_mutation", f"a tensor of the items of {source}"
+                              f"{f' (walked by .{link})' if link else ''} shares memory with "
+                              "a tensor the call writes in place (a rolled loop reads the items "
+                              "when the graph runs, before the write is committed)")
+    tracer.add_guard(ListDistinctGuard, None, written=written, others=tuple(s for s, _ in whole),
+                     walks=tuple(link for _, link in whole))
 
 
 def _guard_object_writes(tracer, pending: list) -> None:

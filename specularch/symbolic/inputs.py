@@ -6,6 +6,9 @@ becomes; what becomes a graph input is made here.
 from __future__ import annotations
 
 import contextlib
+import dis
+import functools
+import types
 from typing import Any
 
 import torch
@@ -19,15 +22,34 @@ from ._torch_dispatch import storage_key
 from .speculation.rolled_objects import ObjectListV, plain_objects
 from .values.rolled import TensorListV
 from .values.symint import SymV
-from .values import GeneratorV, TensorV, Value
+from .values import GeneratorV, ObjV, TensorV, Value
 
 
 def wrap_arguments(tracer, argnames: tuple, slots: tuple) -> dict[str, Value]:
-    """The values of the frame's arguments, generalised as ``tracer.assumptions`` say."""
+    """The values of the frame's arguments, generalised as ``tracer.assumptions`` say. An
+    argument the code never reads is not wrapped: nothing the call does depends on it, so
+    guarding it (a list's length, a tensor's shape) would only capture again."""
     dims, scalars = tracer.assumptions.dynamic_dims, tracer.assumptions.symbolic_scalars
-    return {name: wrap_argument(tracer, value, LocalSource(i, name), dims.get(i, frozenset()),
-                                i in scalars)
+    unread = unread_arguments(tracer.code, argnames)
+    return {name: ObjV(value, LocalSource(i, name)) if name in unread else
+            wrap_argument(tracer, value, LocalSource(i, name), dims.get(i, frozenset()), i in scalars)
             for i, (name, value) in enumerate(zip(argnames, slots))}
+
+
+_INTROSPECTION = frozenset({"locals", "vars", "super", "dir", "eval", "exec", "_getframe",
+                            "currentframe", "f_locals"})
+
+
+@functools.lru_cache(maxsize=512)
+def unread_arguments(code: types.CodeType, argnames: tuple) -> frozenset:
+    """The arguments no instruction of ``code`` reads (only ``STORE_FAST`` names them), in
+    code that cannot reach its frame's locals another way (``locals()``, zero-argument
+    ``super()``, ``sys._getframe()``)."""
+    if _INTROSPECTION & set(code.co_names):
+        return frozenset()
+    named = {i.argval for i in dis.get_instructions(code) if i.opname != "STORE_FAST"
+             and isinstance(i.argval, str)}
+    return frozenset(argnames) - named
 
 
 def wrap_argument(tracer, obj: Any, source: Source, dynamic_dims: frozenset,
@@ -123,9 +145,11 @@ def wrap_walk(tracer, source: Source, link: str, nodes: list, where: str) -> Obj
     (``speculation/rolled_walk.py``); guarded: every node of item 0's class."""
     tracer.guards.add(ObjectListGuard(source, item_type=type(nodes[0]), walk=link,
                                       where=tracer.where()))
-    head = placeholder(tracer, node_name(source))
-    head.meta["example"] = nodes[0]
-    tracer.input_sources.append(source)
+    head = next((w.node.args[0] for w in tracer.walks if w.source == source), None)
+    if head is None:  # a second walk from the same head (a helper called twice) shares its input
+        head = placeholder(tracer, node_name(source))
+        head.meta["example"] = nodes[0]
+        tracer.input_sources.append(source)
     node = tracer.graph.call_function(walked, (head, link))
     node.meta["example"] = list(nodes)
     length = tracer.graph.call_function(len, (node,))
@@ -134,6 +158,7 @@ def wrap_walk(tracer, source: Source, link: str, nodes: list, where: str) -> Obj
                                                 f"the nodes of {source} walked by .{link}"),
                         where, source)
     value.walk = link
+    tracer.walks.append(value)  # its nodes' tensors are guarded against written ones (alias_guards.py)
     return value
 
 

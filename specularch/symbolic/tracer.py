@@ -110,6 +110,7 @@ class Tracer:
         self.loops: list = []                    # rolled / unrolled loops (rolled_loops.py)
         self.loop_notes: dict = {}               # site -> unrolled loop's report (loop_notes.py)
         self.rolling = 0                         # > 0 while a rolled loop's body is captured
+        self.walks: list = []                    # ObjectListV of rolled linked walks (rolled_walk.py)
         # recursion templates (specularch/templates): the path being captured, if any;
         # recursive functions left unrolled (code -> why); families called; object inputs
         self.template = None

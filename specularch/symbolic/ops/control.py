@@ -24,6 +24,11 @@ def _pop_jump_if_true(frame, ins):
 
 @handles("POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_BACKWARD_IF_FALSE")
 def _pop_jump_if_false(frame, ins):
+    tested = frame.pop()
+    after_loop = rolled_walk.head_test(frame, ins, tested)  # ``while node:``
+    if after_loop is not None:
+        return after_loop
+    frame.push(tested)
     return _branch(frame, ins, jump_if=False)
 
 

@@ -46,7 +46,10 @@ def form(source, enumerated: bool = False, count_from: int = 0, zipped: tuple = 
     """How ``explain()`` names the loop (the target's names are the usual ones, not the user's)."""
     if zipped:
         names = ", ".join(_NAMES[k] if k < len(_NAMES) else f"x{k}" for k in range(len(zipped)))
-        return f"for {names} in zip({', '.join(str(lst.source) for lst in zipped)})"
+        lists = f"zip({', '.join(str(lst.source) for lst in zipped)})"
+        if enumerated:
+            return f"for k, ({names}) in enumerate({lists}{f', {count_from}' if count_from else ''})"
+        return f"for {names} in {lists}"
     if enumerated:
         return f"for k, x in enumerate({source}{f', {count_from}' if count_from else ''})"
     return f"for x in {source}"
@@ -95,7 +98,10 @@ def enumerate_list(tracer, args: list, kwargs: dict):
             or len(args) + len(kwargs) > 2 or not isinstance(start, ConstV) \
             or type(start.value) is not int:
         return None  # a start that varies would be a Python value the body depends on
-    it = _whole(frame, args[0])
+    if isinstance(args[0], ListIterV) and args[0].zipped and not args[0].enumerated:
+        it = args[0]  # ``enumerate(zip(xs, ys))``: zip_lists rolled it for this loop
+    else:
+        it = _whole(frame, args[0])
     if it is not None:
         it.enumerated, it.count_from = True, start.value
     return it
@@ -106,17 +112,19 @@ def zip_lists(tracer, args: list, kwargs: dict):
     every list passed whole (one ``RollList`` restart each), the loop rolled as ``for x in
     xs`` is, handing out ``(xs[k], ys[k], ...)`` for ``min(len(xs), len(ys), ...)``
     iterations, as eager's zip stops at the shortest list; None where it is unrolled."""
-    frame = _consumed_by_a_loop(tracer)
+    frame, skip = _consumed_by_a_loop(tracer), 0
+    if frame is None:
+        frame, skip = _consumed_by_enumerate(tracer)
     if frame is None or len(args) < 2 or kwargs:
         return None  # zip(strict=True) raises on lists of other lengths: unrolled
-    frame.ip += 1  # as at the GET_ITER
+    frame.ip += 1 + skip  # as at the GET_ITER
     try:
         if not all(isinstance(a, TensorListV) or type(a) is ListV and a.source is not None
                    and _rollable(frame, a) for a in args):
             return None
         its = [get_iter(frame, a) for a in args]  # the first list not yet whole: RollList
     finally:
-        frame.ip -= 1
+        frame.ip -= 1 + skip
     it = its[0]
     it.n, it.zipped = _shortest(tracer, [lst.of for lst in its]), tuple(lst.of for lst in its)
     return it
@@ -141,6 +149,29 @@ def _consumed_by_a_loop(tracer):
             or frame.info.instructions[frame.ip].opname != "GET_ITER":
         return None
     return frame
+
+
+def _consumed_by_enumerate(tracer) -> tuple:
+    """(the frame, how many instructions to its ``GET_ITER``) where a builtin's result goes
+    straight to ``enumerate(...)`` or ``enumerate(..., start)`` (a constant), then to
+    ``GET_ITER`` and ``FOR_ITER``; (None, 0) otherwise."""
+    frame = tracer.frames[-1] if tracer.frames else None
+    if frame is None or not frame.stack or _builtin(frame.stack[-1]) is not enumerate:
+        return None, 0
+    code, at = frame.info.instructions, frame.ip
+    ops = [(i.opname, i.arg) for i in code[at:at + 5]]
+    if ops[:3] == [("PRECALL", 1), ("CALL", 1), ("GET_ITER", None)] and len(ops) > 3 \
+            and ops[3][0] == "FOR_ITER":
+        return frame, 2
+    if len(ops) == 5 and ops[0][0] == "LOAD_CONST" and type(code[at].argval) is int \
+            and ops[1:4] == [("PRECALL", 2), ("CALL", 2), ("GET_ITER", None)] \
+            and ops[4][0] == "FOR_ITER":
+        return frame, 3
+    return None, 0
+
+
+def _builtin(v: Value):
+    return getattr(v, "obj", getattr(v, "value", None))
 
 
 def _whole(frame, lst: Value):

@@ -32,11 +32,16 @@ from .rolled_loops import _why_not_roll
 from .rolled_while import _While
 
 _END = ("LOAD_FAST", "LOAD_ATTR", "STORE_FAST")  # ``node = node.link``, the body's last line
+# the test at the top -> the same test at the bottom: ``while node is not None:``, and
+# ``while node:`` over nodes whose class has no ``__bool__``/``__len__`` (true unless None)
+_TESTS = {"POP_JUMP_FORWARD_IF_NONE": "POP_JUMP_BACKWARD_IF_NOT_NONE",
+          "POP_JUMP_FORWARD_IF_FALSE": "POP_JUMP_BACKWARD_IF_TRUE"}
 
 
 def head_test(frame, ins, value: Value):
-    """``POP_JUMP_FORWARD_IF_NONE`` of ``while node is not None:``: runs and rolls the whole
-    walk; returns where the frame goes on (after the loop), or None (as before)."""
+    """``POP_JUMP_FORWARD_IF_NONE`` of ``while node is not None:`` (or
+    ``POP_JUMP_FORWARD_IF_FALSE`` of ``while node:``): runs and rolls the whole walk; returns
+    where the frame goes on (after the loop), or None (as before)."""
     shape = _loop_shape(frame, ins, value)
     if shape is None:
         return None
@@ -49,7 +54,8 @@ def head_test(frame, ins, value: Value):
     nodes = walked(value.obj, link)
     if len(nodes) < 2 or not rolled_objects.plain_objects(nodes):
         return None  # too short to compare two iterations, a broken walk, nodes of two classes
-    loop = _Walk(frame, site, (body, bottom, exit_), var, link, value, nodes)
+    loop = _Walk(frame, site, (body, bottom, exit_), var, link, value, nodes,
+                 truthiness=ins.opname == "POP_JUMP_FORWARD_IF_FALSE")
     tracer.rolling += 1
     try:
         loop.run()
@@ -62,8 +68,9 @@ def _loop_shape(frame, ins, value: Value):
     """(body, bottom test, exit) instruction indices, the variable and the link of a loop
     ``while var is not None: ...; var = var.link`` whose ``var`` holds an object from the call."""
     code, at = frame.info.instructions, frame.ip - 1  # ``at``: the test's jump
-    if ins.opname != "POP_JUMP_FORWARD_IF_NONE" or at < 1 or code[at - 1].opname != "LOAD_FAST" \
+    if ins.opname not in _TESTS or at < 1 or code[at - 1].opname != "LOAD_FAST" \
             or not isinstance(value, ObjV) or value.source is None \
+            or ins.opname == "POP_JUMP_FORWARD_IF_FALSE" and not _always_true(type(value.obj)) \
             or frame.code.co_name.startswith("<") or is_library_file(frame.code.co_filename):
         return None
     var = code[at - 1].argval
@@ -71,7 +78,7 @@ def _loop_shape(frame, ins, value: Value):
     if frame.locals.get(var) is not value or exit_ < at + 6:
         return None
     jump, load = code[exit_ - 1], code[exit_ - 2]
-    if jump.opname != "POP_JUMP_BACKWARD_IF_NOT_NONE" or jump.argval != code[at + 1].offset \
+    if jump.opname != _TESTS[ins.opname] or jump.argval != code[at + 1].offset \
             or (load.opname, load.argval) != ("LOAD_FAST", var):
         return None  # a ``while ... else``, a test of another form
     bottom = exit_ - 2
@@ -88,13 +95,13 @@ class _Walk(_While):
     """One walk: the ``k``-th node in iteration ``k``; then as ``_Loop``."""
 
     def __init__(self, frame, site, where_in_code: tuple, var: str, link: str, head: ObjV,
-                 nodes: list):
+                 nodes: list, truthiness: bool = False):
         self.frame, self.tracer, self.graph = frame, frame.tracer, frame.tracer.graph
         self.body, self.head, self.exit = where_in_code
         self.var, self.link, self.site = var, link, site
         self.where = f"{frame.code.co_filename}:{frame.lineno}"
         self.start, self.step, self.items, self.first = ConstV(0), 1, None, None
-        self.form = f"while {var} is not None: {var} = {var}.{link}"
+        self.form = f"while {var}{'' if truthiness else ' is not None'}: {var} = {var}.{link}"
         self.nodes = self.tracer.wrap_walk(head.source, link, nodes, self.where)
         self.n = self.nodes.length
         rolled_objects.no_earlier_writes(self.tracer, self.nodes, self)
@@ -122,6 +129,13 @@ class _Walk(_While):
 
     def last_index(self, last: Value) -> Value:
         return ConstV(None)  # where the test fails
+
+
+def _always_true(cls: type) -> bool:
+    """Whether ``bool()`` of every instance of ``cls`` is True (no ``__bool__``/``__len__``
+    decides it): ``while node:`` then stops where ``while node is not None:`` does (the walk
+    ends at ``None``; any other value the link holds fails the walk's guards)."""
+    return not hasattr(cls, "__bool__") and not hasattr(cls, "__len__")
 
 
 def _successor(v) -> bool:
