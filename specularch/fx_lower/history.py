@@ -34,7 +34,8 @@ def release(gm: torch.fx.GraphModule) -> None:
             if module is gm and node.op == "placeholder":
                 continue
             example = node.meta.get("example")
-            if isinstance(example, torch.Tensor) and example.grad_fn is not None:
+            # (not ``grad_fn``: reading it raises on a view whose base was written in place)
+            if isinstance(example, torch.Tensor) and example.requires_grad:
                 node.meta["example"] = without_history(example)
 
 
