@@ -196,16 +196,32 @@ def test_a_frozen_dataclass():
     _differential(FrozenPoint, _writes_then(_set_x), [torch.ones(2)] * 3)
 
 
+def _refused_by_capture(report):
+    """Capture refuses what the commit would refuse (else every call would capture a graph
+    whose commit is refused, then run eagerly)."""
+    assert report.fallbacks and not any("commit would fail" in str(f) for f in report.fallbacks)
+
+
 def _set_b(world, x):
     world.target.b = x.sum().item()
 
 
 def test_a_new_attribute_on_an_object_with_slots_and_no_dict():
-    _differential(Slotted, _writes_then(_set_b), [torch.ones(2)] * 3)
+    report = _differential(Slotted, _writes_then(_set_b), [torch.ones(2)] * 4)
+    _refused_by_capture(report)
 
 
 def _delete_v(world, x):
     del world.target.v
+
+
+def test_deleting_a_class_attribute_through_an_instance():
+    class Cls(Box):
+        v = 1.0  # `del obj.v` finds no `v` on the object itself
+
+    def change(world, i):
+        world.target.__dict__.pop("v", None)
+    _refused_by_capture(report=_differential(Cls, _writes_then(_delete_v), [torch.ones(2)] * 3, change))
 
 
 def test_deleting_an_attribute_that_is_gone():
