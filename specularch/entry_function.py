@@ -16,6 +16,7 @@
         c1 = CLOCK(); n0 = ...                      # clocks after the graph; numbers computed
                                                     # from .item() values (symbolic/speculation/deferred.py)
         <objects created in the call, built from R and constants>  # shadow_heap/rebuild.py
+        <checks that no write will raise, else CommitRefused>      # shadow_heap/checks.py
         <shadow-heap commit: the deferred writes, in program order> # shadow_heap/writes.py
         return <the Python return value>
 
@@ -36,7 +37,7 @@ from .guards.slots import compact_locals
 from .guards.sources import PINNED
 from .shadow_heap import Rebuild
 from .shadow_heap.release import NAMESPACE as RELEASE_NAMESPACE, early_releases, release_lines
-from .shadow_heap.render import COMMIT_NAMESPACE, Renderer, commit_lines
+from .shadow_heap.render import COMMIT_NAMESPACE, Renderer, check_lines, commit_lines
 
 MISS = object()
 
@@ -72,10 +73,12 @@ def _clock_reads(render: Renderer, phase: str) -> list[str]:
             if at == phase]
 
 
-def _numbers(lines: list[str], random_graph: bool) -> list[str]:
-    """The numbers the commit computes (symbolic/speculation/deferred.py), all before any write: one
-    that raises (a division by a zero ``.item()``) leaves every object untouched, and the
-    dispatcher runs the call eagerly, which raises it; that run must draw what the graph drew."""
+def _before_writes(lines: list[str], random_graph: bool) -> list[str]:
+    """What runs after the graph and before any write: the numbers the commit computes
+    (symbolic/speculation/deferred.py), and the checks that no write will raise
+    (shadow_heap/checks.py). One that raises (a division by a zero ``.item()``, a
+    ``CommitRefused``) leaves every object untouched, and the dispatcher runs the call
+    eagerly, which raises eager's error; that run must draw what the graph drew."""
     if not lines or not random_graph:
         return [f"    {line}" for line in lines]
     return ["    try:", *[f"        {line}" for line in lines],
@@ -108,6 +111,7 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     released, writes = early_releases(list(writes), input_sources, output_spec, assertions) \
         if _runs_on_fx(graph_fn) else ([], list(writes))
     release = release_lines(render, released)  # last step's .grad, freed before the graph
+    checks = check_lines(render, writes)
     commit = commit_lines(render, writes, _only_plain_tensors(guards))
     result = render.expr(output_spec)
     body += namer.lines
@@ -130,8 +134,10 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
         restore = "SET_RNG(RNG); " if random_graph else ""
         src.append(f"    if bool(R[{index}]) is not {expected}: {restore}return FAILED[{i}]")
     src += [f"    {line}" for line in _clock_reads(render, "after")]
-    src += _numbers(render.numbers, random_graph)
-    src += [f"    {line}" for line in render.prelude + commit]
+    src += _before_writes(render.numbers, random_graph)
+    src += [f"    {line}" for line in render.prelude]
+    src += _before_writes(checks, random_graph)
+    src += [f"    {line}" for line in commit]
     src.append(f"    return {result}")
     text = "\n".join(src) + "\n"
     ns: dict[str, Any] = dict(consts, **COMMIT_NAMESPACE, **RELEASE_NAMESPACE, MISS=MISS,

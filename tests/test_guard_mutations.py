@@ -138,16 +138,7 @@ def _same_state(model, opt, ref_model, ref_opt):
                 assert _equal(value, ref_state[key]), key
 
 
-# A bias resized to (1, 2) gets a graph whose gradient for it has shape (2,): its entry's
-# commit updates parameters and optimizer state, then raises assigning that gradient, and
-# the call then runs eagerly over the updated state (Adam's update applied twice). A
-# capture/commit bug (not a guard's): the guards notice the resize and recapture.
-_KNOWN_BUGS = {"parameter resize_": "commit not all-or-nothing when a .grad assignment raises"}
-
-
-@pytest.mark.parametrize("mutation", [
-    pytest.param(m, marks=pytest.mark.xfail(reason=_KNOWN_BUGS[m], strict=True)) if m in _KNOWN_BUGS
-    else m for m in MUTATIONS])
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_a_change_between_cached_calls_runs_like_eager(no_profiling, mutation):
     model, opt, step = _setup()
     ref_model, ref_opt, ref_step = _setup()

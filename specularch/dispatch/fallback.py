@@ -17,6 +17,7 @@ from ..config import config
 from ..eager_run import FRAME_HOOK, EagerRun
 from ..entry_function import AssumptionFailed
 from ..records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError, Unsupported
+from ..shadow_heap import CommitRefused
 from ..symbolic.speculation import branch_merge
 from ..symbolic import exceptions
 from . import hooks
@@ -166,6 +167,12 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
     range) from a graph that raised where eager does not."""
     if isinstance(error, TemplateMiss):
         return template_missed(state, entry, error, slots, cells)
+    if isinstance(error, CommitRefused):
+        # What the commit relied on changed since capture (a class gained __setattr__, a
+        # gradient's shape): drop the graph, the next call captures under what holds now.
+        with LOCK:
+            if entry in state.entries:
+                state.entries.remove(entry)
     if entry.capture.distributed_leaves and hooks.distributed.active():
         return hooks.distributed.step_graph_raised(
             state, error, lambda failure: fallback(state, slots, cells, failure, at_def=True))
@@ -182,6 +189,8 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
         outcome = eager_error
     else:
         failure, outcome = _eager_did_not_raise(entry, error, what), None
+        if isinstance(error, CommitRefused):
+            failure = Unsupported("side_effect", f"{error}; the call ran eagerly")
     record = note_fallback(state, failure, at_def=True, ran=True)
     if outcome is not None:
         raise outcome

@@ -25,6 +25,7 @@ from ..fx_lower.randomness import graph_uses_randomness
 from ..fx_lower import get_backend
 from ..guards.guard import refers_to_dead
 from ..records import RecompileRecord, SpecularchStrictError, Unsupported
+from ..shadow_heap import CommitRefused
 from ..guards.relax import argument_fact
 from ..symbolic.speculation import budget
 from ..symbolic.assumptions import Assumptions
@@ -206,8 +207,8 @@ def fx_instead(state: CodeState, entry: GraphEntry, error: Exception) -> GraphEn
     if entry.capture.distributed_leaves and hooks.distributed.active() \
             and hooks.distributed.graph_raised_late(error):
         return None
-    if entry.backend == "fx" or entry not in state.entries:
-        return None
+    if entry.backend == "fx" or entry not in state.entries or isinstance(error, CommitRefused):
+        return None  # (a refused commit is no backend's fault)
     with LOCK:
         index = state.entries.index(entry)
         replacement = compile_entry(state, entry.capture, backend_name="fx",

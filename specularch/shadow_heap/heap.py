@@ -8,7 +8,7 @@ cache entry: after the graph ran and every guard and in-graph assertion passed, 
 replays it in program order (``commit``); if anything failed the log is dropped
 (``discard``) and no real object was touched.
 
-API (capture time): ``read_attr`` / ``write_attr`` / ``delete_attr``, ``read_global`` /
+API (capture time): ``read_attr`` / ``write_attr`` / ``delete_attr``, ``write_grad``, ``read_global`` /
 ``write_global``, ``write_cell``, ``write_item``, ``write_append``, ``write_print``,
 ``touch_container``, ``touched``, ``update_tensor``, ``pending()``, ``lower()``,
 ``discard()``. Each write is one record of ``writes.py``; the commit is generated code
@@ -27,7 +27,7 @@ from typing import Any
 
 from .views import ContainerView
 from .writes import (Append, DelAttr, Effect, Print, ReplaceDict, ReplaceList, SetAttr, SetCell, SetGlobal,
-                     SetItem, UpdateTensor, Write)
+                     SetGrad, SetItem, UpdateTensor, Write)
 
 DELETED = object()
 
@@ -67,6 +67,12 @@ class ShadowHeap:
                     self._ops_started = True
                     break
         return not self._ops_started
+
+    def write_grad(self, owner, tensor: Any, value, where: str = "") -> None:
+        """``tensor.grad = value`` (``owner``: the tensor's value, with a source)."""
+        self._attrs.setdefault(id(tensor), {})["grad"] = value
+        self._keep.append(tensor)
+        self._log.append(SetGrad(owner, "grad", value, where, before_ops=self._before_ops()))
 
     def delete_attr(self, owner, owner_obj: Any, name: str, where: str = "") -> None:
         self._attrs.setdefault(id(owner_obj), {})[name] = DELETED

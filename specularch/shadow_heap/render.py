@@ -15,8 +15,9 @@ import torch
 from ..fx_lower._torch_foreach import foreach_copy_
 from ..guards.guard import const_name
 from .rebuild import Rebuild
+from .checks import NAMESPACE as _CHECK_NAMESPACE
 from .replay import NAMESPACE as _FOREACH_NAMESPACE, replay_lines
-from .writes import ReplayTensor, UpdateTensor, Write
+from .writes import ReplayTensor, SetGrad, UpdateTensor, Write
 
 _TENSOR_WRITES = (UpdateTensor, ReplayTensor)
 
@@ -39,6 +40,7 @@ class Renderer:
         self.prelude: list[str] = []   # statements run after the graph, before the commit
         self.numbers: list[str] = []   # numbers computed after the graph, before the prelude
         self.clocks: dict[int, tuple] = {}  # clock reads: seq -> (function, "before"/"after")
+        self.checks: list[str] = []    # run before the commit's first write (checks.py)
         self._made: dict[Any, str] = {}
 
     def const(self, value: Any) -> str:
@@ -52,6 +54,11 @@ class Renderer:
     def expr(self, record: Rebuild) -> str:
         return record.render(self)
 
+    def bound(self, record: Rebuild) -> str:
+        """``record``'s value, computed once among the checks (``v0 = R[3]``): a check and
+        its write see the same object, and no value is built twice."""
+        return self.once(("value", id(record)), "v", lambda r: r.expr(record), self.checks)
+
     def once(self, key: Any, prefix: str, make: Callable[["Renderer"], str], into: list) -> str:
         """A local bound once per ``key`` (``t0 = [...]``), so two uses are one object."""
         if key not in self._made:
@@ -62,13 +69,37 @@ class Renderer:
         return self._made[key]
 
 
+def check_lines(render: Renderer, writes: list[Write]) -> list[str]:
+    """What runs before the commit's other writes: the values of the writes that can raise,
+    the checks that they will not (``checks.py``), then the gradient assignments, which undo
+    themselves when torch refuses one. Either failure leaves every object as it was."""
+    stored: set = set()
+    for w in writes:
+        line = w.check(render, stored)
+        if line is not None:
+            render.checks.append(line)
+    grads = [w for w in writes if isinstance(w, SetGrad)]
+    return render.checks + (grad_commit(render, grads) if grads else [])
+
+
 def commit_lines(render: Renderer, writes: list[Write], plain_tensors: bool) -> list[str]:
-    """The commit: every write in program order, the tensor updates first as one block."""
-    lines = [w.render(render) for w in writes if not isinstance(w, _TENSOR_WRITES)]
+    """The commit: every write in program order, the tensor updates first as one block (the
+    gradients were assigned by ``check_lines``, whose lines run first)."""
+    lines = [w.render(render) for w in writes if not isinstance(w, (*_TENSOR_WRITES, SetGrad))]
     tensors = [w for w in writes if isinstance(w, _TENSOR_WRITES)]
     if tensors:
         lines[:0] = tensor_commit(render, tensors, plain_tensors)
     return lines
+
+
+def grad_commit(render: Renderer, writes: list) -> list[str]:
+    """The gradient assignments, in program order, before any other write: torch refuses a
+    wrong one without writing it, and ``checks.set_grads`` then puts back the ones it made.
+    They commute with the other writes: those read no ``.grad`` at commit (every source was
+    read before the graph)."""
+    targets = "".join(f"{render.expr(w.target)}, " for w in writes)
+    values = "".join(f"{render.expr(w.value)}, " for w in writes)
+    return [f"SET_GRADS(({targets}), ({values}))"]
 
 
 def tensor_commit(render: Renderer, writes: list, plain: bool) -> list[str]:
@@ -151,4 +182,5 @@ COMMIT_NAMESPACE: dict[str, Any] = dict(
     NEW=_new_object, REPLACE_DICT=_replace_dict, COPY_ALL=_copy_all,
     FOREACH_COPY_ALL=_foreach_copy_all, BUMP_VERSIONS=torch.autograd.graph.increment_version,
     AS_INFERENCE=as_inference, PRINT=builtins.print, FORMAT=builtins.format,
-    STR=str, REPR=repr, ASCII=ascii, NO_GRAD=torch.no_grad, **_FOREACH_NAMESPACE)
+    STR=str, REPR=repr, ASCII=ascii, NO_GRAD=torch.no_grad, **_FOREACH_NAMESPACE,
+    **_CHECK_NAMESPACE)

@@ -41,6 +41,13 @@ class Write:
         """The rebuild records the commit statement evaluates (after ``lower``)."""
         return iter(())
 
+    def check(self, r, stored: set) -> str | None:
+        """The statement that raises ``checks.CommitRefused`` when this write would raise,
+        run before the commit's first write; None for a write that cannot raise once the
+        guards passed (``checks.py``). ``stored``: ``(target, name)`` of the attributes
+        earlier writes of the commit store."""
+        return None
+
 
 def _source_of(value, what: str) -> FromSource:
     source = getattr(value, "source", None)
@@ -74,8 +81,35 @@ class SetAttr(Write):
     def rebuilds(self):
         return iter((self.target, self.value))
 
+    def check(self, r, stored: set) -> str:
+        target = r.expr(self.target)
+        stored.add((target, self.name))
+        return f"CAN_SETATTR({target}, {self.name!r}, {r.bound(self.value)})"
+
     def render(self, r) -> str:
-        return f"setattr({r.expr(self.target)}, {self.name!r}, {r.expr(self.value)})"
+        return f"setattr({r.expr(self.target)}, {self.name!r}, {r.bound(self.value)})"
+
+
+@dataclass(frozen=True, eq=False)
+class SetGrad(SetAttr):
+    """``tensor.grad = value``: torch checks the value (shape, dtype, device, layout) and
+    refuses it without writing. The commit assigns every gradient first, as one block that
+    puts the old ones back if torch refuses one (``render.grad_commit``), so nothing else
+    was written yet."""
+
+    def __post_init__(self):
+        if self.name != "grad":
+            raise malformed("SetGrad", f"attribute {self.name!r} is not .grad")
+
+    def lower(self, lowering):
+        return SetGrad(_source_of(self.target, "SetGrad"), "grad", lowering.build(self.value),
+                       self.where, self.before_ops)
+
+    def check(self, r, stored: set) -> None:
+        return None  # torch's own check, in render.grad_commit
+
+    def render(self, r) -> str:
+        raise TypeError("gradient assignments are rendered together by render.grad_commit")
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,6 +128,12 @@ class DelAttr(Write):
 
     def rebuilds(self):
         return iter((self.target,))
+
+    def check(self, r, stored: set) -> str:
+        target = r.expr(self.target)
+        set_before = (target, self.name) in stored
+        stored.discard((target, self.name))
+        return f"CAN_DELATTR({target}, {self.name!r}, {set_before})"
 
     def render(self, r) -> str:
         return f"delattr({r.expr(self.target)}, {self.name!r})"
@@ -339,6 +379,9 @@ class Print(Write):
 
     def rebuilds(self):
         return (s for s in (*self.args, self.sep, self.end, self.stream) if s is not None)
+
+    def check(self, r, stored: set) -> str:
+        return f"CAN_PRINT({'None' if self.stream is None else r.expr(self.stream)})"
 
     def render(self, r) -> str:  # the stream (sys.stdout / sys.stderr) was read before the graph
         args = [r.expr(s) for s in self.args]

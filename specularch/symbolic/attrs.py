@@ -234,7 +234,10 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
     if static is not _MISSING and _is_data_descriptor(static):
         raise Unsupported("side_effect", f"{cls.__name__}.{name} is a property/descriptor; "
                           "assigning it runs code")
+    # (shadow_heap/checks.py checks the same conditions again before the commit writes)
     if isinstance(obj, nn.Module):
+        if cls.__setattr__ is not nn.Module.__setattr__ or cls.__delattr__ is not nn.Module.__delattr__:
+            raise Unsupported("side_effect", f"{cls.__name__} defines __setattr__/__delattr__")
         if name in obj._modules or (isinstance(value, ObjV) and isinstance(value.obj, nn.Module)):
             raise Unsupported("side_effect", f"assigning submodule {name!r} inside forward")
         if name in obj._parameters and not (
@@ -242,15 +245,31 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
                 or (isinstance(value, (ObjV, TensorV)) and isinstance(value.concrete(), nn.Parameter))):
             raise Unsupported("exception_handling",
                               f"TypeError: cannot assign a non-Parameter to parameter {name!r}")
-    elif cls.__setattr__ is not object.__setattr__ and not isinstance(obj, (type, types.ModuleType)):
-        raise Unsupported("side_effect", f"{cls.__name__} defines __setattr__")
+        if name in obj._buffers and value is not None and not isinstance(value, TensorV) \
+                and not (isinstance(value, ConstV) and value.value is None):
+            raise Unsupported("exception_handling",
+                              f"TypeError: cannot assign a non-tensor to buffer {name!r}")
+    elif not isinstance(obj, (type, types.ModuleType)) and (
+            cls.__setattr__ is not object.__setattr__ or cls.__delattr__ is not object.__delattr__):
+        raise Unsupported("side_effect", f"{cls.__name__} defines __setattr__/__delattr__")
+    if not hasattr(obj, "__dict__"):  # (its slots are descriptors, refused above)
+        raise Unsupported("exception_handling", f"AttributeError: {cls.__name__!r} object has "
+                          f"no attribute {name!r} (it has no __dict__)")
     where = tracer.where()
     if value is None:
-        if tracer.heap.read_attr(obj, name) is None and not hasattr(obj, name):
+        if tracer.heap.read_attr(obj, name) is None and not _stored_on(obj, name):
             raise Unsupported("exception_handling", f"AttributeError: {name}")
         tracer.heap.delete_attr(owner, obj, name, where)
     else:
         tracer.heap.write_attr(owner, obj, name, value, where)
+
+
+def _stored_on(obj, name: str) -> bool:
+    """Whether ``del obj.name`` finds ``name`` on the object itself (not its class)."""
+    if isinstance(obj, nn.Module) and any(name in obj.__dict__.get(t, ()) for t in (
+            "_parameters", "_buffers", "_modules")):
+        return True
+    return name in getattr(obj, "__dict__", {})
 
 
 def _super_attr(tracer, v: SuperV, name: str) -> Value:

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from ..fx_lower.randomness import is_random_node
-from ..fx_lower import _torch_fx_sources as fx_sources
+from ..fx_lower import _torch_fx_sources as fx_sources, history
 from ..guards import GuardSet
 from ..guards.sources import CellSource, Source
 from ..records import Unsupported
@@ -197,6 +197,9 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
         raise Unsupported("data_dependent_branch", "a distributed training step cannot speculate "
                           "on tensor values yet (all ranks must take the same path)")
     fx_sources.release_with(gm, since)  # torch.fx keeps generated code's text for good
+    # a cached graph must not keep its capture's autograd history alive (it holds the
+    # parameters' AccumulateGrad nodes, with their shapes at capture: fx_lower/history.py)
+    history.release(gm)
     return Capture(gm, tracer.guards, inputs, spec, time.perf_counter() - start,
                    writes=writes, assertions=assertions,
                    distributed_leaves=tracer.distributed_leaves, loops=list(tracer.loops))

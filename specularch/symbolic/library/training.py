@@ -77,7 +77,14 @@ def write_grad(tracer, t: TensorV, value: Value | None) -> None:
         raise Unsupported("side_effect", "assigning .grad of a tensor computed in the function")
     if value is None:
         raise Unsupported("side_effect", "`del tensor.grad` is not captured")
-    tracer.heap.write_attr(t, t.real, "grad", value, tracer.where())
+    g = getattr(value, "example", None)
+    if isinstance(g, torch.Tensor) and (g.shape, g.dtype, g.device, g.layout) != (
+            t.real.shape, t.real.dtype, t.real.device, t.real.layout):
+        # eager raises here (the commit would refuse it too: shadow_heap/checks.py)
+        raise Unsupported("exception_handling", f"RuntimeError: assigning a gradient of shape "
+                          f"{tuple(g.shape)} ({g.dtype}) to {t.source} of shape "
+                          f"{tuple(t.real.shape)} ({t.real.dtype})")
+    tracer.heap.write_grad(t, t.real, value, tracer.where())
 
 
 def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
