@@ -64,6 +64,10 @@ def fold(first_nodes: list, first_checks: list, body_nodes: list, index_node: to
         return None
     if not _read_only_by_loop(first, pairing.first, set(body_nodes)):
         return None
+    in_body = set(body_nodes)
+    if any(k not in pairing.initial and any(u in in_body for u in h.node.users)
+           for k, (h, _, _) in enumerate(entries)):
+        return None  # a carried input the body reads but iteration 0 showed no value for
     return Folded([pairing.initial.get(k) for k in range(len(entries))], first, first_checks)
 
 
