@@ -13,6 +13,7 @@ from torch import nn
 import specularch
 from specularch.fx_lower import rolled_cells
 from specularch.symbolic.speculation.rolled_head import HeadedTail
+from specularch.symbolic.speculation.rolled_hoist import HoistedTail
 from specularch.symbolic.speculation.rolled_loops import RolledLoop
 from specularch.workloads import lstm_lm
 
@@ -52,9 +53,11 @@ def test_the_lm_decoder_of_the_first_step_runs_with_the_others():
         step(torch.randint(0, 40, (n, 5), generator=data), torch.randint(0, 40, (n, 5), generator=data))
     gm = _graph(step)
     (loop,) = _targets(gm, RolledLoop)
-    (tail,) = _targets(gm, HeadedTail)
+    # iteration 0's decoder: in the tail, on all steps at once: a tail joining the peeled
+    # step 0's input, or none to join where the body runs step 0 too (rolled_first.py)
+    (tail,) = _targets(gm, HeadedTail) if loop.first else _targets(gm, HoistedTail)
     linears = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "linear"]
-    assert not linears, gm.code  # iteration 0's decoder: in the tail, on all steps at once
+    assert not linears, gm.code
     cells = [n.target for n in loop.body.graph.nodes if n.target in rolled_cells.UNFUSED]
     assert cells == [rolled_cells.fused_projected_cell, rolled_cells.fused_lstm_cell], \
         loop.body.code
@@ -131,6 +134,26 @@ def test_a_hoisted_linear_runs_the_first_item_with_the_others():
     report = check(_decoded, lambda i: A(T(lengths[i], 3, 5, requires_grad=True),
                                          T(6, 5, requires_grad=True), T(6, requires_grad=True),
                                          T(3, 5, requires_grad=True)),
+                   calls=len(lengths), grad=True, expect="graph", rtol=RTOL, atol=1e-7)
+    code = report.graphs[-1].code
+    # the first item joins the others' tail, or the body runs iteration 0 (rolled_first.py)
+    assert "headed_tail" in code or "linear" not in code and "hoisted_tail" in code, code
+
+
+def _decoded_peeled(x, w, b, h):
+    outs, scale = [], 2.0
+    for t in range(x.shape[0]):
+        h = torch.tanh(x[t] * scale + h)  # iteration 0's scale is not the body's: it stays peeled
+        scale = 1.0
+        outs.append(F.linear(h, w, b))
+    return torch.stack(outs), h
+
+
+def test_a_hoisted_linear_runs_a_peeled_first_item_with_the_others():
+    lengths = [4, 6, 3, 7, 5, 9, 1, 2, 8]
+    report = check(_decoded_peeled, lambda i: A(T(lengths[i], 3, 5, requires_grad=True),
+                                                T(6, 5, requires_grad=True), T(6, requires_grad=True),
+                                                T(3, 5, requires_grad=True)),
                    calls=len(lengths), grad=True, expect="graph", rtol=RTOL, atol=1e-7)
     assert "headed_tail" in report.graphs[-1].code, report.graphs[-1].code
 

@@ -5,7 +5,7 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
 
 * **prelude**: what an iteration computes from the loop index and loop invariants alone
   (``embedding(tokens[t])``) runs once for all rolled iterations before the loop, on the
-  rows ``1 .. n-1`` of the indexed tensor, and the body picks its row per iteration. An
+  rows ``1 .. n-1`` (``0 .. n-1``: ``rolled_first.py``) of the indexed tensor, and the body picks its row per iteration. An
   embedding looked up per iteration costs a full-table gradient (zeros plus a scatter) and
   a full-table addition per iteration in backward; looked up once it costs one.
   Only ops that act on each row independently and compute each row's numbers as they would
@@ -37,20 +37,21 @@ from ...fx_lower.randomness import is_identity_dropout
 from . import rolled_hoist, rolled_project
 
 
-def _rows(tensor: torch.Tensor, n: int) -> torch.Tensor:
-    """``tensor[t]`` for ``t = 1 .. n-1``, stacked; eager's IndexError when a row is missing."""
+def _rows(tensor: torch.Tensor, n: int, first: int = 1) -> torch.Tensor:
+    """``tensor[t]`` for ``t = first .. n-1`` (the rolled iterations), stacked; eager's
+    IndexError when a row is missing."""
     if tensor.dim() == 0 or tensor.shape[0] < n:
         raise IndexError(f"index {n - 1} is out of bounds for dimension 0 with size "
                          f"{tensor.shape[0] if tensor.dim() else 0}")
-    return tensor[1:n]
+    return tensor[first:n]
 
 
 class Prepare:
     """Per call: the prelude's per-iteration rows, then the cells' weight sinks."""
 
     def __init__(self, prelude: torch.fx.GraphModule | None, reads: list,
-                 cells: rolled_cells.FusedCells | None, projected: int = 0):
-        self.prelude, self.reads, self.cells = prelude, reads, cells
+                 cells: rolled_cells.FusedCells | None, projected: int = 0, first: int = 1):
+        self.prelude, self.reads, self.cells, self.first = prelude, reads, cells, first
         self.projected = projected  # cells whose input projection runs in the prelude
 
     def __str__(self) -> str:
@@ -66,7 +67,7 @@ class Prepare:
         return "; ".join(done)
 
     def __call__(self, n: int, invariants: tuple) -> tuple:
-        if self.prelude is not None and n > 1:
+        if self.prelude is not None and n > self.first:
             stacked = self.prelude(n, *[invariants[k] for k in self.reads])
             invariants = (*invariants, *(s.unbind(0) for s in stacked))
         elif self.prelude is not None:  # no rolled iteration: nothing reads the rows
@@ -74,20 +75,21 @@ class Prepare:
         return self.cells(invariants) if self.cells is not None else invariants
 
 
-def speed_up(body: torch.fx.GraphModule, invariants: list, report) -> Prepare | None:
+def speed_up(body: torch.fx.GraphModule, invariants: list, report, first: int = 1) -> Prepare | None:
     """Rewrite ``body`` in place (see the module docstring) and say so in the loop's
     ``report``; ``invariants``: the outer graph's nodes the body's ``invariant_<k>``
-    placeholders stand for. None when nothing changed."""
+    placeholders stand for; ``first``: the first iteration the body runs. None when nothing
+    changed."""
     names = [f"invariant_{k + 1}" for k in range(len(invariants))]
     split = rolled_project.split(body.graph, names)
-    prelude, reads = _prelude(body, names)
+    prelude, reads = _prelude(body, names, first)
     projected = rolled_project.unsplit(body.graph) if split else 0
     if split:
         body.recompile()
     cells = rolled_cells.fuse(body, names)
     if prelude is None and cells is None:
         return None
-    prepare = Prepare(prelude, reads, cells, projected)
+    prepare = Prepare(prelude, reads, cells, projected, first)
     report.faster = f", {prepare}"
     return prepare
 
@@ -123,7 +125,7 @@ def _prelude_nodes(graph: torch.fx.Graph, index, invariants: set) -> list:
     return pre
 
 
-def _prelude(body: torch.fx.GraphModule, names: list) -> tuple:
+def _prelude(body: torch.fx.GraphModule, names: list, first: int) -> tuple:
     graph = body.graph
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     index = placeholders.get("t")
@@ -136,13 +138,14 @@ def _prelude(body: torch.fx.GraphModule, names: list) -> tuple:
     if index is None or not frontier or all(n.target is operator.getitem for n in pre) \
             or not all(isinstance(n.meta.get("example"), torch.Tensor) for n in frontier):
         return None, []
-    prelude, reads = _prelude_module(pre, frontier, index, [placeholders[name] for name in names])
-    _pick_rows(graph, index, frontier, pre)
+    prelude, reads = _prelude_module(pre, frontier, index, [placeholders[name] for name in names],
+                                     first)
+    _pick_rows(graph, index, frontier, pre, first)
     body.recompile()
     return prelude, reads
 
 
-def _prelude_module(pre: list, frontier: list, index, invariant_nodes: list) -> tuple:
+def _prelude_module(pre: list, frontier: list, index, invariant_nodes: list, first: int) -> tuple:
     """The prelude as its own graph: ``(n, *invariants it reads) -> frontier values stacked``."""
     graph = torch.fx.Graph()
     n = graph.placeholder("n")
@@ -156,7 +159,7 @@ def _prelude_module(pre: list, frontier: list, index, invariant_nodes: list) -> 
         return env[node]
     for node in pre:
         if node.target is operator.getitem and node.args[1] is index:
-            env[node] = graph.call_function(_rows, (arg(node.args[0]), n))
+            env[node] = graph.call_function(_rows, (arg(node.args[0]), n, first))
             continue
         args, kwargs = rolled_hoist.from_the_end(node)
         args, kwargs = torch.fx.map_arg((args, kwargs), arg)
@@ -170,14 +173,14 @@ def _prelude_module(pre: list, frontier: list, index, invariant_nodes: list) -> 
     return gm, reads
 
 
-def _pick_rows(graph: torch.fx.Graph, index, frontier: list, pre: list) -> None:
-    """The body reads row ``t - 1`` of each frontier value's per-iteration list (its last
-    inputs) instead of computing it."""
+def _pick_rows(graph: torch.fx.Graph, index, frontier: list, pre: list, start: int) -> None:
+    """The body reads row ``t - start`` of each frontier value's per-iteration list (its
+    last inputs) instead of computing it."""
     lists = [graph.placeholder(f"prelude_{k}") for k in range(len(frontier))]
     _placeholders_first(graph)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
-        row = graph.call_function(operator.sub, (index, 1))
+        row = graph.call_function(operator.sub, (index, start))
         for node, rows in zip(frontier, lists):
             picked = graph.call_function(operator.getitem, (rows, row))
             picked.meta = dict(node.meta)

@@ -32,7 +32,7 @@ import torch.fx
 
 from ...fx_lower.randomness import is_random_node
 from ...records import Unsupported
-from . import rolled_fast, rolled_hoist, rolled_lists
+from . import rolled_fast, rolled_first, rolled_hoist, rolled_lists
 from .rolled_match import Match, Snapshot, append_only, set_slot
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
@@ -78,8 +78,9 @@ class LoopReport:
 
 
 class RolledLoop:
-    """The graph node's target: runs the body for ``t = 1 .. n-1`` (iteration 0 is in the
-    graph), feeding each iteration's carried values to the next."""
+    """The graph node's target: runs the body for ``t = first .. n-1`` (iteration 0 is in
+    the graph, or run by the body: ``rolled_first.py``), feeding each iteration's carried
+    values to the next."""
 
     __name__ = "rolled_loop"
 
@@ -89,13 +90,14 @@ class RolledLoop:
         self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
         self.prepare = None       # per call: (n, invariants) -> the body's (rolled_fast.py)
         self.run_body = None      # or the body compiled (fx_lower/rolled_compile.py)
+        self.first = 1            # 0 where iteration 0 runs in the body too
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
         step, k, o = self.run_body or self.body.forward, self.carried, self.outputs
         invariants = self.prepare(n, invariants) if self.prepare is not None else invariants
         outs: tuple = tuple([] for _ in range(o))
-        for t in range(1, n):
+        for t in range(self.first, n):
             results = step(t, *carried, *invariants)
             carried = results[:k]
             for out, value in zip(outs, results[k:k + o]):
@@ -233,6 +235,7 @@ class _Loop:
         before_loop = set(self.graph.nodes)
         first = Snapshot(self.frame, self.tracer)
         reports = len(self.tracer.loops)
+        before_first = _effects(self.tracer), len(self.tracer.assertions)
         self._iterate(self.start)                  # iteration 0: into the graph, as unrolled
         self._after_first()
         self._nested(reports, f"in the first iteration of the loop at {self.where}")
@@ -242,6 +245,10 @@ class _Loop:
         before_body = set(self.graph.nodes)
         index = self._value(self._index(index_node))
         effects, assumed = _effects(self.tracer), len(self.tracer.assertions)
+        # iteration 0 may run in the body only if the graph shows all it did
+        first_nodes = [] if before_first[0] != effects else \
+            [n for n in self.graph.nodes if n not in before_loop and n is not index_node]
+        first_checks = self.tracer.assertions[before_first[1]:assumed]
         reports = len(self.tracer.loops)
         with append_only(growing, self):
             try:
@@ -264,7 +271,8 @@ class _Loop:
         match.frame_state(self.frame)
         after.hidden_unchanged(head, match.visited, self)
         body_nodes = [n for n in self.graph.nodes if n not in before_body]
-        _Roll(self, match, body_nodes, before_loop, before_body, index_node, checks).apply()
+        _Roll(self, match, body_nodes, before_loop, before_body, index_node, checks,
+              (first_nodes, first_checks)).apply()
 
     def _nested(self, since: int, within: str) -> None:
         """Loops met in an iteration are inner loops: their reports say of which."""
@@ -374,7 +382,7 @@ def _effects(tracer) -> dict:
 # ---- from iteration 1 to a body and one graph node -----------------------------------------
 class _Roll:
     def __init__(self, loop: _Loop, match: Match, new_nodes: list, before_loop: set,
-                 before_body: set, index_node: torch.fx.Node, checks: list):
+                 before_body: set, index_node: torch.fx.Node, checks: list, first: tuple):
         self.loop, self.match, self.tracer = loop, match, loop.tracer
         self.graph = loop.graph
         self.body_nodes = [n for n in new_nodes if n.op not in ("placeholder", "get_attr")]
@@ -402,6 +410,12 @@ class _Roll:
         # values hoisted ops read
         self.per_iteration = [a for a in appended if a not in self.hoist.appended]
         self.per_iteration += self.hoist.boundaries
+        self.folded = None  # iteration 0 run by the body (rolled_first.py)
+        if first[0] and not self.tracer.assumptions.exact_loops and loop.items is None \
+                and loop.plain():
+            self.folded = rolled_first.fold(*first, new_nodes, index_node, 0, self.entries,
+                                            match.appends, self.tracer.assertions, checks)
+        self.first = rolled_first.first_row(self.folded)
 
     def apply(self) -> None:
         body, outputs = self._body()
@@ -419,14 +433,19 @@ class _Roll:
         self.graph.erase_node(self.index_node)
         target = RolledLoop(body, len(self.entries), len(self.per_iteration),
                             tuple(expected for _, expected, _, _ in self.checks), report)
+        target.first = self.first
         if not self.tracer.assumptions.exact_loops:
-            target.prepare = rolled_fast.speed_up(body, self.invariants, report)
-        node = self.graph.call_function(target, (n.node, tuple(h.node for h, _, _ in self.entries),
-                                                 tuple(self.invariants)))
+            target.prepare = rolled_fast.speed_up(body, self.invariants, report, self.first)
+        carried = tuple(h.node for h, _, _ in self.entries) if self.folded is None \
+            else tuple(self.folded.initial)
+        node = self.graph.call_function(target, (n.node, carried, tuple(self.invariants)))
         node.meta["where"] = self.loop.where
         node.meta["draws_random"] = any(m.meta.get("draws_random") or _random(m)
                                         for m in body.graph.nodes)
         self._rebind(node, outputs)
+        if self.folded is not None:
+            rolled_first.drop(self.graph, self.folded, self.tracer.assertions)
+            report.faster += "; iteration 0 run by the body"
         if self.checks:  # the body's assumptions held in every iteration
             ok = self.graph.call_function(operator.getitem, (node, len(outputs) - len(self.checks)))
             self.tracer.assertions.append((ok, True, self.loop.where, ("rolled_loop", *self.loop.site)))
@@ -494,7 +513,9 @@ class _Roll:
             set_slot(holder, key, rolled_lists.item(self.loop, last, lst) if part is None else
                      rolled_lists.part_of(self.loop, last, (lst, part)))
         stacked = self._hoisted(node)
+        rolled = self.loop.n.value - self.first  # iterations the body runs
         for lst, head_items, appended in self.match.appends:
+            head_items = head_items[:len(head_items) - 1 + self.first]  # iteration 0's: the body's
             head_nodes = [_fx(v) for v in head_items]
             if appended.node in stacked:
                 joined = self.graph.call_function(rolled_hoist.join_stacked,
@@ -503,8 +524,9 @@ class _Roll:
                 j = self.per_iteration.index(appended.node)
                 tail = self.graph.call_function(operator.getitem, (node, len(self.entries) + j))
                 joined = self.graph.call_function(_join, (head_nodes, tail))
-            length = arithmetic(self.tracer, operator.add, last, ConstV(len(head_items)))
-            examples = [v.concrete() for v in head_items] + [appended.example] * (self.loop.n.value - 1)
+            length = arithmetic(self.tracer, operator.add, last,
+                                ConstV(len(head_items) + 1 - self.first))
+            examples = [v.concrete() for v in head_items] + [appended.example] * rolled
             become_rolled(lst, RolledListV(joined, examples, length, self.loop.where))
 
 
@@ -524,7 +546,7 @@ class _Roll:
             stacked[appended] = self.graph.call_function(operator.getitem, (call, i))
             example = appended.meta["example"]
             stacked[appended].meta["example"] = example.unsqueeze(0).expand(
-                self.loop.n.value - 1, *example.shape)
+                self.loop.n.value - self.first, *example.shape)
         return stacked
 
 
