@@ -99,12 +99,15 @@ class EagerRun:
     a plain run of the original (a module forward not optimized at this call): no fallback
     is reported and the hook, already on in a trampoline, is not entered again."""
 
-    __slots__ = ("record", "target", "cells", "_hook")
+    __slots__ = ("record", "target", "cells", "timer", "_hook")
     extra = EXTRA  # what the trampoline reads (``frames.set_run_here``)
     sync = staticmethod(sync_limit)
 
-    def __init__(self, record, target=None, cells=None) -> None:
+    def __init__(self, record, target=None, cells=None, timer=None) -> None:
         self.record, self.target, self.cells = record, target, cells
+        # The eager tier's runs (tiering/eager_tier.py): not a fallback, but the hook is on as
+        # for one, and ``timer.start()``/``timer.stop()`` bracket the run of the original.
+        self.timer = timer
         self._hook = None
 
     @property
@@ -113,9 +116,11 @@ class EagerRun:
         return self.target.original_function(self.cells)
 
     def __enter__(self) -> "EagerRun":
-        if self.record is not None:
+        if self.record is not None or self.timer is not None:
             self._hook = FRAME_HOOK.active()
             self._hook.__enter__()
+        if self.timer is not None:
+            self.timer.start()
         return self
 
     def __exit__(self, *exc_info: Any) -> bool:
@@ -128,7 +133,9 @@ class EagerRun:
         return False
 
     def done(self, result: Any) -> Any:
-        if self.record is not None:
+        if self.timer is not None:
+            self.timer.stop()  # a run that returned (one that raised is not timed)
+        elif self.record is not None:
             log.warn_fallback(self.record)  # a call that returned (not one that raised)
         return result
 

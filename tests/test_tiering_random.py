@@ -173,7 +173,7 @@ def test_compiling_the_flattened_form_draws_nothing():
         step(x, y)
     entry = max(specularch.api._state_of(step).entries, key=lambda e: e.hits)
     gm = entry.capture.graph_module
-    assert policy.candidates(gm) == [("torchscript", None), ("inductor", None)]
+    assert policy.candidates(gm) == [("torchscript", None), ("inductor", None), ("eager", None)]
     examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
     before = torch.get_rng_state()
     compile_in_background(get_backend("torchscript"), gm, examples)

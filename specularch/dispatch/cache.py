@@ -100,6 +100,9 @@ def try_entry(state: CodeState, entry: GraphEntry, slots, cells, globals_, built
     if type(result) is AssumptionFailed:
         return fallback.assumption_failed(state, entry, result, slots, cells)
     entry.hits += 1
+    if type(result) is EagerRun:  # the eager tier: its path runs the original (tiering/eager_tier.py)
+        state.stats.eager_tier_calls += count_hit
+        return result
     state.stats.graph_hits += count_hit
     return result
 

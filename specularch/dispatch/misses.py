@@ -239,7 +239,8 @@ def compile_entry(state: CodeState, cap: Capture, fast_tensors: bool = True,
     entry = GraphEntry(cap, backend, fn, text, grad, seconds, note=note, graph_fn=graph_fn)
     if backend_name is None and tiering.tiered(state.backend) and not cap.distributed_leaves:
         tiering.watch(entry, cap.graph_module, functools.partial(
-            _entry_function, state, cap, fast_tensors=fast_tensors, buffers=buffers))
+            _entry_function, state, cap, fast_tensors=fast_tensors, buffers=buffers),
+            eager=functools.partial(tiering.eager_choice, cap.guards, state.target))
     return entry
 
 

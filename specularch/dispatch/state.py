@@ -33,9 +33,11 @@ class Stats:
     profiled_calls: int = 0
     capture_seconds: float = 0.0
     compile_seconds: float = 0.0
+    eager_tier_calls: int = 0  # calls of a path whose tier is eager (tiering/eager_tier.py)
 
     def __str__(self) -> str:
-        return (f"calls={self.calls} graph_hits={self.graph_hits} captures={self.captures} "
+        eager = f" eager_tier_calls={self.eager_tier_calls}" if self.eager_tier_calls else ""
+        return (f"calls={self.calls} graph_hits={self.graph_hits}{eager} captures={self.captures} "
                 f"recompiles={self.recompiles} fallback_calls={self.fallback_calls} "
                 f"profiled_calls={self.profiled_calls} assumption_failures={self.assumption_failures} "
                 f"capture={self.capture_seconds * 1e3:.1f}ms compile={self.compile_seconds * 1e3:.1f}ms")

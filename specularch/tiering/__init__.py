@@ -11,13 +11,14 @@ candidate is timed on live calls against the current tier and kept only if faste
 """
 from __future__ import annotations
 
+from .eager_tier import eager_choice
 from .history import RAISED, TierEvent, TierHistory
 from .policy import AUTO, TIER0, tiered
 from .trial import Tier
 from . import worker
 from .worker import pending, wait
 
-__all__ = ["AUTO", "TierHistory", "first_tier", "pending", "ran_back_to_fx", "tiered", "wait",
+__all__ = ["AUTO", "TierHistory", "eager_choice", "first_tier", "pending", "ran_back_to_fx", "tiered", "wait",
            "watch"]
 
 
@@ -26,10 +27,11 @@ def first_tier(backend: str) -> str:
     return TIER0 if tiered(backend) else backend
 
 
-def watch(entry, gm, build) -> None:
+def watch(entry, gm, build, eager=None) -> None:
     """Put ``entry`` (a fresh ``fx`` graph entry) under tiering; ``build(graph_fn)`` gives
-    the entry function and its source for another compiled form of ``gm``."""
-    Tier(entry, gm, build)
+    the entry function and its source for another compiled form of ``gm``; ``eager()`` the
+    eager tier's (``eager_tier.EagerChoice``), None where the path may not run eagerly."""
+    Tier(entry, gm, build, eager)
     worker.start()  # now, in the capture's call, rather than in a later step
 
 

@@ -17,10 +17,14 @@ from ..fx_lower import get_backend
 from ..fx_lower.backends import flattened
 from ..fx_lower.randomness import graph_uses_randomness
 from . import process
+from .eager_tier import EAGER
 
 AUTO = "auto"  # the tiered mode's backend name (registered in fx_lower/backends.py)
 TIER0 = "fx"
-CANDIDATES = ("torchscript", "inductor", "cudagraphs")  # cheapest compile first
+# Cheapest compile first; last, "eager": the graph's path run as the original Python
+# (eager_tier.py), kept only when measured faster than the graph's best tier, so that the
+# default is never slower than eager by more than a trial's margin.
+CANDIDATES = ("torchscript", "inductor", "cudagraphs", EAGER)
 MARGIN = 0.05   # a candidate is kept only when its median is this much below the current one
 ROUNDS = 3      # interleaved rounds of a trial: config.tier_trial_calls calls per side each
 WARM_UP = 3     # a candidate's first calls, not timed (TorchScript's profiling runs)
@@ -61,6 +65,8 @@ def candidates(gm: torch.fx.GraphModule) -> list[tuple[str, str | None]]:
 
 
 def _refusal(name: str, gm: torch.fx.GraphModule) -> str | None:
+    if name == EAGER:
+        return None  # (the original Python: always eager's results)
     return get_backend(name).supports(gm) or (
         _random_refusal(name, gm) if graph_uses_randomness(gm) else None)
 

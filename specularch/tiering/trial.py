@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import config
+from ..eager_run import EagerRun
 from ..entry_function import MISS
 from ..fx_lower import get_backend
 from ..fx_lower import compile_cache
 from ..fx_lower.backends import compile_in_background
 from ..fx_lower.randomness import graph_uses_randomness
 from . import policy, process, worker
+from .eager_tier import EAGER, RunTimer
 from .same_draws import Checked
 from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, TierEvent, TierHistory
 
@@ -43,10 +45,11 @@ class Candidate:
 
 class Tier:
     """``build(graph_fn) -> (entry fn, source)`` wraps a compiled graph in the entry's guards
-    and commit (``dispatch/misses.py``, which this package does not import)."""
+    and commit (``dispatch/misses.py``, which this package does not import); ``eager()``
+    makes the eager tier's entry function (``eager_tier.py``), None where there is none."""
 
-    def __init__(self, entry, gm, build: Callable):
-        self.entry, self.gm, self.build = entry, gm, build
+    def __init__(self, entry, gm, build: Callable, eager: Callable | None = None):
+        self.entry, self.gm, self.build, self.eager = entry, gm, build, eager
         self.fn = entry.fn  # the current tier's entry function
         self.reference = entry.graph_fn  # fx's graph: eager's random numbers
         self.random = graph_uses_randomness(gm)
@@ -91,6 +94,8 @@ class Tier:
         self.history.submitted_at = time.perf_counter()
         with self.lock:
             for name, refusal in policy.candidates(self.gm):
+                if name == EAGER and self.eager is None:
+                    refusal = "this graph's path may not run as the original Python"
                 if refusal:
                     self.history.add(TierEvent(name, REFUSED, reason=refusal))
                 else:
@@ -100,6 +105,14 @@ class Tier:
     def _compile(self, name: str) -> None:
         """On the worker thread: compile, build the entry function, queue it for a trial."""
         start = time.perf_counter()
+        if name == EAGER:  # nothing to compile: the guards' check function
+            fn = self.eager()
+            with self.lock:
+                self.compiling -= 1
+                self.ready.append(Candidate(EAGER, fn, None, "(the original Python)",
+                                            time.perf_counter() - start, "guards only"))
+                self._next_trial()
+            return
         examples = [n.meta.get("example") for n in self.gm.graph.nodes if n.op == "placeholder"]
         why_not = process.route(name, self.gm) if process.ENABLED else "process.ENABLED is off"
         where = "worker process" if why_not is None else f"thread: {why_not}"
@@ -157,7 +170,9 @@ class Tier:
             if event.decision == KEPT:
                 c, entry = trial.candidate, self.entry
                 self.fn = c.fn
-                entry.backend, entry.graph_fn, entry.entry_source = c.backend, c.graph_fn, c.source
+                entry.backend, entry.entry_source = c.backend, c.source
+                if c.graph_fn is not None:  # (the eager tier keeps the last graph's, unused)
+                    entry.graph_fn = c.graph_fn
             self.trial = None
             self._next_trial()
 
@@ -174,7 +189,11 @@ class Trial:
         self.calls = 0
         self.samples: tuple[list, list] = ([], [])  # seconds per call: current, candidate
         self.k = tier.trial_calls
-        self.clock = policy.clock()
+        # Chosen by the first call, on the program's thread: a trial is made on whichever
+        # thread decided the last one (often the background thread), and with OpenMP
+        # torch's thread count is per thread (a thread keeps the count of the moment it was
+        # made): the program's later set_num_threads(1) is not the background thread's.
+        self.clock = None
 
     def call(self, L, C, G, B):
         n = self.calls
@@ -184,6 +203,8 @@ class Trial:
         fn = self.candidate.fn if side else self.tier.fn
         if not timed and self.candidate.checked_fn is not None:
             fn = self.candidate.checked_fn  # (same_draws.py)
+        if self.clock is None:
+            self.clock = policy.clock()
         start = self.clock()
         try:
             result = fn(L, C, G, B)
@@ -201,10 +222,16 @@ class Trial:
         elapsed = self.clock() - start
         # (not while another graph's candidate compiles: see Tier._next_trial)
         if timed and result is not MISS and not worker.pending():
-            self.samples[side].append(elapsed)
-            if min(map(len, self.samples)) >= self.k * policy.ROUNDS or self._hopeless(side):
-                self.tier.decide(self, self._verdict())
+            if type(result) is EagerRun:  # the eager tier: its run comes after this returns
+                result.timer = RunTimer(self.clock, elapsed, lambda s: self._add(side, s))
+            else:
+                self._add(side, elapsed)
         return result
+
+    def _add(self, side: int, seconds: float) -> None:
+        self.samples[side].append(seconds)
+        if min(map(len, self.samples)) >= self.k * policy.ROUNDS or self._hopeless(side):
+            self.tier.decide(self, self._verdict())
 
     def _hopeless(self, side: int) -> bool:
         """After the candidate's first round: far slower already (``policy.HOPELESS``), so
