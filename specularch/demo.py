@@ -4,12 +4,12 @@ Runs a small transformer-style block (with a Python flag and a ModuleList loop) 
 LSTMCell loop under ``specularch.optimize``, checks every result against eager, prints
 ``specularch.explain`` reports (graph code, guards, a recompile, a fallback with its
 reason, and the ``torch.where`` graph a tensor branch becomes once it has gone both ways),
-and times eager vs specularch per call (median, 1 thread).
+and times a TreeLSTM training step on a new random tree every step, eager vs specularch
+(median, 1 thread): the recursion is captured once, whatever the tree.
 """
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn as nn
@@ -61,16 +61,6 @@ def noisy(x):
     return -x
 
 
-def _median_us(fn, *args, reps: int = 200, rounds: int = 7) -> float:
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn(*args)
-        samples.append((time.perf_counter() - start) / reps * 1e6)
-    return statistics.median(samples)
-
-
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -106,11 +96,25 @@ def main() -> None:
               "way are graph hits now:")
         print("\n".join(f"    {line}" for line in merged[0].code.splitlines()))
 
-    with torch.no_grad():
-        eager_us = _median_us(reference, x)
-        spec_us = _median_us(block, x)
-    print(f"\nper call (1 thread, median of 7 rounds): eager {eager_us:.1f} us, "
-          f"specularch {spec_us:.1f} us, ratio eager/specularch {eager_us / spec_us:.2f}x")
+    _new_tree_every_step()
+
+
+def _new_tree_every_step(steps: int = 40, after: int = 5) -> None:
+    """The product's point, timed: a TreeLSTM training step (``specularch.workloads``) on a
+    random tree no earlier step had, eager and specularch interleaved step by step on the
+    same trees (``python -m specularch.bench``'s never-seen regime, shortened)."""
+    from .bench import never_seen
+    from .workloads import tree_lstm
+    eager, spec = never_seen.build_modes(tree_lstm, never_seen.PRESET, "cpu", ["auto"], False)
+    batches = never_seen.make_batches(tree_lstm, never_seen.PRESET, steps, "cpu")
+    never_seen.run_interleaved("tree_lstm", [eager, spec], batches, "cpu", budget_s=120.0,
+                               log=lambda line: None, progress_every=steps + 1)
+    eager_ms, spec_ms = (statistics.median(m.times[after:]) * 1e3 for m in (eager, spec))
+    _, close = never_seen.param_difference(spec.model, eager.model)
+    print(f"\nTreeLSTM training step on a new random tree every step (1 thread, {steps} steps, "
+          f"median after the first {after}): eager {eager_ms:.1f} ms, specularch "
+          f"{spec_ms:.1f} ms, {eager_ms / spec_ms:.2f}x; {spec.graphs_made()} graph(s) for "
+          f"{steps} trees; parameters equal eager's within rtol 1e-4: {close}")
 
 
 if __name__ == "__main__":

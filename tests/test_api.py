@@ -715,8 +715,9 @@ def test_fallback_warnings_go_to_logging_the_program_sets_up_later(caplog, capsy
 
 def test_demo_shows_what_the_readme_says(capsys):
     """`python -m specularch.demo` (the README's first command): every result equals eager, the
-    block's report has graph code, guards and a recompile, and the tensor branch shows its
-    fallback and then the torch.where graph that replaced it."""
+    block's report has graph code, guards and a recompile, the tensor branch shows its
+    fallback and then the torch.where graph that replaced it, and the TreeLSTM step runs 40
+    new trees with one graph, its parameters eager's within rounding."""
     from specularch import demo
     torch_threads = torch.get_num_threads()
     try:
@@ -729,3 +730,6 @@ def test_demo_shows_what_the_readme_says(capsys):
     assert "  code:" in out and "  guards:" in out and "recompiled Block.forward" in out, out
     assert "fallback [assumption_failed] noisy" in out, out
     assert "torch.where(" in out.split("fallback [assumption_failed]")[1], out
+    trees = out.split("TreeLSTM training step on a new random tree every step")[1]
+    graphs = int(trees.split(" graph(s) for 40 trees")[0].rsplit(" ", 1)[1])
+    assert graphs <= 2 and "within rtol 1e-4: True" in trees, out  # (the first step's .grad is None)
