@@ -102,16 +102,12 @@ def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     # in-place updates of fresh copies (parameters, optimizer state) folded into their
     # out-of-place ops first (``passes.fold_clones``: the same bits, one pass fewer), then
     # the same op over many tensors (an optimizer update) batched into one
-    # ``torch._foreach_*`` call (``foreach.batch_foreach``: the same per-tensor kernels);
-    # outside exact mode, a cross-entropy's backward written in one pass
-    # (``cross_entropy.py``: within rounding; the compiling backends see eager's op).
+    # ``torch._foreach_*`` call (``foreach.batch_foreach``: the same per-tensor kernels).
     from ._torch_fx_names import bind_renamed_targets
-    # The passes run on one copy of the graph, whose code is generated once.
+    # Both passes run on one copy of the graph, whose code is generated once.
     from .foreach import BATCH_FOREACH
-    from .passes import CHEAPER_LOSS, FOLD_CLONES, rewritten_copy
-    rewrites = (FOLD_CLONES, BATCH_FOREACH) if gm.meta.get("exact", True) else \
-        (CHEAPER_LOSS, FOLD_CLONES, BATCH_FOREACH)
-    return bind_renamed_targets(rewritten_copy(gm, *rewrites)).forward
+    from .passes import FOLD_CLONES, rewritten_copy
+    return bind_renamed_targets(rewritten_copy(gm, FOLD_CLONES, BATCH_FOREACH)).forward
 
 
 def flattened(gm: torch.fx.GraphModule) -> bool:

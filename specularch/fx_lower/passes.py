@@ -106,36 +106,23 @@ def _fold(graph: torch.fx.Graph) -> int:
 class Rewrite:
     """A graph rewrite run by ``rewritten_copy``: ``run(graph) -> how many rewrites`` changes
     the graph in place; ``constructed_by`` names the pass, ``count_key`` the ``meta`` entry
-    that gets the count; ``static_only``: not run on graphs with dynamic sizes."""
+    that gets the count."""
     run: Callable[[torch.fx.Graph], int]
     constructed_by: str
     count_key: str
-    static_only: bool = True
 
 
 FOLD_CLONES = Rewrite(_fold, "specularch.fx_lower.passes.fold_clones", "folded_clones")
 
 
-def _cheaper_loss(graph: torch.fx.Graph) -> int:
-    from .cross_entropy import rewrite
-    return rewrite(graph)
-
-
-# Not bit for bit (the loss's gradient rounds differently: ``cross_entropy.py``), so only for
-# graphs captured outside exact mode; its conditions hold whatever the sizes.
-CHEAPER_LOSS = Rewrite(_cheaper_loss, "specularch.fx_lower.cross_entropy.rewrite",
-                       "cheaper_losses", static_only=False)
-
-
 def rewritten_copy(gm: torch.fx.GraphModule, *rewrites: Rewrite) -> torch.fx.GraphModule:
     """A new GraphModule sharing ``gm``'s attributes, over a copy of its graph changed by
-    each rewrite in turn (graphs with dynamic sizes only by those not ``static_only``);
-    ``meta`` says which pass made it (the last one) and each pass's count. Several rewrites
-    share one copy of the graph and one generation of its code: both cost the graph's size."""
+    each rewrite in turn (graphs with dynamic sizes are left as they are); ``meta`` says
+    which pass made it (the last one) and each pass's count. Several rewrites share one
+    copy of the graph and one generation of its code: both cost the graph's size."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    dynamic = gm.meta.get("dynamic_dims")
-    counts = {r.count_key: 0 if dynamic and r.static_only else r.run(graph) for r in rewrites}
+    counts = {r.count_key: 0 if gm.meta.get("dynamic_dims") else r.run(graph) for r in rewrites}
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     new.meta = dict(gm.meta, constructed_by=rewrites[-1].constructed_by, **counts)
     if any(counts.values()):

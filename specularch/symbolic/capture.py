@@ -184,8 +184,6 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
         getattr(n.meta.get("value"), "dynamic", False) for n in placeholders)
     gm.meta["dynamic"] = gm.meta["scalar_inputs"] or gm.meta["dynamic_dims"]
     gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
-    # captured in exact mode: backends run only rewrites that keep eager's bits (backends._fx)
-    gm.meta["exact"] = tracer.assumptions.exact_loops
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
                                    for n in placeholders)
     gm.meta["in_graph_assumptions"] = bool(assertions)  # outputs the entry function checks
