@@ -45,11 +45,13 @@ class Stack:
         if not self._fits(steps, xs, states, weights):
             return None
         results = _StackFn.apply(self, steps, *xs, *states, *weights)
-        h = [(*results[4 * j].unbind(0), results[4 * j + 1]) for j in range(len(plan.cells))]
-        c = [(*results[4 * j + 2].unbind(0), results[4 * j + 3]) for j in range(len(plan.cells))]
-        items = {"h": h, "c": c}
-        out = [carried[j] if kind == "carried" else items[kind][j][-1] for kind, j in plan.carried]
-        return (*out, *[list(items[kind][j]) for kind, j in plan.outputs])
+        at = {"h": 0, "c": 2}
+        final = {(kind, j): results[4 * j + at[kind] + 1] for kind in at for j in range(len(plan.cells))}
+        # (a list's last item is the carried value itself, as the body's per-iteration run gives)
+        every = {source: (*results[4 * source[1] + at[source[0]]].unbind(0), final[source])
+                 for source in set(plan.outputs)}
+        out = [carried[j] if kind == "carried" else final[(kind, j)] for kind, j in plan.carried]
+        return (*out, *[list(every[source]) for source in plan.outputs])
 
     def _fits(self, steps: int, xs: list, states: list, weights: list) -> bool:
         plan = self.plan
@@ -89,10 +91,10 @@ class _Buffers:
         self.h_fin, self.c_fin = torch.empty_like(h), torch.empty_like(c)
         self.gb = h.new_empty(steps, h.shape[0], 4 * hidden)
         self.tb = h.new_empty(steps, *h.shape)
+        self.H = (*self.hb.unbind(0), self.h_fin)
         self.views()
 
     def views(self) -> None:
-        self.H = (*self.hb.unbind(0), self.h_fin)
         self.C = (*self.cb.unbind(0), self.c_fin)
         self.G, self.T = self.gb.unbind(0), self.tb.unbind(0)
         self.I, self.F, self.Gc, self.O = (g.unbind(0) for g in self.gb.unsafe_chunk(4, 2))
