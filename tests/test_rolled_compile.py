@@ -2,23 +2,44 @@
 as ``fx`` and the loop body is compiled once per input shapes and run from the loop, instead
 of the backend refusing the graph. Equal to eager within rounding; bodies it cannot compile
 keep running as ``fx`` and ``explain()`` says why."""
-import pytest
+import copy
+
 import torch
 
+import specularch
 
-from differential import A, T, check
-from test_rolled_fast import LENGTHS, RTOL, _train_both
+from differential import A, T, assert_same, check
+from test_rolled_fast import LENGTHS, RTOL, _Cells, _cell_args, _train_both
 
 
-@pytest.mark.parametrize("dropout", [0.0])
-def test_torchscript_compiles_the_lm_loop_body_and_trains_like_eager(dropout):
-    report = _train_both(LENGTHS, dropout=dropout, templates="batched", rtol=RTOL, momentum=0.9,
+def test_torchscript_leaves_the_lm_loop_to_its_one_node_and_trains_like_eager():
+    # the LM's body is a stack of LSTM cells: it runs as one autograd node (rolled_stack.py),
+    # not compiled
+    report = _train_both(LENGTHS, dropout=0.0, templates="batched", rtol=RTOL, momentum=0.9,
                          backend="torchscript")
     assert report.stats.captures == 1 and not report.fallbacks, report
     graph = report.graphs[0]
     assert graph.backend == "torchscript", report
-    assert "body compiled by torchscript" in graph.loops[0].faster, report
+    assert "body not compiled by torchscript: it runs as one node" in graph.loops[0].faster, report
     assert list(graph.loops[0].trips)[-3:] == LENGTHS[-3:], report
+
+
+def test_torchscript_compiles_a_loop_body_of_fused_cells_and_trains_like_eager():
+    # (a tanh between the cells: not a plain stack)
+    torch.manual_seed(0)
+    eager = _Cells(False)
+    opt = specularch.optimize(copy.deepcopy(eager), backend="torchscript")
+    for i in range(9):
+        args_e, args_o = _cell_args(i), _cell_args(i)
+        out_e, out_o = eager(*args_e), opt(*args_o)
+        assert_same(out_e, out_o, f"call {i}", rtol=RTOL)
+        out_e.backward()
+        out_o.backward()
+        for (name, p), q in zip(eager.named_parameters(), opt.parameters()):
+            assert_same(p.grad, q.grad, f"call {i} {name}.grad", rtol=RTOL, atol=1e-6)
+    graph = specularch.explain(opt).graphs[-1]
+    assert graph.backend == "torchscript" and "body compiled by torchscript" in graph.loops[0].faster, \
+        specularch.explain(opt)
 
 
 def _index_in_arithmetic(x, w, n):

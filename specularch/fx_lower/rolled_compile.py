@@ -35,6 +35,9 @@ def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
     for node in gm.graph.nodes:
         loop = node.target
         if node.op == "call_function" and hasattr(loop, "run_body") and hasattr(loop, "body"):
+            if getattr(loop.prepare, "stack", None) is not None:
+                loop.report.faster += f"; body not compiled by {backend}: it runs as one node"
+                continue
             compiled = CompiledBody.of(loop.body, backend)
             if isinstance(compiled, str):
                 loop.report.faster += f"; body not compiled by {backend}: {compiled}"

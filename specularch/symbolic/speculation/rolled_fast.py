@@ -21,6 +21,9 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
   iterations (``rolled_project.py``: the one matrix product the prelude takes).
 * **cells**: ``torch.lstm_cell`` with invariant weights becomes one autograd node per
   iteration, with one weight-gradient product per call (``fx_lower/rolled_cells.py``).
+* **stack**: a body that is then nothing but a stack of such cells (each one's input the
+  prelude's row or the previous one's ``h``: ``fx_lower/rolled_stack_plan.py``) runs as one
+  autograd node for all iterations (``fx_lower/rolled_stack.py``, ``Prepare.whole``).
 
 Forward values stay eager's bit for bit but for the projections (a product over all rows
 may round differently); gradients are eager's up to rounding (summed in another order).
@@ -32,7 +35,7 @@ import operator
 import torch
 import torch.fx
 
-from ...fx_lower import rolled_cells
+from ...fx_lower import rolled_cells, rolled_stack, rolled_stack_plan
 from ...fx_lower.randomness import is_identity_dropout
 from . import rolled_hoist, rolled_project
 
@@ -50,9 +53,11 @@ class Prepare:
     """Per call: the prelude's per-iteration rows, then the cells' weight sinks."""
 
     def __init__(self, prelude: torch.fx.GraphModule | None, reads: list,
-                 cells: rolled_cells.FusedCells | None, projected: int = 0, first: int = 1):
+                 cells: rolled_cells.FusedCells | None, projected: int = 0, first: int = 1,
+                 stack: rolled_stack.Stack | None = None):
         self.prelude, self.reads, self.cells, self.first = prelude, reads, cells, first
         self.projected = projected  # cells whose input projection runs in the prelude
+        self.stack = stack          # the body is a stack of those cells
 
     def __str__(self) -> str:
         done = []
@@ -64,7 +69,18 @@ class Prepare:
         if self.cells is not None:
             done.append(f"{len(self.cells.sites)} LSTM cells fused (one weight-gradient product "
                         "per call)")
+        if self.stack is not None:
+            done.append("the cells' stack run as one autograd node per call")
         return "; ".join(done)
+
+    def whole(self, n: int, carried: tuple, invariants: tuple) -> tuple | None:
+        """The loop's carried values and per-iteration outputs, all iterations run at once by
+        the stack; None where the body must run per iteration instead."""
+        if self.stack is None or n <= self.first:
+            return None
+        rows = () if self.prelude is None else \
+            self.prelude(n, *[invariants[k] for k in self.reads])
+        return self.stack(n - self.first, carried, invariants, rows)
 
     def __call__(self, n: int, invariants: tuple) -> tuple:
         if self.prelude is not None and n > self.first:
@@ -75,11 +91,13 @@ class Prepare:
         return self.cells(invariants) if self.cells is not None else invariants
 
 
-def speed_up(body: torch.fx.GraphModule, invariants: list, report, first: int = 1) -> Prepare | None:
+def speed_up(body: torch.fx.GraphModule, invariants: list, report, first: int = 1,
+             results: tuple = (0, 0, ())) -> Prepare | None:
     """Rewrite ``body`` in place (see the module docstring) and say so in the loop's
     ``report``; ``invariants``: the outer graph's nodes the body's ``invariant_<k>``
-    placeholders stand for; ``first``: the first iteration the body runs. None when nothing
-    changed."""
+    placeholders stand for; ``first``: the first iteration the body runs; ``results``: how
+    many carried values and per-iteration outputs the body returns, and what its checks are
+    expected to be. None when nothing changed."""
     names = [f"invariant_{k + 1}" for k in range(len(invariants))]
     split = rolled_project.split(body.graph, names)
     prelude, reads = _prelude(body, names, first)
@@ -89,7 +107,10 @@ def speed_up(body: torch.fx.GraphModule, invariants: list, report, first: int = 
     cells = rolled_cells.fuse(body, names)
     if prelude is None and cells is None:
         return None
-    prepare = Prepare(prelude, reads, cells, projected, first)
+    stack = None if cells is None else rolled_stack_plan.plan(
+        body, *results, [n.meta.get("example") for n in invariants])
+    prepare = Prepare(prelude, reads, cells, projected, first,
+                      None if stack is None else rolled_stack.Stack(stack))
     report.faster = f", {prepare}"
     return prepare
 

@@ -94,6 +94,10 @@ class RolledLoop:
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
+        if self.run_body is None and self.prepare is not None:
+            whole = self.prepare.whole(n, carried, invariants)  # (rolled_fast.py: a stack)
+            if whole is not None:
+                return (*whole, True) if self.expected else whole
         step, k, o = self.run_body or self.body.forward, self.carried, self.outputs
         invariants = self.prepare(n, invariants) if self.prepare is not None else invariants
         outs: tuple = tuple([] for _ in range(o))
@@ -435,7 +439,8 @@ class _Roll:
                             tuple(expected for _, expected, _, _ in self.checks), report)
         target.first = self.first
         if not self.tracer.assumptions.exact_loops:
-            target.prepare = rolled_fast.speed_up(body, self.invariants, report, self.first)
+            target.prepare = rolled_fast.speed_up(body, self.invariants, report, self.first,
+                                                  (target.carried, target.outputs, target.expected))
         carried = tuple(h.node for h, _, _ in self.entries) if self.folded is None \
             else tuple(self.folded.initial)
         node = self.graph.call_function(target, (n.node, carried, tuple(self.invariants)))
