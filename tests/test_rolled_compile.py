@@ -55,3 +55,24 @@ def test_a_body_using_the_index_in_tensor_math_runs_as_fx_and_says_why():
                    calls=6, grad=True, expect="graph", backend="torchscript", rtol=RTOL, atol=1e-7)
     loop = report.graphs[-1].loops[0]
     assert loop.rolled and "body not compiled by torchscript: it uses the loop index" in loop.faster, report
+
+
+def test_a_compiled_body_stays_with_its_candidate():
+    """A compiling backend sets the loop's compiled body on its own copy of the graph's
+    loops: the graph it compiled from (the ``fx`` tier's, run during the candidate's trial
+    and for good if it is rejected) still runs the body as captured."""
+    from specularch.fx_lower import get_backend
+    torch.manual_seed(0)
+    eager = _Cells(False)
+    opt = specularch.optimize(copy.deepcopy(eager), backend="fx")
+    for i in range(4):
+        opt(*_cell_args(i))
+    entry = max(specularch.api._state_of(opt).entries, key=lambda e: e.hits)
+    gm = entry.capture.graph_module
+    loops = [n.target for n in gm.graph.nodes if hasattr(n.target, "run_body")]
+    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    compiled = get_backend("torchscript").compile(gm, examples)
+    assert loops and all(loop.run_body is None for loop in loops)
+    own = [n.target for n in compiled.__self__.graph.nodes if hasattr(n.target, "run_body")]
+    assert own and all(loop.run_body is not None for loop in own)
+    assert not set(map(id, own)) & set(map(id, loops))

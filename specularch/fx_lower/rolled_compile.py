@@ -17,6 +17,7 @@ running as ``fx``, and ``explain()`` says why.
 """
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -30,8 +31,25 @@ _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operat
 _SIZE_METHODS = {"size", "dim", "numel"}
 
 
+def with_own_loops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose rolled loops (its nodes' ``RolledLoop`` targets) are its own:
+    ``compile_bodies`` sets a compiled body on each, which must not reach the graph it was
+    copied from — the ``fx`` tier's own graph, still run while the candidate is on trial,
+    and again for good if it is rejected."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.op == "call_function" and hasattr(node.target, "run_body") \
+                and hasattr(node.target, "body"):
+            node.target = copy.copy(node.target)
+    own = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    own.meta = dict(gm.meta)
+    return own
+
+
 def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
-    """Give every rolled loop of ``gm`` a body compiled by ``backend`` on its first run."""
+    """Give every rolled loop of ``gm`` a body compiled by ``backend`` on its first run
+    (``gm``'s loops must be its own: ``with_own_loops``)."""
     for node in gm.graph.nodes:
         loop = node.target
         if node.op == "call_function" and hasattr(loop, "run_body") and hasattr(loop, "body"):
