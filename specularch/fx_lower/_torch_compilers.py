@@ -229,7 +229,24 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     with torch.enable_grad():
         flat = make_fx(gm, tracing_mode=tracing_mode)(*inputs)
     flat.meta["constructed_by"] = "specularch.fx_lower._torch_compilers.flatten (make_fx)"
+    _same_output_dtypes(gm, flat)
     return Flattened(flat, inputs, converted)
+
+
+def _same_output_dtypes(gm: torch.fx.GraphModule, flat: torch.fx.GraphModule) -> None:
+    """Raises where the flattened graph returns another dtype than capture saw (a number
+    input made a 0-d tensor that promoted a result, ``scalar_inputs_as_tensors``): values
+    within rounding of eager's, in the wrong dtype, would be silently wrong."""
+    def outputs(graph: torch.fx.GraphModule, key: str) -> list:
+        (node,) = [n for n in graph.graph.nodes if n.op == "output"]
+        values = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+        return [v.meta.get(key) if isinstance(v, torch.fx.Node) else v for v in values]
+    captured, traced = outputs(gm, "example"), outputs(flat, "val")
+    if len(captured) != len(traced):
+        return
+    for i, (a, b) in enumerate(zip(captured, traced)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+            raise TypeError(f"flattening changed output {i}'s dtype from {a.dtype} to {b.dtype}")
 
 
 def distinct_outputs(outputs) -> list:
