@@ -110,6 +110,8 @@ class Tier:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples)
             if compile_cache.from_cache(graph_fn):
                 where = "from the compile cache"
+            if getattr(graph_fn, "artefact_note", ""):  # e.g. not the form it should be
+                where += f"; {graph_fn.artefact_note}"
             if not self.random:  # its first calls' work, off the program's steps; a graph that
                 # draws random numbers would draw them here, beside the program, from its generator:
                 # its first calls are the checked ones in the trial instead (same_draws.py)
