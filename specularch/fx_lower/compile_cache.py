@@ -138,6 +138,12 @@ def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
         return None
 
 
+def has_script(key: str) -> bool:
+    """A scripted module is saved under ``key`` (not read: ``load_script`` checks it)."""
+    folder = directory("torchscript")
+    return folder is not None and os.path.exists(os.path.join(folder, f"{key}.pt"))
+
+
 def read_script(path: str) -> tuple[torch.jit.ScriptModule, dict]:
     """A module ``write_script`` saved (in this process or another), and its metadata."""
     extra = {"specularch.json": ""}

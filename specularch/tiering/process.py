@@ -119,14 +119,30 @@ def _cache_root() -> str | None:
     return os.path.dirname(folder) if folder else None
 
 
-def prestart() -> None:
+def prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...] = BACKENDS) -> None:
     """Start the worker process now, on the background thread (starting a process is not for
-    the program's step to wait on), so that the first candidate finds it warm. Once."""
+    the program's step to wait on), so that the first candidate of ``gm`` finds it warm.
+    Once. Not when every one of ``backends`` that would compile ``gm`` in a worker finds it
+    in the persistent compile cache (a second run): the worker, seconds of CPU and hundreds
+    of MB, is then started by the first job that needs one."""
     global _prestarted
     if _prestarted or not ENABLED or not PRESTART:
         return
     _prestarted = True
-    worker.soon(_worker)
+    worker.soon(lambda: _prestart(gm, backends))
+
+
+def _prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...]) -> None:
+    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(route(b, gm) is None and not _in_cache(b, compile_cache.entry_key(gm, examples, b, "flattened"))
+           for b in backends):
+        _worker()
+
+
+def _in_cache(backend: str, key: str) -> bool:
+    if backend == "torchscript":
+        return compile_cache.has_script(key)
+    return compile_cache.artifact(key) is not None
 
 
 class _Worker:

@@ -83,7 +83,7 @@ class Tier:
             if policy.hot(self.hits, seconds):
                 self._submit()
             elif seconds * 4 >= config.tier_min_seconds:  # a quarter of the way to hot
-                process.prestart()
+                process.prestart(self.gm, policy.CANDIDATES)
         return result
 
     def _submit(self) -> None:
