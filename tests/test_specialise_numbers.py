@@ -53,3 +53,31 @@ def test_specialised_copy_keeps_the_signature():
     spec = specialise.with_values(gm, {1: 7.0})
     assert torch.equal(spec(torch.ones(2), 123.0), torch.full((2,), 8.0))
     assert spec.meta["specialised"] == {1: 7.0}
+
+
+def zero_d(x, lr, n):
+    s = x.sum()
+    t = s.clone()
+    t.lerp_(s * 2, lr)  # a tensor weight must have the tensor's dtype
+    return s * lr, s + n, (x > 0).sum() * lr, s.pow(n), t, s.clone().addcdiv_(s, s + 1, value=lr)
+
+
+def test_numbers_meet_0d_tensors_in_eagers_dtype():
+    """A run-time number input is a 0-d float64/int64 tensor in the compiled graph, and a 0-d
+    float64 tensor promotes a 0-d float32 one where a Python number does not: cast to the
+    op's eager dtype first, every result is eager's dtype and value (was float64)."""
+    check(zero_d, lambda i: A(T(3, seed=i), 0.1 * (i + 1), i % 3 + 1), calls=6, expect="graph",
+          backend="torchscript", rtol=1e-6)
+
+
+def test_flattening_that_changes_an_outputs_dtype_raises():
+    """The net under the cast above: a compiler is not used on a flattened graph whose
+    result dtypes are not capture's (the graph stays on fx, saying why)."""
+    from specularch.fx_lower._torch_compilers import flatten
+    gm = torch.fx.symbolic_trace(lambda x, k: x.sum() * k)
+    (x, k), (out,) = [n for n in gm.graph.nodes if n.op == "placeholder"], \
+        [n for n in gm.graph.nodes if n.op == "call_function"][-1:]
+    x.meta["example"], k.meta["example"] = torch.ones(3), 2.0
+    out.meta["example"] = torch.tensor(6.0, dtype=torch.float16)  # what capture saw, say
+    with pytest.raises(TypeError, match="output 0's dtype from torch.float16 to torch.float32"):
+        flatten(gm, [torch.ones(3), 2.0], tracing_mode="fake")

@@ -125,6 +125,15 @@ def test_graph_round_trips_to_the_same_code(hot_at_once):
                 (b.shape, b.stride(), b.dtype, b.requires_grad)
         else:
             assert a == b
+    # The other nodes' examples travel as metadata (dtypes decide number inputs' casts).
+    inner = [(n.meta.get("example"), m.meta.get("example")) for n, m in
+             zip(gm.graph.nodes, gm2.graph.nodes) if n.op not in ("placeholder", "output")]
+    assert any(isinstance(a, torch.Tensor) for a, _ in inner)
+    for a, b in inner:
+        if isinstance(a, torch.Tensor):
+            assert b.is_meta and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+        elif isinstance(a, (bool, int, float)):
+            assert a == b
 
 
 def test_graph_calling_a_user_function_is_not_sent():
@@ -197,3 +206,39 @@ def test_graphs_the_backend_wraps_in_this_process_are_not_sent():
         return torch.full((3,), k) + x
     gm = _captured_graph(filled, [(torch.ones(3), k) for k in (2.0, 3.0, 4.0, 5.0)])
     assert "per value" in process.route("inductor", gm)
+
+
+def test_number_input_meets_a_0d_tensor_in_eagers_dtype_in_the_worker(hot_at_once, monkeypatch):
+    """A loss scaled by a Python number passed per call: in the worker (which gets the
+    graph's node examples as metadata) the number is cast to the loss's dtype, as eager's
+    Python number is; the promoted step returns eager's float32 loss (it returned float64)."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)  # keep it
+    torch.manual_seed(0)
+    model = _mlp()
+    twin = copy.deepcopy(model)
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x, y, scale):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y) * scale
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+    eager, opt = make(twin), specularch.optimize(make(model))
+    batches = _batches((8, 16), 4, 3)
+    for i in range(60):
+        x, y = batches[i % 3]
+        expected, got = eager(x, y, 1.0 + 0.25 * (i % 4)), opt(x, y, 1.0 + 0.25 * (i % 4))
+        assert got.dtype == expected.dtype and torch.allclose(got, expected, rtol=1e-5), i
+        entry = max(opt.__specularch_state__.entries, key=lambda e: e.hits, default=None)
+        if entry is not None and entry.tier.settled and i >= 30:
+            break
+        tiering.wait(timeout=120)
+    (event,) = entry.tier.events
+    assert (event.decision, event.compiled_in) == ("kept", "worker process"), str(event)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert_same(q, p, rtol=1e-5, atol=1e-6)

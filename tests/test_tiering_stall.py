@@ -192,6 +192,15 @@ def test_second_run_loads_the_worker_s_code_from_the_compile_cache(counted_worke
         jobs = sum(w.jobs for w in counted_workers)
         specularch.reset()
         second = _models_stepped([_mlp], (8, 16), 4)[0]
+        # Nor is a worker started before the graph is hot (``prestart``): everything it would
+        # compile is in the cache. One candidate more that is not, and it is.
+        process.shut_down()
+        started = len(counted_workers)
+        gm = max(second.__specularch_state__.entries, key=lambda e: e.hits).capture.graph_module
+        process._prestart(gm, (backend,))
+        assert len(counted_workers) == started and process._current is None
+        process._prestart(gm, (backend, {"torchscript": "inductor"}.get(backend, "torchscript")))
+        assert len(counted_workers) == started + 1
     finally:
         specularch.config.compile_cache_dir = before
     events = _worker_events(second)

@@ -11,7 +11,7 @@ from specularch.fx_lower import _torch_compilers as compilers
 from specularch.tiering import compile_worker, job as jobs, process
 
 
-class Stop(Exception):
+class Stop(BaseException):  # (not an Exception: inductor_artifact falls back on those)
     pass
 
 
@@ -25,16 +25,19 @@ def _graph():
 
 
 @pytest.mark.parametrize("threads", [3, None])
-def test_inductor_artifact_writes_kernels_for_the_given_threads(monkeypatch, tmp_path, threads):
+@pytest.mark.parametrize("compiler, aoti", [("aoti_compile_and_package", True),
+                                            ("standalone_compile", False)])
+def test_inductor_artifact_writes_kernels_for_the_given_threads(monkeypatch, tmp_path, threads,
+                                                                compiler, aoti):
     seen = []
 
-    def standalone_compile(*args, **kwargs):
+    def compile(*args, **kwargs):
         seen.append(inductor_utils.parallel_num_threads())
         raise Stop
-    monkeypatch.setattr(torch._inductor, "standalone_compile", standalone_compile)
+    monkeypatch.setattr(torch._inductor, compiler, compile)
     gm, examples = _graph()
     with pytest.raises(Stop):
-        compilers.inductor_artifact(gm, examples, str(tmp_path / "a"), threads=threads)
+        compilers.inductor_artifact(gm, examples, str(tmp_path / "a"), threads=threads, aoti=aoti)
     assert seen == [threads or torch.get_num_threads()]
 
 
@@ -57,6 +60,6 @@ def test_the_worker_is_told_the_programs_threads(monkeypatch, tmp_path):
     (job,) = jobs_seen
     assert job["threads"] == 3
     monkeypatch.setattr(compilers, "inductor_artifact",
-                        lambda gm, examples, path, threads=None: passed.append(threads) or {})
+                        lambda gm, examples, path, threads=None, aoti=False: passed.append(threads) or {})
     compile_worker._compile(job, *jobs.unpack(job), str(tmp_path / "artefact"))
     assert passed == [3]

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from . import compile_cache
+from . import _torch_aoti, compile_cache
 from .passes import as_tensor_input, scalar_inputs_as_tensors
 
 
@@ -143,11 +143,12 @@ def _no_leaked_pointer():
 
 
 @contextlib.contextmanager
-def _inductor_caches():
+def _inductor_caches(tracing: bool = True):
     """Inductor's own on-disk caches (FX graph cache, AOT autograd cache) on, in
     ``<compile cache>/inductor`` unless the program chose a directory itself
     (``TORCHINDUCTOR_CACHE_DIR``). Yields a function telling whether the compile was
-    answered from the FX graph cache."""
+    answered from the FX graph cache. ``tracing=False``: without the static-shape tracing
+    context (``torch.export`` makes its own)."""
     from torch._dynamo.utils import counters
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
@@ -161,7 +162,7 @@ def _inductor_caches():
             functorch_config.patch(enable_autograd_cache=True), \
             (contextlib.nullcontext() if compile_cache.inductor_dir_chosen()
              else temporary_cache_dir(folder)), \
-            _static_shape_env():
+            (_static_shape_env() if tracing else contextlib.nullcontext()):
         yield lambda: counters["inductor"]["fxgraph_cache_hit"] > hits
 
 
@@ -229,7 +230,24 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     with torch.enable_grad():
         flat = make_fx(gm, tracing_mode=tracing_mode)(*inputs)
     flat.meta["constructed_by"] = "specularch.fx_lower._torch_compilers.flatten (make_fx)"
+    _same_output_dtypes(gm, flat)
     return Flattened(flat, inputs, converted)
+
+
+def _same_output_dtypes(gm: torch.fx.GraphModule, flat: torch.fx.GraphModule) -> None:
+    """Raises where the flattened graph returns another dtype than capture saw (a number
+    input made a 0-d tensor that promoted a result, ``scalar_inputs_as_tensors``): values
+    within rounding of eager's, in the wrong dtype, would be silently wrong."""
+    def outputs(graph: torch.fx.GraphModule, key: str) -> list:
+        (node,) = [n for n in graph.graph.nodes if n.op == "output"]
+        values = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+        return [v.meta.get(key) if isinstance(v, torch.fx.Node) else v for v in values]
+    captured, traced = outputs(gm, "example"), outputs(flat, "val")
+    if len(captured) != len(traced):
+        return
+    for i, (a, b) in enumerate(zip(captured, traced)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+            raise TypeError(f"flattening changed output {i}'s dtype from {a.dtype} to {b.dtype}")
 
 
 def distinct_outputs(outputs) -> list:
@@ -304,29 +322,71 @@ def scripted_flattened(gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
 
 
 def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
-                      threads: int | None = None) -> dict:
-    """``flatten`` (static shapes) compiled by Inductor's ``standalone_compile`` and saved to
-    ``path`` (for ``load_inductor_artifact`` in another process); returns the metadata that
-    call needs. Inductor's own caches are used as in ``inductor_without_autograd``.
-    ``threads``: the thread count the kernels are written for (Inductor's default is this
-    process's ``torch.get_num_threads()``, one in a worker)."""
+                      threads: int | None = None, aoti: bool = True) -> dict:
+    """``flatten`` (static shapes) compiled by Inductor and saved to ``path`` (for
+    ``load_inductor_artifact`` in another process); returns the metadata that call needs.
+    The artefact is an AOTInductor package (``_torch_aoti``: the program loads it without
+    importing Inductor), or, where export or AOTInductor fails for the graph (or ``aoti`` is
+    False: the program cannot load packages), a ``standalone_compile`` artefact, whose load
+    imports Inductor; ``meta["aoti_failed"]`` then says why. Inductor's own caches are used
+    as in ``inductor_without_autograd``. ``threads``: the thread count the kernels are
+    written for (Inductor's default is this process's ``torch.get_num_threads()``, one in
+    a worker)."""
     from torch._inductor import config as inductor_config, standalone_compile
     flat = flatten(gm, example_inputs, tracing_mode="fake")
+    meta = {"converted": flat.converted,
+            "devices": [str(flat.inputs[i].device) for i in flat.converted]}
+    why = _aoti_refusal(gm, flat) if aoti else "the program's torch cannot load its packages"
+    if why is None:
+        try:
+            with _no_leaked_pointer(), _inductor_caches(tracing=False):
+                data = _torch_aoti.package(flat.graph, flat.inputs, threads)
+            with open(path, "wb") as f:
+                f.write(data)
+            return {**meta, "format": AOTI}
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     with torch.no_grad(), inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}), \
             _no_leaked_pointer(), _inductor_caches():
         artifact = standalone_compile(flat.graph, flat.inputs,
                                       dynamic_shapes="from_example_inputs")
         artifact.save(path=path, format="binary")
-    return {"converted": flat.converted,
-            "devices": [str(flat.inputs[i].device) for i in flat.converted]}
+    return {**meta, "format": STANDALONE, "aoti_failed": why}
+
+
+AOTI, STANDALONE = "aoti", "standalone"  # meta["format"] of an Inductor artefact
+
+
+def _aoti_refusal(gm: torch.fx.GraphModule, flat: Flattened) -> str | None:
+    # On a GPU the package's kernels are loaded from the loader's folder on first use, and
+    # nothing of it was measured there: such graphs keep the standalone artefact.
+    devices = {t.device.type for t in flat.inputs if isinstance(t, torch.Tensor)}
+    if devices - {"cpu"}:
+        return f"used for CPU graphs only, not on {', '.join(sorted(devices - {'cpu'}))}"
+    updated = _torch_aoti.updated_inputs(flat.graph)
+    if updated:
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        return f"the graph updates its input {', '.join(names[i] for i in updated)} in place"
+    return None
 
 
 def load_inductor_artifact(path: str, meta: dict) -> Callable:
     """What ``inductor_artifact`` saved, as the captured graph's compiled form (run under
-    ``no_grad``, Python numbers at ``meta["converted"]`` made 0-d tensors)."""
-    from torch._inductor import CompiledArtifact
-    with _no_leaked_pointer():
-        compiled = CompiledArtifact.load(path=path, format="binary")
+    ``no_grad``, Python numbers at ``meta["converted"]`` made 0-d tensors). An AOTInductor
+    package is loaded by the C++ loader (milliseconds, ``torch._inductor`` not imported); a
+    ``standalone_compile`` artefact's load imports Inductor (seconds, holding the GIL), and
+    the returned function's ``artefact_note`` says why it is one."""
+    if meta.get("format") == AOTI:
+        package = _torch_aoti.load(path)
+
+        def compiled(*args):
+            return package(list(args))
+        note = ""
+    else:
+        from torch._inductor import CompiledArtifact
+        with _no_leaked_pointer():
+            compiled = CompiledArtifact.load(path=path, format="binary")
+        note = f"standalone_compile artefact (AOTInductor: {meta.get('aoti_failed', '?')})"
     converted, devices = meta["converted"], meta["devices"]
 
     def run(*args):
@@ -337,6 +397,7 @@ def load_inductor_artifact(path: str, meta: dict) -> Callable:
         with torch.no_grad():
             return distinct_outputs(compiled(*args))
 
+    run.artefact_note = note
     return run
 
 

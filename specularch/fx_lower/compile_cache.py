@@ -8,9 +8,10 @@ same program starts with the first run's compiled code instead of compiling agai
   Python, not a serializable artefact.
 * Inductor keeps its own on-disk caches (FX graph cache, AOT autograd cache); they are
   pointed into ``<cache dir>/inductor`` by ``_torch_compilers``. A flattened graph compiled
-  by a tiering worker process is also kept whole, as its ``standalone_compile`` artefact
-  (``save_artifact``, under ``<cache dir>/inductor-artifacts``): a later run loads it in
-  milliseconds, with no worker and no tracing.
+  by a tiering worker process is also kept whole, as its AOTInductor package (or, where
+  that failed, its ``standalone_compile`` artefact; ``save_artifact``, under
+  ``<cache dir>/inductor-artifacts``): a later run loads it in milliseconds, with no worker
+  and no tracing (and, for a package, without importing Inductor).
 
 ``config.compile_cache_dir`` chooses the directory (``off``: no cache). An entry that cannot
 be read (corrupt, truncated, written by another torch) is ignored with one log line and
@@ -49,7 +50,7 @@ def configure(directory: Callable[[], str | None], inductor_dir_chosen: bool) ->
 def inductor_dir_chosen() -> bool:
     return _SETTINGS["inductor_dir_chosen"]
 
-FORMAT = 1  # bumped when what an entry holds changes
+FORMAT = 2  # bumped when what an entry holds changes (2: AOTInductor packages)
 
 
 def directory(kind: str) -> str | None:
@@ -104,7 +105,7 @@ def _specularch_version() -> str:
         version = "unknown"
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256(version.encode())
-    for name in ("_torch_compilers.py", "passes.py", "compile_cache.py"):
+    for name in ("_torch_compilers.py", "_torch_aoti.py", "passes.py", "compile_cache.py"):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()
@@ -137,6 +138,12 @@ def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
         return None
 
 
+def has_script(key: str) -> bool:
+    """A scripted module is saved under ``key`` (not read: ``load_script`` checks it)."""
+    folder = directory("torchscript")
+    return folder is not None and os.path.exists(os.path.join(folder, f"{key}.pt"))
+
+
 def read_script(path: str) -> tuple[torch.jit.ScriptModule, dict]:
     """A module ``write_script`` saved (in this process or another), and its metadata."""
     extra = {"specularch.json": ""}
@@ -166,37 +173,63 @@ def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
         _LOG.warning(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
 
 
+# An Inductor entry's file, by ``meta["format"]``: an AOTInductor package, a
+# ``standalone_compile`` artefact in its binary format.
+_SUFFIX = {"aoti": ".pt2", "standalone": ".bin"}
+
+
+def _artifact_path(folder: str, key: str, meta: dict) -> str:
+    return os.path.join(folder, key + _SUFFIX.get(meta.get("format"), ".bin"))
+
+
 def save_artifact(key: str, path: str, meta: dict) -> None:
-    """Keep the Inductor artefact saved at ``path`` (``standalone_compile``'s binary format)
-    and ``meta`` under ``key``, so that the next run loads it without compiling."""
+    """Keep the Inductor artefact saved at ``path`` (its kind in ``meta["format"]``) and
+    ``meta`` under ``key``, so that the next run loads it without compiling."""
     folder = directory("inductor-artifacts")
     if folder is None:
         return
     try:
         with open(path, "rb") as f:
             data = f.read()
-        _write_atomically(os.path.join(folder, f"{key}.bin"), data)
-        # The metadata last: an entry is complete once its .json exists.
+        _write_atomically(_artifact_path(folder, key, meta), data)
+        # The metadata last (an entry is complete once its .json exists), with the file's
+        # checksum: the package loader does not check its zip's CRCs, and loads a damaged
+        # library as it is (a flipped byte: loaded, no error).
+        meta = {**meta, "sha256": hashlib.sha256(data).hexdigest()}
         _write_atomically(os.path.join(folder, f"{key}.json"), json.dumps(meta).encode())
     except Exception as e:
         _LOG.warning(f"compile cache: could not save an Inductor entry ({type(e).__name__}: {e})")
 
 
 def artifact(key: str) -> tuple[str, dict] | None:
-    """The path and metadata of the Inductor artefact saved under ``key``, or None."""
+    """The path and metadata of the Inductor artefact saved under ``key``, or None (none
+    saved; or unreadable, damaged: logged, and left for ``save_artifact`` to replace)."""
     folder = directory("inductor-artifacts")
     if folder is None:
         return None
-    path = os.path.join(folder, f"{key}.bin")
     try:
         with open(os.path.join(folder, f"{key}.json")) as f:
             meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError(f"metadata is a {type(meta).__name__}")
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
+        ignore(os.path.join(folder, f"{key}.json"), e)
+        return None
+    path = _artifact_path(folder, key, meta)
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
         ignore(path, e)
         return None
-    return (path, meta) if os.path.exists(path) else None
+    if digest != meta.get("sha256"):
+        ignore(path, ValueError("its contents do not match the checksum saved with it"))
+        return None
+    return path, meta
 
 
 def ignore(path: str, error: Exception) -> None:

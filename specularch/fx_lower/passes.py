@@ -22,22 +22,27 @@ def scalar_inputs_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphMo
     inputs, so a compiler that would specialise on a number's value cannot. Keyword scalars
     (``alpha=``, ``value=``) fed by them are folded into the tensor operand:
     ``p.add_(g, alpha=a)`` → ``p.add_(g * a)``; ``p.addcdiv_(t1, t2, value=v)`` →
-    ``p.add_(t1 / t2 * v)``. Returns the new module and the positions of converted inputs."""
+    ``p.add_(t1 / t2 * v)``. Where such a number meets a tensor it is first cast to the
+    dtype of that op's result in eager (``(loss * lr.to(float32))``): a Python number does
+    not promote a tensor's dtype, a 0-d float64 tensor promotes a 0-d float32 one (a
+    ``loss * scale`` came back float64). Returns the new module and the positions of
+    converted inputs."""
     new = copy.deepcopy(gm)
     graph = new.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     converted = [i for i, n in enumerate(placeholders) if isinstance(n.meta.get("example"), (int, float))]
-    derived = {placeholders[i] for i in converted}
-    for node in list(graph.nodes):  # nodes computed from converted inputs are tensors now
+    numbers = {placeholders[i] for i in converted}
+    for node in list(graph.nodes):  # arithmetic on those numbers only: 0-d tensors too now
         if node.op == "call_function" and node.target.__module__ in ("_operator", "operator") and \
-                any(isinstance(a, torch.fx.Node) and a in derived for a in node.args):
-            derived.add(node)
+                any(isinstance(a, torch.fx.Node) and a in numbers for a in node.args) and \
+                not isinstance(node.meta.get("example"), torch.Tensor):
+            numbers.add(node)
     for node in list(graph.nodes):
         if node.op != "call_method" or node.target not in _SCALED_KEYWORD:
             continue
         key = _SCALED_KEYWORD[node.target]
         scale = node.kwargs.get(key)
-        if not isinstance(scale, torch.fx.Node) or scale not in derived:
+        if not isinstance(scale, torch.fx.Node) or scale not in numbers:
             continue
         with graph.inserting_before(node):
             if node.target == "addcdiv_":
@@ -46,16 +51,30 @@ def scalar_inputs_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphMo
                 operand = graph.call_function(operator.mul, (node.args[1], node.args[2]))
             else:
                 operand = node.args[1]
-            scaled = graph.call_function(operator.mul, (operand, scale))
+            scaled = graph.call_function(operator.mul, (operand, _as_dtype_of(graph, scale, node)))
         kwargs = {k: v for k, v in node.kwargs.items() if k != key}
         target = node.target if node.target in ("add", "add_", "sub", "sub_") else "add_"
         node.target = target
         node.args = (node.args[0], scaled)
         node.kwargs = kwargs
+    for node in list(graph.nodes):
+        if node.op in ("call_function", "call_method") and node not in numbers:
+            for number in [a for a in node.all_input_nodes if a in numbers]:
+                node.replace_input_with(number, _as_dtype_of(graph, number, node))
     graph.lint()
     new.recompile()
     new.meta = dict(gm.meta, constructed_by="specularch.fx_lower.passes.scalar_inputs_as_tensors")
     return new, converted
+
+
+def _as_dtype_of(graph: torch.fx.Graph, number: torch.fx.Node, user: torch.fx.Node) -> torch.fx.Node:
+    """``number`` (a 0-d tensor now) cast, before ``user``, to the dtype of ``user``'s result
+    in eager; itself where that is not known."""
+    dtype = getattr(user.meta.get("example"), "dtype", None)
+    if dtype is None:
+        return number
+    with graph.inserting_before(user):
+        return graph.call_method("to", (number, dtype))
 
 
 def as_tensor_input(value, device=None) -> torch.Tensor:

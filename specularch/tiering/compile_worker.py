@@ -28,7 +28,7 @@ import traceback
 # Imported while idle, cheapest and most needed first: the flattening and TorchScript path,
 # then Inductor (seconds of imports on first use).
 PRELOAD = ("specularch.fx_lower._torch_compilers", "specularch.tiering.job",
-           "torch.fx.experimental.proxy_tensor", "torch._inductor.compile_fx",
+           "torch.fx.experimental.proxy_tensor", "torch._inductor.compile_fx", "torch.export",
            "torch._inductor.standalone_compile")
 
 
@@ -119,7 +119,8 @@ def _compile(job: dict, gm, examples: list, artefact: str) -> dict:
             compile_cache.save_script(job["cache_key"], scripted, meta)
         return meta
     if job["backend"] == "inductor":
-        meta = compilers.inductor_artifact(gm, examples, artefact, threads=job.get("threads"))
+        meta = compilers.inductor_artifact(gm, examples, artefact, threads=job.get("threads"),
+                                           aoti=job.get("aoti", False))
         if job["cache_key"]:
             compile_cache.save_artifact(job["cache_key"], artefact, meta)
         return meta

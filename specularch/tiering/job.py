@@ -7,8 +7,10 @@ a pickled ``GraphModule``: that one is rebuilt by tracing its generated code aga
 drops what a tracer does not record (``set_grad_enabled`` calls) and every ``meta``. Inputs
 travel as metadata only (shape, stride, dtype, device): the compilers trace with fake
 tensors and never read values; Python numbers travel as they are (they are cheap, and
-``scalar_inputs_as_tensors`` must see that they are numbers). Capture-time constants
-(``get_attr``) travel with their values: they are baked into the compiled code.
+``scalar_inputs_as_tensors`` must see that they are numbers). The other nodes' examples
+travel as metadata too (a number input is cast to the dtype of the op it meets; without
+them a ``loss * scale`` came back float64). Capture-time constants (``get_attr``) travel
+with their values: they are baked into the compiled code.
 """
 from __future__ import annotations
 
@@ -53,7 +55,10 @@ def pack(gm: torch.fx.GraphModule, examples: list, **fields: Any) -> dict:
     return {"graph": _dumps(graph), "meta": {k: v for k, v in gm.meta.items() if _plain(v)},
             "attrs": {n.target: _attribute(gm, n.target) for n in gm.graph.nodes
                       if n.op == "get_attr"},
-            "inputs": [_spec(v) for v in examples], **fields}
+            "inputs": [_spec(v) for v in examples],
+            "examples": {n.name: _spec(n.meta["example"]) for n in gm.graph.nodes
+                         if n.op != "placeholder" and _sendable_example(n.meta.get("example"))},
+            **fields}
 
 
 def unpack(job: dict) -> tuple[torch.fx.GraphModule, list]:
@@ -66,6 +71,9 @@ def unpack(job: dict) -> tuple[torch.fx.GraphModule, list]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example in zip(placeholders, examples):
         node.meta["example"] = example
+    for node in gm.graph.nodes:
+        if node.name in job.get("examples", {}):
+            node.meta["example"] = _example(job["examples"][node.name], device="meta")
     return gm, examples
 
 
@@ -83,11 +91,21 @@ def _spec(value) -> tuple:
     return ("value", value)
 
 
-def _example(spec: tuple):
+def _sendable_example(value) -> bool:
+    """Other nodes' examples travel too (as metadata: their dtypes decide casts of number
+    inputs, ``passes.scalar_inputs_as_tensors``), where they are a tensor or a number."""
+    return isinstance(value, (bool, int, float)) or (
+        isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter)
+        and not value.is_meta)
+
+
+def _example(spec: tuple, device: str | None = None):
+    """The value ``_spec`` described: a zero-filled tensor of that layout (on ``device``,
+    ``meta`` for a graph's inner values: no memory), or the number."""
     if spec[0] == "value":
         return spec[1]
-    _, shape, stride, dtype, device, requires_grad, parameter = spec
-    tensor = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    _, shape, stride, dtype, tensor_device, requires_grad, parameter = spec
+    tensor = torch.empty_strided(shape, stride, dtype=dtype, device=device or tensor_device).zero_()
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad)

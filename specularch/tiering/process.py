@@ -6,8 +6,9 @@ The background thread (``worker.py``) still runs the job, but only waits: it wri
 (``job.py``), hands its folder to the worker process (``python -m
 specularch.tiering.compile_worker``: one long-lived child, started before the first graph is
 hot and kept warm between jobs) and waits for its answer (a wait on a pipe releases the
-GIL), then loads the artefact: a ``torch.jit.save``d frozen module (TorchScript) or a saved
-``standalone_compile`` artefact (Inductor), each a few milliseconds to load. Both are kept
+GIL), then loads the artefact: a ``torch.jit.save``d frozen module (TorchScript) or an
+AOTInductor package (Inductor; a ``standalone_compile`` artefact where AOTInductor failed),
+each a few milliseconds to load. Both are kept
 in the persistent compile cache, so a second run loads them without a worker. Only graphs compiled as one flattened ATen graph travel
 (``route``); the others (forward graphs through AOT autograd, whose forward and backward
 are glued by Python, and rolled loops) are compiled on the thread as before.
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from ..fx_lower import _torch_compilers as compilers, compile_cache
+from ..fx_lower import _torch_aoti as aoti, _torch_compilers as compilers, compile_cache
 from ..fx_lower.backends import flattened, specialised_numbers
 from . import job as jobs
 from . import worker  # (imported first: its exit handler must run after ours, atexit is LIFO)
@@ -87,8 +88,11 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
     try:
         # threads: Inductor writes its C++ kernels for the program's thread count, not the
         # worker's one thread.
+        # aoti: Inductor's candidate comes back as an AOTInductor package when this torch
+        # can load one (no import of Inductor here).
         job = jobs.pack(gm, examples, backend=backend, cache_key=key, threads=torch.get_num_threads(),
-                        cache_dir=_cache_root(), inductor_dir_chosen=compile_cache.inductor_dir_chosen())
+                        aoti=aoti.loadable(), cache_dir=_cache_root(),
+                        inductor_dir_chosen=compile_cache.inductor_dir_chosen())
         torch.save(job, os.path.join(folder, "job.pt"))
         meta = _run(folder, timeout)
         return _load(backend, os.path.join(folder, "artefact"), meta)
@@ -115,14 +119,30 @@ def _cache_root() -> str | None:
     return os.path.dirname(folder) if folder else None
 
 
-def prestart() -> None:
+def prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...] = BACKENDS) -> None:
     """Start the worker process now, on the background thread (starting a process is not for
-    the program's step to wait on), so that the first candidate finds it warm. Once."""
+    the program's step to wait on), so that the first candidate of ``gm`` finds it warm.
+    Once. Not when every one of ``backends`` that would compile ``gm`` in a worker finds it
+    in the persistent compile cache (a second run): the worker, seconds of CPU and hundreds
+    of MB, is then started by the first job that needs one."""
     global _prestarted
     if _prestarted or not ENABLED or not PRESTART:
         return
     _prestarted = True
-    worker.soon(_worker)
+    worker.soon(lambda: _prestart(gm, backends))
+
+
+def _prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...]) -> None:
+    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(route(b, gm) is None and not _in_cache(b, compile_cache.entry_key(gm, examples, b, "flattened"))
+           for b in backends):
+        _worker()
+
+
+def _in_cache(backend: str, key: str) -> bool:
+    if backend == "torchscript":
+        return compile_cache.has_script(key)
+    return compile_cache.artifact(key) is not None
 
 
 class _Worker:

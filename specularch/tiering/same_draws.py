@@ -46,7 +46,7 @@ def _same_states(a: tuple, b: tuple) -> bool:
 
 def _close(got, expected) -> bool:
     if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        if not isinstance(got, torch.Tensor) or (got.shape, got.dtype) != (expected.shape, expected.dtype):
             return False
         if not expected.is_floating_point() and not expected.is_complex():
             return torch.equal(got, expected)

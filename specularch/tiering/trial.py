@@ -86,7 +86,7 @@ class Tier:
             if policy.hot(self.hits, seconds):
                 self._submit()
             elif seconds * 4 >= config.tier_min_seconds:  # a quarter of the way to hot
-                process.prestart()
+                process.prestart(self.gm, policy.CANDIDATES)
         return result
 
     def _submit(self) -> None:
@@ -123,6 +123,8 @@ class Tier:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples)
             if compile_cache.from_cache(graph_fn):
                 where = "from the compile cache"
+            if getattr(graph_fn, "artefact_note", ""):  # e.g. not the form it should be
+                where += f"; {graph_fn.artefact_note}"
             if not self.random:  # its first calls' work, off the program's steps; a graph that
                 # draws random numbers would draw them here, beside the program, from its generator:
                 # its first calls are the checked ones in the trial instead (same_draws.py)
