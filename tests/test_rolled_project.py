@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import specularch
-from specularch.fx_lower import rolled_cells
+from specularch.fx_lower.rolled import cells as rolled_cells
 from specularch.symbolic.speculation.rolled_head import HeadedTail
 from specularch.symbolic.speculation.rolled_hoist import HoistedTail
 from specularch.symbolic.speculation.rolled_loops import RolledLoop

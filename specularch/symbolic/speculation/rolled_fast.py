@@ -20,10 +20,10 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
   projection ``x @ w_ih.T + b_ih`` computed in the prelude too, one product for all
   iterations (``rolled_project.py``: the one matrix product the prelude takes).
 * **cells**: ``torch.lstm_cell`` with invariant weights becomes one autograd node per
-  iteration, with one weight-gradient product per call (``fx_lower/rolled_cells.py``).
+  iteration, with one weight-gradient product per call (``fx_lower/rolled/cells.py``).
 * **stack**: a body that is then nothing but a stack of such cells (each one's input the
-  prelude's row or the previous one's ``h``: ``fx_lower/rolled_stack_plan.py``) runs as one
-  autograd node for all iterations (``fx_lower/rolled_stack.py``, ``Prepare.whole``).
+  prelude's row or the previous one's ``h``: ``fx_lower/rolled/stack_plan.py``) runs as one
+  autograd node for all iterations (``fx_lower/rolled/stack.py``, ``Prepare.whole``).
 
 Forward values stay eager's bit for bit but for the projections (a product over all rows
 may round differently); gradients are eager's up to rounding (summed in another order).
@@ -35,7 +35,8 @@ import operator
 import torch
 import torch.fx
 
-from ...fx_lower import rolled_cells, rolled_stack, rolled_stack_plan
+from ...fx_lower.rolled import (cells as rolled_cells, stack as rolled_stack,
+                                stack_plan as rolled_stack_plan)
 from ...fx_lower.randomness import is_identity_dropout
 from . import rolled_hoist, rolled_project
 

@@ -89,7 +89,7 @@ class RolledLoop:
         self.body, self.carried, self.outputs, self.report = body, carried, outputs, report
         self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
         self.prepare = None       # per call: (n, invariants) -> the body's (rolled_fast.py)
-        self.run_body = None      # or the body compiled (fx_lower/rolled_compile.py)
+        self.run_body = None      # or the body compiled (fx_lower/rolled/compiled.py)
         self.first = 1            # 0 where iteration 0 runs in the body too
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ...fx_lower import rolled_cells
+from ...fx_lower.rolled import cells as rolled_cells
 
 MARK = "cell_projection"  # node.meta key of the projections split out of the cells
 

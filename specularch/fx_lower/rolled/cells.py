@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ._torch_autograd import graph_task_id
+from .._torch_autograd import graph_task_id
 
 
 class _Grads:

@@ -1,5 +1,5 @@
 """Whether a rolled loop's body, once its LSTM cells are fused (``rolled_cells.fuse``), is
-nothing but a stack of them: what ``rolled_stack.py`` then runs as one autograd node for
+nothing but a stack of them: what ``stack.py`` then runs as one autograd node for
 the whole loop.
 
 Such a body reads, per iteration, a row of what the prelude computed (``rolled_fast.py``)
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..guards.guard import same_value
-from . import rolled_cells
-from .randomness import is_identity_dropout
+from ...guards.guard import same_value
+from . import cells as rolled_cells
+from ..randomness import is_identity_dropout
 
 
 @dataclass(frozen=True)
