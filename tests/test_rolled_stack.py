@@ -192,7 +192,7 @@ def test_inputs_of_other_sizes_than_the_plans_run_the_body_per_iteration():
 
 def _stacks(opt):
     from specularch.dispatch.state import all_states
-    from specularch.symbolic.speculation.rolled_loops import RolledLoop
+    from specularch.symbolic.rolled.loops import RolledLoop
     for state in all_states():
         for entry in state.entries:
             capture = getattr(entry, "capture", None)
