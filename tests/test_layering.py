@@ -182,7 +182,7 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-SYMBOLIC_SUBPACKAGES = ("ops", "values", "library", "speculation")
+SYMBOLIC_SUBPACKAGES = ("ops", "values", "library", "rolled", "speculation")
 
 
 def package_of(module: str) -> str:
@@ -207,15 +207,20 @@ UPWARD_IMPORTS: dict = {}  # (importer package, imported package): why; the list
 
 # Inside symbolic/, highest first: the driver of a capture; the opcode handlers; the models
 # of library callables; the core (the tracer, the symbolic frame, calls, attributes, Python
-# operators, exceptions); speculation; values; and the tables and leaf modules any layer may
-# use (the core reaches handlers and models only through the tables ``opcodes.py`` and
-# ``models.py``). A unit is a sub-package or one of symbolic's own modules.
+# operators, exceptions); rolled loops; speculation; values; and the tables and leaf modules
+# any layer may use (the core reaches handlers and models only through the tables
+# ``opcodes.py`` and ``models.py``). A unit is a sub-package or one of symbolic's own modules.
+# ``rolled/`` is reached as ``speculation/`` is (from the core, ``ops/``, ``library/``,
+# ``capture.py``) and shares no import with it either way; it sits above it because a rolled
+# loop is itself a speculation (iteration 1's shape assumed for every iteration, checked per
+# iteration) and may build on speculation's pieces, while these never need a rolled loop.
 SYMBOLIC_LAYERS = [
     ("capture", "__init__"),
     ("ops",),
     ("library",),
     ("tracer", "frame", "calls", "attrs", "operators", "exceptions", "inputs", "op_args",
      "alias_guards", "lookup_guards", "commit_inplace"),
+    ("rolled",),
     ("speculation",),
     ("values",),
     ("models", "opcodes", "hooks", "assumptions", "bytecode", "library_files", "_torch_dispatch"),
@@ -269,7 +274,7 @@ def test_no_import_runs_up_the_layers_inside_symbolic():
                     if _symbolic_layer(module) is not None and _symbolic_layer(target) is not None
                     and _symbolic_layer(target) < _symbolic_layer(module))
     assert not upward, ("imports back up the layers of symbolic/ (capture -> ops -> library -> "
-                        f"core -> speculation -> values -> tables): {upward}")
+                        f"core -> rolled -> speculation -> values -> tables): {upward}")
 
 
 def test_symbolic_core_reaches_library_models_through_the_table():
@@ -278,7 +283,7 @@ def test_symbolic_core_reaches_library_models_through_the_table():
     sits above the core it is written against."""
     library = "specularch.symbolic.library"
     core = {m for m in import_graph() if m.startswith("specularch.symbolic.") and m.count(".") == 2
-            and m.split(".")[2] not in ("ops", "values", "library", "speculation")}
+            and m.split(".")[2] not in SYMBOLIC_SUBPACKAGES}
     offending = sorted(f"{m} -> {t}" for m, targets in import_graph().items() for t in targets
                        if m in core - {"specularch.symbolic.capture"}
                        and (t == library or t.startswith(library + ".")))

@@ -1,4 +1,4 @@
-"""The autograd graph of a rolled loop's fused LSTM cells (fx_lower/rolled_cells.py) outlives
+"""The autograd graph of a rolled loop's fused LSTM cells (fx_lower/rolled/cells.py) outlives
 the optimized call: whatever the caller does with it afterwards must give eager's results.
 Double backward (``create_graph=True`` then a second backward, a gradient penalty), an
 ``autograd.grad`` that reaches the cells but not the weights before a full ``backward()``,

@@ -1,4 +1,4 @@
-"""Compiling backends on graphs with rolled loops (fx_lower/rolled_compile.py): the graph runs
+"""Compiling backends on graphs with rolled loops (fx_lower/rolled/compiled.py): the graph runs
 as ``fx`` and the loop body is compiled once per input shapes and run from the loop, instead
 of the backend refusing the graph. Equal to eager within rounding; bodies it cannot compile
 keep running as ``fx`` and ``explain()`` says why."""
@@ -13,7 +13,7 @@ from test_rolled_fast import LENGTHS, RTOL, _Cells, _cell_args, _train_both
 
 
 def test_torchscript_leaves_the_lm_loop_to_its_one_node_and_trains_like_eager():
-    # the LM's body is a stack of LSTM cells: it runs as one autograd node (rolled_stack.py),
+    # the LM's body is a stack of LSTM cells: it runs as one autograd node (fx_lower/rolled/stack.py),
     # not compiled
     report = _train_both(LENGTHS, dropout=0.0, templates="batched", rtol=RTOL, momentum=0.9,
                          backend="torchscript")

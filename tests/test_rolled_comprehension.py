@@ -1,5 +1,5 @@
 """List comprehensions over the lists a rolled ``for`` loop takes whole (tensors, tuples,
-user objects, ``zip``/``enumerate`` of them), rolled by rolled_lists.py as ``for`` loops
+user objects, ``zip``/``enumerate`` of them), rolled by symbolic/rolled/lists.py as ``for`` loops
 are: ``torch.stack([f(x) for x in xs])`` captured once, whatever the length. Each case is
 compared with eager over 30 lengths (values, gradients, the arguments after the call): one
 capture, no ``cache_limit`` fallback; bit for bit with ``templates="exact"``, within

@@ -1,5 +1,5 @@
 """``for k, (x, y) in enumerate(zip(xs, ys))`` (and ``enumerate(zip(...), start)``) over
-lists passed whole (``rolled_lists.py``): rolled as ``zip`` is, handing out ``(start + k,
+lists passed whole (``symbolic/rolled/lists.py``): rolled as ``zip`` is, handing out ``(start + k,
 (xs[k], ys[k]))`` for ``min(len(xs), len(ys))`` iterations. Compared with eager over 30
 lengths (values, gradients, the lists after the call): one capture."""
 import pytest

@@ -1,4 +1,4 @@
-"""A rolled loop's body made cheaper (symbolic/speculation/rolled_fast.py, fx_lower/rolled_cells.py):
+"""A rolled loop's body made cheaper (symbolic/rolled/fast.py, fx_lower/rolled/cells.py):
 what an iteration computes from the index and invariants alone runs once before the loop, and
 LSTM cells run as one autograd node per iteration with one weight-gradient product per call.
 Equal to eager within rounding by default (values, gradients, parameters after several

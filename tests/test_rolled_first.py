@@ -1,4 +1,4 @@
-"""A rolled loop's iteration 0 run by its body (symbolic/speculation/rolled_first.py) where it
+"""A rolled loop's iteration 0 run by its body (symbolic/rolled/first.py) where it
 is the body's own work: equal to eager within rounding (loss, parameters, gradients, the
 model's carried state, every length including 1 and 2, with and without dropout), no copy
 of iteration 0 left in the graph, and nothing of it where iteration 0 differs from the body
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import specularch
-from specularch.symbolic.speculation.rolled_loops import RolledLoop
+from specularch.symbolic.rolled.loops import RolledLoop
 
 from differential import assert_same
 from test_rolled_fast import LENGTHS, RTOL, _train_both

@@ -1,4 +1,4 @@
-"""Loop forms beyond ``for t in range(n)`` that rolled_loops.py captures once, whatever the
+"""Loop forms beyond ``for t in range(n)`` that symbolic/rolled/loops.py captures once, whatever the
 trip count: ``range(a, b)`` / ``range(a, b, step)`` with run-time bounds. Each is compared
 with eager over 30 trip counts (values, gradients, the heap, exceptions): one capture, no
 ``cache_limit`` fallback; bit for bit with ``templates="exact"``, within rounding by default.
@@ -268,7 +268,7 @@ def _chain_args(i):
 
 def _count_up(x, w, h, n):
     i = 0
-    while n > i:  # the bound first: not the `while i < n:` form rolled_while.py rolls
+    while n > i:  # the bound first: not the `while i < n:` form rolled/while_loops.py rolls
         h = torch.tanh(x[i] @ w + h)
         i += 1
     return h, i
@@ -286,7 +286,7 @@ def _over_a_list(xs, w, h):
     (_walk, _chain_args, "while loop", "its condition is decided by Python values"),
     (_count_up, lambda i: A(*_args(i)[0], 2 + i % 4), "while loop",
      "its condition is decided by Python values"),
-    # items that differ in shape: not passed whole (rolled_lists.py), iterated item by item
+    # items that differ in shape: not passed whole (symbolic/rolled/lists.py), iterated item by item
     (_over_a_list, lambda i: A([T(1 + k % 2 * 2, 5, requires_grad=True) for k in range(2 + i % 4)],
                                T(5, 5, requires_grad=True), T(3, 5)),
      "for x in L['xs']", "its length and items are guarded"),

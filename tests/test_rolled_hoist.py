@@ -1,4 +1,4 @@
-"""Hoisting out of rolled loops (symbolic/speculation/rolled_hoist.py): what feeds only the
+"""Hoisting out of rolled loops (symbolic/rolled/hoist.py): what feeds only the
 values a loop appends runs once after the loop on their stacked inputs (equal to eager within
 float rounding); what feeds the carried state, and random ops, stay in the body (eager's
 order, bit for bit); ``templates="exact"`` hoists nothing."""
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import specularch
-from specularch.symbolic.speculation.rolled_head import HeadedTail
-from specularch.symbolic.speculation.rolled_hoist import HoistedTail
-from specularch.symbolic.speculation.rolled_loops import RolledLoop
+from specularch.symbolic.rolled.head import HeadedTail
+from specularch.symbolic.rolled.hoist import HoistedTail
+from specularch.symbolic.rolled.loops import RolledLoop
 from specularch.workloads import lstm_lm
 
 from differential import A, T, assert_same, check
@@ -26,7 +26,7 @@ def _targets(gm, kind):
 
 
 def _tails(gm):
-    """The hoisted tails, also those that run the loop's first item too (rolled_head.py)."""
+    """The hoisted tails, also those that run the loop's first item too (rolled/head.py)."""
     return _targets(gm, HoistedTail) + [h.tail for h in _targets(gm, HeadedTail)]
 
 

@@ -1,5 +1,5 @@
-"""``for x in xs`` over a list of tensors from the call, rolled by rolled_lists.py: the list is
-one graph input (every item like item 0, the length unguarded), the body captured once,
+"""``for x in xs`` over a list of tensors from the call, rolled by symbolic/rolled/lists.py: the
+list is one graph input (every item like item 0, the length unguarded), the body captured once,
 whatever the length. Each case is compared with eager over 30 lengths (values, gradients,
 the arguments after the call, exceptions): one capture, no ``cache_limit`` fallback; bit for
 bit with ``templates="exact"``, within rounding by default. Lists that cannot be passed whole

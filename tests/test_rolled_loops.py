@@ -1,9 +1,9 @@
-"""Rolled loops (symbolic/rolled_loops.py): ``for t in range(n)`` with a trip count that varies
+"""Rolled loops (symbolic/rolled/loops.py): ``for t in range(n)`` with a trip count that varies
 between calls is captured once (the body once, ``n`` a run-time value), and stays equal to
 eager: bit for bit with ``templates="exact"`` (values, gradients, parameters after optimizer
 steps, heap writes), within float rounding by default, where what feeds only the appended
-values runs once after the loop on their stacked inputs (rolled_hoist.py). Loops that are not
-regular fall back to unrolling, still equal, and ``explain()`` says why."""
+values runs once after the loop on their stacked inputs (symbolic/rolled/hoist.py). Loops that
+are not regular fall back to unrolling, still equal, and ``explain()`` says why."""
 import copy
 
 import pytest

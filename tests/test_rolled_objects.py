@@ -1,5 +1,5 @@
 """``for obj in objs`` over a list of user objects from the call whose attributes the body
-reads (tensors, per-item numbers, constants), rolled by rolled_objects.py: the list is one
+reads (tensors, per-item numbers, constants), rolled by symbolic/rolled/objects.py: the list is one
 graph input, each attribute read guarded over every item, the body captured once, whatever
 the length. Each case is compared with eager over 30 lengths (values, gradients, the objects
 after the call, exceptions): one capture, no ``cache_limit`` fallback; bit for bit with

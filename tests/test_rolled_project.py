@@ -1,6 +1,6 @@
 """A rolled LSTM cell's input projection computed before the loop for all iterations
-(symbolic/speculation/rolled_project.py), and a hoisted tail that runs the loop's first item
-with the others (rolled_head.py): equal to eager within rounding (values, gradients of inputs,
+(symbolic/rolled/project.py), and a hoisted tail that runs the loop's first item with the
+others (symbolic/rolled/head.py): equal to eager within rounding (values, gradients of inputs,
 state and weights, double backward, parameters after several optimizer steps, every length
 including 1), and nothing of it with ``templates="exact"`` (eager's bits)."""
 import copy
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import specularch
-from specularch.fx_lower import rolled_cells
-from specularch.symbolic.speculation.rolled_head import HeadedTail
-from specularch.symbolic.speculation.rolled_hoist import HoistedTail
-from specularch.symbolic.speculation.rolled_loops import RolledLoop
+from specularch.fx_lower.rolled import cells as rolled_cells
+from specularch.symbolic.rolled.head import HeadedTail
+from specularch.symbolic.rolled.hoist import HoistedTail
+from specularch.symbolic.rolled.loops import RolledLoop
 from specularch.workloads import lstm_lm
 
 from differential import A, T, assert_same, check, lm_train_step
@@ -54,7 +54,7 @@ def test_the_lm_decoder_of_the_first_step_runs_with_the_others():
     gm = _graph(step)
     (loop,) = _targets(gm, RolledLoop)
     # iteration 0's decoder: in the tail, on all steps at once: a tail joining the peeled
-    # step 0's input, or none to join where the body runs step 0 too (rolled_first.py)
+    # step 0's input, or none to join where the body runs step 0 too (symbolic/rolled/first.py)
     (tail,) = _targets(gm, HeadedTail) if loop.first else _targets(gm, HoistedTail)
     linears = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "linear"]
     assert not linears, gm.code
@@ -136,7 +136,7 @@ def test_a_hoisted_linear_runs_the_first_item_with_the_others():
                                          T(3, 5, requires_grad=True)),
                    calls=len(lengths), grad=True, expect="graph", rtol=RTOL, atol=1e-7)
     code = report.graphs[-1].code
-    # the first item joins the others' tail, or the body runs iteration 0 (rolled_first.py)
+    # the first item joins the others' tail, or the body runs iteration 0 (symbolic/rolled/first.py)
     assert "headed_tail" in code or "linear" not in code and "hoisted_tail" in code, code
 
 

@@ -1,5 +1,5 @@
 """A rolled loop whose body is a stack of LSTM cells runs as one autograd node for the whole
-loop (fx_lower/rolled_stack.py, rolled_stack_plan.py), outside exact mode: values, gradients
+loop (fx_lower/rolled/stack.py, stack_plan.py), outside exact mode: values, gradients
 of every input (initial states, the input rows, weights, frozen or shared ones), parameters
 after several optimizer steps, the state kept on the model, a second backward through a
 retained graph, eager's error for a freed one, double backward, no_grad; bodies that are not
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import specularch
-from specularch.fx_lower import rolled_stack
+from specularch.fx_lower.rolled import stack as rolled_stack
 from specularch.workloads import lstm_lm
 
 from differential import T, assert_same
@@ -192,7 +192,7 @@ def test_inputs_of_other_sizes_than_the_plans_run_the_body_per_iteration():
 
 def _stacks(opt):
     from specularch.dispatch.state import all_states
-    from specularch.symbolic.speculation.rolled_loops import RolledLoop
+    from specularch.symbolic.rolled.loops import RolledLoop
     for state in all_states():
         for entry in state.entries:
             capture = getattr(entry, "capture", None)

@@ -1,6 +1,6 @@
 """``while node is not None: ...; node = node.next`` over a linked list of user objects from
-the call, rolled by rolled_walk.py: the walk is computed when the graph runs, its guards are
-checked per node (same class, attributes of the same kind, tensors of the same metadata),
+the call, rolled by symbolic/rolled/walk.py: the walk is computed when the graph runs, its
+guards are checked per node (same class, attributes of the same kind, tensors of the same metadata),
 the body captured once, whatever the walk's length. Each case is compared with eager over
 30 lengths (values, gradients, the nodes after the call, exceptions): one capture, no
 ``cache_limit`` fallback; bit for bit with ``templates="exact"``, within rounding by
@@ -181,7 +181,7 @@ def _writes_nodes(node, w, h):
 @pytest.mark.parametrize("fn, form, why", [
     (_branches_on_a_number, FORM, "as a Python value"),
     (_looks_ahead, FORM, "other than to step to the next node"),
-    # an attribute write in the body is never rolled: loop_notes.py says why
+    # an attribute write in the body is never rolled: symbolic/rolled/unrolled.py says why
     (_writes_nodes, "while loop", "`while node is not None: ...; node = node.next` over objects"),
 ])
 def test_a_walk_that_needs_a_nodes_python_value_unrolls_and_says_why(fn, form, why):

@@ -1,6 +1,6 @@
-"""Tensors inside the nodes of a rolled linked walk (``rolled_walk.py``) or the items of a
-rolled list of objects (``rolled_objects.py``) that alias a tensor the call writes in place:
-the rolled body reads the nodes' tensors when the graph runs, before the commit, so a node
+"""Tensors inside the nodes of a rolled linked walk (``symbolic/rolled/walk.py``) or the items
+of a rolled list of objects (``symbolic/rolled/objects.py``) that alias a tensor the call writes
+in place: the rolled body reads the nodes' tensors when the graph runs, before the commit, so a node
 whose tensor is (a view of) the written one would read the old value where eager reads the
 new one. The aliasing is guarded (``ListDistinctGuard`` over the walk, as over lists passed
 whole): such a call is captured again or runs eagerly, never wrong. Compared with eager

@@ -1,4 +1,4 @@
-"""More forms of rolled linked walks (``rolled_walk.py``), each compared with eager over 30
+"""More forms of rolled linked walks (``symbolic/rolled/walk.py``), each compared with eager over 30
 walk lengths (values, gradients, the nodes after the call): one capture, the walk rolled."""
 import pytest
 import torch

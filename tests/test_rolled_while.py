@@ -1,8 +1,8 @@
 """``while i < n:`` loops with an int counter stepped by a constant and a symbolic bound,
-rolled by rolled_while.py: the body captured once, the trip count a run-time value. Each case
-is compared with eager over 30 trip counts (values, gradients, the counter after the loop,
-the heap, exceptions): one capture, no ``cache_limit`` fallback; bit for bit with
-``templates="exact"``, within rounding by default. Loops that cannot be rolled are unrolled,
+rolled by symbolic/rolled/while_loops.py: the body captured once, the trip count a run-time
+value. Each case is compared with eager over 30 trip counts (values, gradients, the counter
+after the loop, the heap, exceptions): one capture, no ``cache_limit`` fallback; bit for bit
+with ``templates="exact"``, within rounding by default. Loops that cannot be rolled are unrolled,
 still equal to eager, and ``explain()`` says why."""
 import copy
 
@@ -152,7 +152,7 @@ def _moves_its_bound(x, w, h, n):
     while i < n:
         h = torch.tanh(x[i] @ w + h)
         i += 1
-        n = n - 1  # the bound changes per iteration: not the form rolled_while.py rolls
+        n = n - 1  # the bound changes per iteration: not the form rolled/while_loops.py rolls
     return h, i, n
 
 

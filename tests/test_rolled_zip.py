@@ -1,5 +1,5 @@
 """``for x, y in zip(xs, ys)`` over lists of tensors from the call and ``for k, x in
-enumerate(xs, start)``, rolled by rolled_lists.py: every list one graph input, the body
+enumerate(xs, start)``, rolled by symbolic/rolled/lists.py: every list one graph input, the body
 captured once, whatever the length. Each case is compared with eager over 30 lengths
 (values, gradients, the arguments after the call, exceptions): one capture, no
 ``cache_limit`` fallback; bit for bit with ``templates="exact"``, within rounding by default.

@@ -226,8 +226,8 @@ def _with_spent_history(gm: torch.fx.GraphModule, compiled: Callable) -> Callabl
 
 def _rolled_bodies(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> Callable:
     """A graph with rolled loops: the graph runs as ``fx``, each loop body compiled by
-    ``backend`` (``rolled_compile.py``)."""
-    from .rolled_compile import compile_bodies, with_own_loops
+    ``backend`` (``rolled/compiled.py``)."""
+    from .rolled.compiled import compile_bodies, with_own_loops
     gm = with_own_loops(gm)
     compile_bodies(gm, backend)
     return _fx(gm, example_inputs)

@@ -1,7 +1,7 @@
 """Ops known to act on each element independently: what may run on many rows (a batch of
 template instances, a loop's iterations stacked) as it runs on one, up to rounding. Shared by
 the recursion templates' batched form (``templates/rowwise.py``) and the rolled loops'
-hoisting (``symbolic/speculation/rolled_hoist.py``)."""
+hoisting (``symbolic/rolled/hoist.py``)."""
 from __future__ import annotations
 
 import inspect

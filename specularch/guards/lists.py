@@ -1,5 +1,5 @@
 """The guard of a list passed whole into a graph (a rolled ``for x in xs`` loop,
-``symbolic/speculation/rolled_lists.py``): every item is like item 0 (a tensor with its
+``symbolic/rolled/lists.py``): every item is like item 0 (a tensor with its
 metadata, or a tuple of such tensors); the length is not guarded (the loop's trip count is a
 run-time value)."""
 from __future__ import annotations
@@ -92,8 +92,8 @@ WALK_LIMIT = 1 << 20
 
 
 def walked(head, link: str) -> list:
-    """``[head, head.link, head.link.link, ...]`` up to ``None`` (``rolled_walk.py``); a walk
-    that meets a node without the instance attribute ``link``, or runs on past
+    """``[head, head.link, head.link.link, ...]`` up to ``None`` (``symbolic/rolled/walk.py``);
+    a walk that meets a node without the instance attribute ``link``, or runs on past
     ``WALK_LIMIT`` nodes (a cycle), ends with ``_BROKEN``, which no guard lets through."""
     nodes = []
     while head is not None:
@@ -116,8 +116,8 @@ def _items(guard, v: str, consts: dict, link: str | None = None) -> str:
 
 @dataclass(frozen=True, eq=False)
 class ObjectListGuard(Guard):
-    """A list of user objects passed whole (``rolled_objects.py``), or the nodes a linked
-    walk from ``source`` by ``walk`` meets (``rolled_walk.py``): every item of one class;
+    """A list of user objects passed whole (``symbolic/rolled/objects.py``), or the nodes a linked
+    walk from ``source`` by ``walk`` meets (``symbolic/rolled/walk.py``): every item of one class;
     the length not guarded. What the loop reads of the items is ``ItemAttrGuard``'s."""
 
     item_type: type = None

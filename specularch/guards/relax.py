@@ -158,8 +158,8 @@ class Generalisation:
         return True
 
     def _list(self, source, why: str, seen: list) -> None:
-        """A list whose length varies: a ``for x in`` loop over it may roll (rolled_lists.py),
-        as ``range(n)`` does over a number that varies."""
+        """A list whose length varies: a ``for x in`` loop over it may roll
+        (symbolic/rolled/lists.py), as ``range(n)`` does over a number that varies."""
         self.varied_lists.add(source)
         self.note(f"{source}: list length {why} ({', '.join(map(str, seen))}): a loop over it "
                   "may be captured once for every length")

@@ -43,7 +43,7 @@ def _guard_tensor_writes(tracer, pending: list) -> None:
 
 
 def _guard_whole_lists(tracer, pending: list, written: tuple) -> None:
-    """Lists passed whole (``rolled_lists.py``) and linked walks (``rolled_walk.py``): the
+    """Lists passed whole (``rolled/lists.py``) and linked walks (``rolled/walk.py``): the
     rolled body reads their tensors when the graph runs, before the commit, so none may share
     memory with a written tensor. Sharing now refuses the capture (it starts again with the
     loops unrolled, where the reads are ordinary inputs); later, the guard fails."""

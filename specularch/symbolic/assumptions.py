@@ -32,11 +32,11 @@ class Assumptions:
     # (id(code), offset of FOR_ITER) of loops that could not be rolled: unrolled
     unrolled_loops: frozenset = frozenset()
     # rolled loops keep every op in their body, in eager's order (config.templates == "exact"):
-    # nothing is hoisted after the loop (rolled_hoist.py), so results are eager's bit for bit
+    # nothing is hoisted after the loop (rolled/hoist.py), so results are eager's bit for bit
     exact_loops: bool = False
     # list sources whose length changed between calls: a ``for x in`` loop over one rolls
     varied_lists: frozenset = frozenset()
-    # (source, site, where) of lists a rolled ``for x in xs`` loop reads whole (rolled_lists.py)
+    # (source, site, where) of lists a rolled ``for x in xs`` loop reads whole (rolled/lists.py)
     rolled_lists: frozenset = frozenset()
 
     def __post_init__(self) -> None:

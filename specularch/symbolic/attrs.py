@@ -16,7 +16,7 @@ from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
 from .values.deque import DequeV
-from .speculation import rolled_objects
+from .rolled import objects as rolled_objects
 from .speculation.leaf_writes import metadata_of
 from .lookup_guards import guard_lookup, guard_method_lookup, is_trusted_module
 from .models import MODELS

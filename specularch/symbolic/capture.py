@@ -34,11 +34,10 @@ from .values.deque import DequeV
 from .frame import Frame
 from .inputs import wrap_arguments
 from .library.printing import StrV
-from .speculation import rolled_head
-from .speculation.rolled_hoist import stack_whole
-from .speculation import rolled_lists
-from .speculation.rolled_loops import LoopReport
-from .speculation.rolled_lists import RollList
+from .rolled import head as rolled_head, lists as rolled_lists
+from .rolled.hoist import stack_whole
+from .rolled.lists import RollList
+from .rolled.loops import LoopReport
 from .values.rolled import RollRefused
 from .library.stdlib_objects import counter_from_pairs
 from .values.symint import SymV
@@ -76,7 +75,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
     """``assumptions`` say which argument sizes, Python numbers, containers and tensor
     branches the graph must not specialise on (profiling/relaxation).
 
-    A loop rolled by ``rolled_loops.py`` that is not regular (``RollRefused``), or an attempt
+    A loop rolled by ``rolled/loops.py`` that is not regular (``RollRefused``), or an attempt
     with rolled loops that fails in any other way, is captured again with those loops
     unrolled, as they were before loops were rolled; ``Capture.loops`` says why."""
     unrolled: list[LoopReport] = []
@@ -106,7 +105,7 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
 def _refused_loops(error: Exception, attempt: list, lists: frozenset) -> dict:
     """site -> report of the loops to unroll after ``error``: the loop refused, or every
     loop this attempt rolled (what followed may not support the rolled form), and every list
-    it passed whole (``rolled_lists.py``)."""
+    it passed whole (``rolled/lists.py``)."""
     over_lists = {site: LoopReport(where, False, why, site=site, form=rolled_lists.form(source))
                   for (source, site, where), why in rolled_lists.refused(error, lists).items()}
     if isinstance(error, RollRefused):

@@ -13,7 +13,7 @@ from ..records import Unsupported
 from .bytecode import analyse
 from .exceptions import PyRaise, step_in_try, unwind
 from .opcodes import HANDLERS
-from .speculation import loop_notes
+from .rolled import unrolled as loop_notes
 from .values import CellV, Value
 
 

@@ -19,7 +19,7 @@ from ..guards.lists import ObjectListGuard, TensorListGuard, leaf_state, list_te
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ._torch_dispatch import storage_key
-from .speculation.rolled_objects import ObjectListV, plain_objects
+from .rolled.objects import ObjectListV, plain_objects
 from .values.rolled import TensorListV
 from .values.symint import SymV
 from .values import GeneratorV, ObjV, TensorV, Value
@@ -120,7 +120,7 @@ def wrap_generator(tracer, g: torch.Generator, source: Source | None) -> Generat
 
 def wrap_tensor_list(tracer, obj: list, source: Source, where: str) -> Value | None:
     """The list at ``source`` as one graph input, for the rolled loop at ``where`` over it
-    (``speculation/rolled_lists.py``), or its objects' (``rolled_objects.py``); None when its
+    (``rolled/lists.py``), or its objects' (``rolled/objects.py``); None when its
     items no longer fit (it changed since)."""
     if plain_objects(obj):
         tracer.guards.add(ObjectListGuard(source, item_type=type(obj[0]), where=tracer.where()))
@@ -142,7 +142,7 @@ def wrap_tensor_list(tracer, obj: list, source: Source, where: str) -> Value | N
 def wrap_walk(tracer, source: Source, link: str, nodes: list, where: str) -> ObjectListV:
     """The nodes of the linked walk from the object at ``source`` by ``link`` (``nodes`` at
     capture), walked when the graph runs, for the rolled loop at ``where``
-    (``speculation/rolled_walk.py``); guarded: every node of item 0's class."""
+    (``rolled/walk.py``); guarded: every node of item 0's class."""
     tracer.guards.add(ObjectListGuard(source, item_type=type(nodes[0]), walk=link,
                                       where=tracer.where()))
     head = next((w.node.args[0] for w in tracer.walks if w.source == source), None)

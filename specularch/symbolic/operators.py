@@ -17,7 +17,8 @@ from ..guards.sources import ModuleDictSource
 from ..records import Unsupported
 from .exceptions import python_error
 from .values import symint
-from .speculation import rolled_objects, untracked
+from .rolled import objects as rolled_objects
+from .speculation import untracked
 from .values.symint import SymV
 from .values.scalar import ScalarV
 from .models import MODELS

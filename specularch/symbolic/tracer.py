@@ -107,10 +107,10 @@ class Tracer:
         self.inference_regions: list = []        # inference_mode blocks capture is in (grad_mode.py)
         self.handled_exception: Value | None = None  # sys.exc_info() in a handler (exceptions.py)
         self.clock_reads: list = []              # clock reads in program order (deferred.py)
-        self.loops: list = []                    # rolled / unrolled loops (rolled_loops.py)
-        self.loop_notes: dict = {}               # site -> unrolled loop's report (loop_notes.py)
+        self.loops: list = []                    # rolled / unrolled loops (rolled/loops.py)
+        self.loop_notes: dict = {}               # site -> unrolled loop's report (unrolled.py)
         self.rolling = 0                         # > 0 while a rolled loop's body is captured
-        self.walks: list = []                    # ObjectListV of rolled linked walks (rolled_walk.py)
+        self.walks: list = []                    # ObjectListV of rolled linked walks (walk.py)
         # recursion templates (specularch/templates): the path being captured, if any;
         # recursive functions left unrolled (code -> why); families called; object inputs
         self.template = None
@@ -243,7 +243,7 @@ class Tracer:
 
     def wrap_walk(self, source, link: str, nodes: list, where: str) -> Value:
         """The nodes of a linked walk from ``source``, walked when the graph runs
-        (``speculation/rolled_walk.py``; ``inputs.wrap_walk``)."""
+        (``rolled/walk.py``; ``inputs.wrap_walk``)."""
         return inputs.wrap_walk(self, source, link, nodes, where)
 
     def sym_size(self, t: TensorV, dim: int) -> Value:

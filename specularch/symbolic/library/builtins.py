@@ -19,7 +19,7 @@ from ...guards import HasAttrGuard
 from ...records import Unsupported
 from ..exceptions import python_error
 from .. import operators as ops
-from ..speculation import rolled_lists, rolled_loops
+from ..rolled import lists as rolled_lists, loops as rolled_loops
 from ..values.rolled import RolledListV
 from ..values import (ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, ObjV, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)

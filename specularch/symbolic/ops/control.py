@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from ...records import Unsupported
 from ..operators import iterate, truth
-from ..speculation import (branch_merge, loop_notes, raising_branch, rolled_lists, rolled_loops,
-                           rolled_objects, rolled_walk)
+from ..rolled import (lists as rolled_lists, loops as rolled_loops, objects as rolled_objects,
+                      unrolled as loop_notes, walk as rolled_walk)
+from ..speculation import branch_merge, raising_branch
 from .registry import handles
 from ..values.rolled import SymRangeIterV
 from ..values import ConstV, TensorV

@@ -5,7 +5,8 @@ from __future__ import annotations
 import operator
 
 from ...records import Unsupported
-from ..speculation import branch_merge, rolled_while
+from ..rolled import while_loops as rolled_while
+from ..speculation import branch_merge
 from .. import operators as ops
 from ..library import printing
 from .registry import handles

@@ -1,6 +1,6 @@
-"""The values a rolled loop (``rolled_loops.py``) puts on the symbolic stack: the iterator of
-``range(n)`` over a symbolic ``n``, the loop index while the body is captured, and the list
-a loop appended to once per iteration, whose length is then only known at run time.
+"""The values a rolled loop (``symbolic/rolled/loops.py``) puts on the symbolic stack: the
+iterator of ``range(n)`` over a symbolic ``n``, the loop index while the body is captured, and
+the list a loop appended to once per iteration, whose length is then only known at run time.
 """
 from __future__ import annotations
 
@@ -97,9 +97,10 @@ def become_rolled(lst: Value, rolled: RolledListV) -> None:
 
 
 class TensorListV(RolledListV):
-    """A list of tensors from the call passed into the graph whole (``rolled_lists.py``): one
-    placeholder, items that share item 0's metadata, a length known only at run time. A
-    ``for x in`` loop over it rolls (the body indexes the list with the loop counter)."""
+    """A list of tensors from the call passed into the graph whole
+    (``symbolic/rolled/lists.py``): one placeholder, items that share item 0's metadata, a
+    length known only at run time. A ``for x in`` loop over it rolls (the body indexes the
+    list with the loop counter)."""
 
     def __init__(self, node: torch.fx.Node, examples: list, length: SymV, where: str, source):
         super().__init__(node, examples, length, where)

@@ -1,6 +1,6 @@
 """A hoisted rolled loop's first item computed with the others.
 
-Iteration 0 of a rolled loop runs in the outer graph, so after ``rolled_hoist`` the list the
+Iteration 0 of a rolled loop runs in the outer graph, so after ``hoist.py`` the list the
 loop appended to is ``stack_joined([decoder(h_0)], decoder(stack(h_1 .. h_n-1)))``: the
 first item is one small product of its own (and one more gradient product and accumulation
 in backward), and the stacked whole is a copy of every item. Where the hoisted ops are one
@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx
 
-from . import rolled_hoist
+from . import hoist as rolled_hoist
 
 
 class HeadedTail:

@@ -2,7 +2,7 @@
 
 ``torch.lstm_cell(x, (h, c), w_ih, w_hh, b_ih, b_hh)`` computes ``x @ w_ih.T + b_ih`` from
 its input alone. Where ``x`` is a per-iteration value the prelude computes before the loop
-(``rolled_fast.py``: ``embedding(tokens[t])``, ``xs[t]``), that projection moves into the
+(``fast.py``: ``embedding(tokens[t])``, ``xs[t]``), that projection moves into the
 prelude too: one product over all rolled iterations' rows instead of one per iteration,
 and in backward one product each for the gradients of ``x`` and ``w_ih`` instead of one
 per iteration. The cell left in the body is ``rolled_cells.projected_lstm_cell`` (only
@@ -18,7 +18,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ...fx_lower import rolled_cells
+from ...fx_lower.rolled import cells as rolled_cells
 
 MARK = "cell_projection"  # node.meta key of the projections split out of the cells
 

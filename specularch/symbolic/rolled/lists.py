@@ -12,7 +12,7 @@ Unrolled, such a loop guards the list's length and every item, one graph per len
    ``TensorListV`` guarded by ``TensorListGuard`` (every item like item 0; the length not
    guarded), its length a ``SymV`` (``len(xs)``);
 3. its iterator (``ListIterV``) rolls the loop as ``range(len(xs))`` does
-   (``rolled_loops.py``): ``x`` is ``xs[0]`` in iteration 0 and ``xs[k]`` (the body indexes the
+   (``loops.py``): ``x`` is ``xs[0]`` in iteration 0 and ``xs[k]`` (the body indexes the
    list with the loop counter) in the body.
 
 Anything else done with the list (an item read, a write, ``xs.append``) or a body that does
@@ -28,7 +28,7 @@ import torch
 from ...guards.lists import NUMBERS, uniform
 from ...guards.sources import ItemSource
 from ...records import Unsupported
-from . import rolled_objects
+from . import objects as rolled_objects
 from ..values.rolled import ItemNumberV, ListIterV, RollRefused, TensorListV
 from ..values.symint import SymV
 from ..values import ConstV, FuncV, ListV, ObjV, TensorV, TupleV, Value

@@ -1,4 +1,4 @@
-"""A rolled loop whose body is a stack of LSTM cells (``rolled_stack_plan.py``), run as one
+"""A rolled loop whose body is a stack of LSTM cells (``stack_plan.py``), run as one
 autograd node for all its iterations, outside exact mode.
 
 Run per iteration, each fused cell (``rolled_cells._FusedCell``) is an autograd node: per
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from . import rolled_cells
-from .rolled_stack_plan import Plan
+from . import cells as rolled_cells
+from .stack_plan import Plan
 
 
 class Stack:

@@ -1,8 +1,8 @@
 """Whether a rolled loop's body, once its LSTM cells are fused (``rolled_cells.fuse``), is
-nothing but a stack of them: what ``rolled_stack.py`` then runs as one autograd node for
+nothing but a stack of them: what ``stack.py`` then runs as one autograd node for
 the whole loop.
 
-Such a body reads, per iteration, a row of what the prelude computed (``rolled_fast.py``)
+Such a body reads, per iteration, a row of what the prelude computed (``symbolic/rolled/fast.py``)
 and the cells' carried states; each cell's input is that row or the new ``h`` of a cell
 before it; it returns the cells' new ``(h, c)`` as the carried states, other carried values
 and per-iteration outputs that are some cell's ``h`` or ``c``, and size checks (the
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..guards.guard import same_value
-from . import rolled_cells
-from .randomness import is_identity_dropout
+from ...guards.guard import same_value
+from . import cells as rolled_cells
+from ..randomness import is_identity_dropout
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,8 @@ class _Reader:
             elif _is(kind, "row"):
                 _need(isinstance(example, torch.Tensor))
                 rows[kind[1]] = tuple(example.shape)
-        # each cell's h and c, of one size (a carried value keeps its size: rolled_match.py)
+        # each cell's h and c, of one size (a carried value keeps its size:
+        # symbolic/rolled/match.py)
         _need(all(len(states.get(j, ())) == 1 for j in range(len(cells))))
         shapes = [next(iter(states[j])) for j in range(len(cells))]
         weights = {}

@@ -257,7 +257,7 @@ def tail(ops: list, hoist: HoistPlan) -> tuple:
     _placeholders_first(graph)
     graph.lint()
     gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="HoistedTail")
-    gm.meta["constructed_by"] = "specularch.symbolic.speculation.rolled_hoist"
+    gm.meta["constructed_by"] = "specularch.symbolic.rolled.hoist"
     return HoistedTail(gm, appended), invariants
 
 

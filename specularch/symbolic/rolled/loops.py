@@ -32,8 +32,9 @@ import torch.fx
 
 from ...fx_lower.randomness import is_random_node
 from ...records import Unsupported
-from . import rolled_fast, rolled_first, rolled_hoist, rolled_lists
-from .rolled_match import Match, Snapshot, append_only, set_slot
+from . import (fast as rolled_fast, first as rolled_first, hoist as rolled_hoist,
+               lists as rolled_lists)
+from .match import Match, Snapshot, append_only, set_slot
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
 from ..values.symint import SymV, arithmetic, compare
@@ -56,13 +57,13 @@ class LoopReport:
     body_ops: int = 0
     carried: int = 0
     outputs: int = 0
-    hoisted: int = 0                     # body ops moved after the loop (rolled_hoist.py)
+    hoisted: int = 0                     # body ops moved after the loop (hoist.py)
     not_hoisted: str = ""                # why an appended value is computed in the body
-    faster: str = ""                     # how the body was rewritten to run faster (rolled_fast.py)
+    faster: str = ""                     # how the body was rewritten to run faster (fast.py)
     trips: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
     form: str = "range(n)"               # what the loop iterates
     within: str = ""                     # where an inner loop is, in its outer loop
-    iterations: int = 0                  # of an unrolled loop noted by loop_notes.py
+    iterations: int = 0                  # of an unrolled loop noted by unrolled.py
 
     def __str__(self) -> str:
         form = f"{self.form}, {self.within}" if self.within else self.form
@@ -79,7 +80,7 @@ class LoopReport:
 
 class RolledLoop:
     """The graph node's target: runs the body for ``t = first .. n-1`` (iteration 0 is in
-    the graph, or run by the body: ``rolled_first.py``), feeding each iteration's carried
+    the graph, or run by the body: ``first.py``), feeding each iteration's carried
     values to the next."""
 
     __name__ = "rolled_loop"
@@ -88,14 +89,14 @@ class RolledLoop:
                  report: LoopReport):
         self.body, self.carried, self.outputs, self.report = body, carried, outputs, report
         self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
-        self.prepare = None       # per call: (n, invariants) -> the body's (rolled_fast.py)
-        self.run_body = None      # or the body compiled (fx_lower/rolled_compile.py)
+        self.prepare = None       # per call: (n, invariants) -> the body's (fast.py)
+        self.run_body = None      # or the body compiled (fx_lower/rolled/compiled.py)
         self.first = 1            # 0 where iteration 0 runs in the body too
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
         if self.run_body is None and self.prepare is not None:
-            whole = self.prepare.whole(n, carried, invariants)  # (rolled_fast.py: a stack)
+            whole = self.prepare.whole(n, carried, invariants)  # (fast.py: a stack)
             if whole is not None:
                 return (*whole, True) if self.expected else whole
         step, k, o = self.run_body or self.body.forward, self.carried, self.outputs
@@ -294,10 +295,10 @@ class _Loop:
         return TupleV([k, rolled_lists.row(self, index)])
 
     def _after_first(self) -> None:
-        """What iteration 0 tells of the loop (``rolled_while.py``: its step, its trip count)."""
+        """What iteration 0 tells of the loop (``while_loops.py``: its step, its trip count)."""
 
     def is_next(self, h: Value, a: Value, index: Value) -> bool:
-        """Whether ``h -> a`` is the loop's own counter stepping (``rolled_while.py``, the
+        """Whether ``h -> a`` is the loop's own counter stepping (``while_loops.py``, the
         ``k`` of ``for k, x in enumerate(xs)``)."""
         if a is not self.counter or a is None:
             return False
@@ -414,7 +415,7 @@ class _Roll:
         # values hoisted ops read
         self.per_iteration = [a for a in appended if a not in self.hoist.appended]
         self.per_iteration += self.hoist.boundaries
-        self.folded = None  # iteration 0 run by the body (rolled_first.py)
+        self.folded = None  # iteration 0 run by the body (first.py)
         if first[0] and not self.tracer.assumptions.exact_loops and loop.items is None \
                 and loop.plain():
             self.folded = rolled_first.fold(*first, new_nodes, index_node, 0, self.entries,
@@ -499,7 +500,7 @@ class _Roll:
         _placeholders_first(graph)
         graph.lint()
         body = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="RolledBody")
-        body.meta["constructed_by"] = "specularch.symbolic.rolled_loops"
+        body.meta["constructed_by"] = "specularch.symbolic.rolled.loops"
         return body, outputs
 
     def _rebind(self, node: torch.fx.Node, outputs: list) -> None:

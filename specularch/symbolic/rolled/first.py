@@ -1,9 +1,9 @@
 """A rolled loop's iteration 0 run by its body too, where it is the body's own work.
 
-``rolled_loops.py`` captures iteration 0 into the outer graph (it tells the loop-carried
+``loops.py`` captures iteration 0 into the outer graph (it tells the loop-carried
 values apart) and rolls iteration 1 into the body, run for ``t = 1 .. n-1``. Left in the
 graph, iteration 0 is a second copy of the body's ops outside the body's rewrites
-(``rolled_fast.py``): its own embedding lookup and gradient, its cells as unfused autograd
+(``fast.py``): its own embedding lookup and gradient, its cells as unfused autograd
 ops with their own weight-gradient products and accumulations. Where iteration 0's nodes
 are the body's nodes one for one, with ``t`` as ``start`` and each carried input as the
 value the loop found before its first iteration, the body runs for ``t = 0 .. n-1`` from

@@ -23,8 +23,8 @@ import operator
 import torch
 import torch.fx
 
-from . import rolled_cells
-from .randomness import is_identity_dropout, is_random_node
+from . import cells as rolled_cells
+from ..randomness import is_identity_dropout, is_random_node
 
 _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
               operator.neg}
@@ -150,7 +150,7 @@ class CompiledBody:
         for p in [n for n in graph.nodes if n.op == "placeholder" and not n.users]:
             graph.erase_node(p)
         compute_gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="RolledCompiled")
-        compute_gm.meta["constructed_by"] = "specularch.fx_lower.rolled_compile"
+        compute_gm.meta["constructed_by"] = "specularch.fx_lower.rolled.compiled"
         used = {n.name for n in graph.nodes if n.op == "placeholder"}
         tensor_inputs = [k for k in tensor_inputs if placeholders[k].name in used]
         rows_used = [k for k, _ in enumerate(rows) if f"row_{k}" in used]
@@ -178,7 +178,7 @@ class CompiledBody:
     __call__ = forward
 
     def _compile(self, args: list):
-        from .backends import get_backend
+        from ..backends import get_backend
         for n, a in zip([n for n in self.compute_gm.graph.nodes if n.op == "placeholder"], args):
             n.meta["example"] = a
         return get_backend(self.backend).compile(self.compute_gm, list(args))

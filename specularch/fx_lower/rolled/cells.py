@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ._torch_autograd import graph_task_id
+from .._torch_autograd import graph_task_id
 
 
 class _Grads:
@@ -73,7 +73,7 @@ class _FusedCell(torch.autograd.Function):
     """``torch.lstm_cell`` as one autograd node that leaves its weight gradients to the
     call's ``_WeightSink``. With ``w_ih`` None, ``x`` is the input's projection
     ``x @ w_ih.T + b_ih``, computed for all iterations before the loop
-    (``rolled_project.py``): its gradient is ``dgates``."""
+    (``symbolic/rolled/project.py``): its gradient is ``dgates``."""
 
     @staticmethod
     def forward(ctx, grads, site, x, h, c, w_hh, b_hh, w_ih, b_ih):

@@ -1,6 +1,6 @@
 """What a rolled loop's iteration 1 found in the frame and what it left there, compared.
 
-``rolled_loops.py`` takes a ``Snapshot`` at the loop's head and after iteration 1; ``Match``
+``loops.py`` takes a ``Snapshot`` at the loop's head and after iteration 1; ``Match``
 pairs the two: tensors that changed are loop-carried values, slots that hold the index
 are rebound after the loop, lists grown by one tensor are per-iteration outputs. Anything
 else that differs refuses the roll (``loop.refuse``), since a later iteration would then
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 
-from .rolled_objects import RowV
+from .objects import RowV
 from ..values.rolled import ItemNumberV, LoopIndexV, RolledListV
 from ..values.symint import SymV
 from ..values import (CellV, ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,

@@ -6,7 +6,7 @@ graph per length. Python 3.11 compiles the loop as a ``POP_JUMP_FORWARD_IF_NONE`
 body, and the same test jumping back. At the first test, when ``node`` holds an object from
 the call (an argument, an attribute) and the body ends with ``node = node.<link>`` (and
 binds ``node`` nowhere else), the loop is rolled as a loop over a list of objects is
-(``rolled_objects.py``, ``rolled_loops.py``):
+(``objects.py``, ``loops.py``):
 
 1. the walk ``[node, node.link, ...]`` up to ``None`` is a graph node (``walked``) from the
    head, an input; its length is the trip count, a run-time value;
@@ -27,9 +27,9 @@ from __future__ import annotations
 from ...guards.lists import walked
 from ..library_files import is_library_file
 from ..values import ConstV, ObjV, Value
-from . import rolled_lists, rolled_objects
-from .rolled_loops import _why_not_roll
-from .rolled_while import _While
+from . import lists as rolled_lists, objects as rolled_objects
+from .loops import _why_not_roll
+from .while_loops import _While
 
 _END = ("LOAD_FAST", "LOAD_ATTR", "STORE_FAST")  # ``node = node.link``, the body's last line
 # the test at the top -> the same test at the bottom: ``while node is not None:``, and
@@ -87,7 +87,7 @@ def _loop_shape(frame, ins, value: Value):
         return None
     if any(i.opname in ("STORE_FAST", "DELETE_FAST") and i.argval == var
            or i.opname in ("STORE_ATTR", "DELETE_ATTR") for i in code[at + 1:bottom - 3]):
-        return None  # an attribute write outlives an iteration: never rolled, left to loop_notes
+        return None  # an attribute write outlives an iteration: never rolled, left to unrolled.py
     return at + 1, bottom, exit_, var, end[1].argval
 
 

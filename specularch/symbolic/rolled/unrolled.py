@@ -1,8 +1,8 @@
-"""Why a loop of user code was unrolled when it is not a ``range()`` loop (rolled_loops.py).
+"""Why a loop of user code was unrolled when it is not a ``range()`` loop (loops.py).
 
 ``for x in xs`` over a list that comes from the call (an argument, an attribute) and
-``while`` loops (``while i < n:``, ``while node is not None:``) that ``rolled_lists.py`` /
-``rolled_while.py`` / ``rolled_walk.py`` do not roll are unrolled: each iteration
+``while`` loops (``while i < n:``, ``while node is not None:``) that ``lists.py`` /
+``while_loops.py`` / ``walk.py`` do not roll are unrolled: each iteration
 is captured, the list's length and items or each test of the condition are guarded, so a
 call with another trip count captures another graph (then ``cache_limit``). Capture
 notes them at their first backward jump, as ``LoopReport``s that ``explain()`` lists with
@@ -17,12 +17,12 @@ from ..values import IterV, ListV, TupleV
 LIST_WHY = ("a list from the call is iterated item by item: its length and items are guarded, "
             "one graph per length (a list of tensors, or of tuples of tensors and numbers, that "
             "all share item 0's dtype/shape/requires_grad, or of objects of one class, is rolled, "
-            "and so are enumerate() and zip() of such lists: rolled_lists.py, rolled_objects.py)")
+            "and so are enumerate() and zip() of such lists: symbolic/rolled/lists.py, objects.py)")
 WHILE_WHY = ("its condition is decided by Python values at capture and guarded at every test, "
              "one graph per trip count (`while i < n:` with an int counter stepped by a constant "
              "and a run-time bound is rolled, as `for t in range(n)` is, and so is "
              "`while node is not None: ...; node = node.next` over objects from the call: "
-             "rolled_walk.py)")
+             "symbolic/rolled/walk.py)")
 
 
 def mark_list_iterator(it: IterV, iterated) -> None:
@@ -43,7 +43,7 @@ def backward_jump(frame, target: int) -> None:
 
 
 def _note(frame, site: tuple, target: int):
-    from .rolled_loops import LoopReport  # rolled_loops imports what imports this module
+    from .loops import LoopReport  # loops.py imports what imports this module
     if is_library_file(frame.code.co_filename):
         return None
     head = frame.info.instructions[frame.info.index_of[target]]

@@ -5,7 +5,7 @@ Unrolled, every test of the condition is guarded: one graph per trip count. Pyth
 compiles ``while i < n: body`` as a test, the body, and the same test again jumping back to
 the body. At the first test, when ``i`` holds an int ``i0`` and ``n`` is symbolic (a size, a
 number that changed between calls), the loop is rolled as ``for t in range(...)`` is
-(``rolled_loops.py``):
+(``loops.py``):
 
 1. iteration 0 runs as unrolled; ``i`` then holds ``i0 + c``: the step ``c`` (a constant);
 2. the trip count is ``len(range(i0, n, c))`` (``n + 1`` / ``n - 1`` for ``<=`` / ``>=``), a
@@ -25,7 +25,7 @@ import operator
 from ..values.rolled import RollRefused
 from ..values.symint import SymV, arithmetic
 from ..values import ConstV, Value
-from .rolled_loops import _NOT_IN_BODY, _Loop, _trip_count, _why_not_roll
+from .loops import _NOT_IN_BODY, _Loop, _trip_count, _why_not_roll
 
 _SYMBOL = {"<": 1, "<=": 1, ">": -1, ">=": -1}  # the direction the counter must step in
 

@@ -1,7 +1,7 @@
 """Rolled ``for obj in objs`` loops over a list of user objects from the call whose attributes
 the body reads as tensors or numbers: captured once, whatever the length.
 
-The list is passed whole as a list of tensors is (``rolled_lists.py``): one graph input, an
+The list is passed whole as a list of tensors is (``lists.py``): one graph input, an
 ``ObjectListV``, guarded by ``ObjectListGuard`` (every item of item 0's class; the length not
 guarded). In an iteration the item is a ``RowV``, ``objs[k]``; each attribute the body reads
 is a graph node ``getattr(objs[k], name)`` and a guard over every item (``ItemAttrGuard``):
@@ -46,7 +46,7 @@ class ObjectListV(TensorListV):
     """A list of user objects passed whole: iterated only by its rolled loop (``RowV``)."""
 
     holds_tensors = False
-    walk = ""  # the link of a linked walk from ``source`` (``rolled_walk.py``), not a list
+    walk = ""  # the link of a linked walk from ``source`` (``walk.py``), not a list
 
     def __repr__(self):
         return f"ObjectListV({self.source}, {self.length!r})"

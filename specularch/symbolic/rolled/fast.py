@@ -1,11 +1,11 @@
 """A rolled loop's body made cheaper to run, outside ``config.templates == "exact"``.
 
-Two rewrites of the body ``GraphModule`` that ``rolled_loops.py`` built, each with a per-call
+Two rewrites of the body ``GraphModule`` that ``loops.py`` built, each with a per-call
 part that runs before the first rolled iteration (``RolledLoop.prepare``):
 
 * **prelude**: what an iteration computes from the loop index and loop invariants alone
   (``embedding(tokens[t])``) runs once for all rolled iterations before the loop, on the
-  rows ``1 .. n-1`` (``0 .. n-1``: ``rolled_first.py``) of the indexed tensor, and the body picks its row per iteration. An
+  rows ``1 .. n-1`` (``0 .. n-1``: ``first.py``) of the indexed tensor, and the body picks its row per iteration. An
   embedding looked up per iteration costs a full-table gradient (zeros plus a scatter) and
   a full-table addition per iteration in backward; looked up once it costs one.
   Only ops that act on each row independently and compute each row's numbers as they would
@@ -18,12 +18,12 @@ part that runs before the first rolled iteration (``RolledLoop.prepare``):
   call runs eagerly and raises eager's error (nothing was committed).
 * **projections**: an ``lstm_cell`` whose input the prelude computes has its input
   projection ``x @ w_ih.T + b_ih`` computed in the prelude too, one product for all
-  iterations (``rolled_project.py``: the one matrix product the prelude takes).
+  iterations (``project.py``: the one matrix product the prelude takes).
 * **cells**: ``torch.lstm_cell`` with invariant weights becomes one autograd node per
-  iteration, with one weight-gradient product per call (``fx_lower/rolled_cells.py``).
+  iteration, with one weight-gradient product per call (``fx_lower/rolled/cells.py``).
 * **stack**: a body that is then nothing but a stack of such cells (each one's input the
-  prelude's row or the previous one's ``h``: ``fx_lower/rolled_stack_plan.py``) runs as one
-  autograd node for all iterations (``fx_lower/rolled_stack.py``, ``Prepare.whole``).
+  prelude's row or the previous one's ``h``: ``fx_lower/rolled/stack_plan.py``) runs as one
+  autograd node for all iterations (``fx_lower/rolled/stack.py``, ``Prepare.whole``).
 
 Forward values stay eager's bit for bit but for the projections (a product over all rows
 may round differently); gradients are eager's up to rounding (summed in another order).
@@ -35,9 +35,10 @@ import operator
 import torch
 import torch.fx
 
-from ...fx_lower import rolled_cells, rolled_stack, rolled_stack_plan
+from ...fx_lower.rolled import (cells as rolled_cells, stack as rolled_stack,
+                                stack_plan as rolled_stack_plan)
 from ...fx_lower.randomness import is_identity_dropout
-from . import rolled_hoist, rolled_project
+from . import hoist as rolled_hoist, project as rolled_project
 
 
 def _rows(tensor: torch.Tensor, n: int, first: int = 1) -> torch.Tensor:
@@ -137,7 +138,7 @@ def _prelude_nodes(graph: torch.fx.Graph, index, invariants: set) -> list:
                 or not any(a in row for a in inputs):
             continue
         elif rolled_project.is_projection(node):
-            pass  # a product, but allowed to round differently (rolled_project.py)
+            pass  # a product, but allowed to round differently (project.py)
         elif _is_product(node) or not is_identity_dropout(node) and \
                 rolled_hoist.why_not_row_wise(node, row, index) is not None:
             continue
@@ -189,7 +190,7 @@ def _prelude_module(pre: list, frontier: list, index, invariant_nodes: list, fir
     _placeholders_first(graph)
     graph.lint()
     gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="RolledPrelude")
-    gm.meta["constructed_by"] = "specularch.symbolic.speculation.rolled_fast"
+    gm.meta["constructed_by"] = "specularch.symbolic.rolled.fast"
     gm.frontier = [f.name for f in frontier]
     return gm, reads
 
