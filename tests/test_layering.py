@@ -223,7 +223,8 @@ SYMBOLIC_LAYERS = [
     ("rolled",),
     ("speculation",),
     ("values",),
-    ("models", "opcodes", "hooks", "assumptions", "bytecode", "library_files", "_torch_dispatch"),
+    ("models", "opcodes", "hooks", "assumptions", "bytecode", "library_files", "budget",
+     "_torch_dispatch"),
 ]
 
 

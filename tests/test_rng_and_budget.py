@@ -20,7 +20,7 @@ from torch import nn
 import specularch
 from specularch.fx_lower import cudagraphs
 from specularch.fx_lower.backends import BACKENDS, register_backend
-from specularch.symbolic.speculation import budget
+from specularch.symbolic import budget
 from test_backends import RerunRecorder
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -27,7 +27,7 @@ from ..guards.guard import refers_to_dead
 from ..records import RecompileRecord, SpecularchStrictError, Unsupported
 from ..shadow_heap import CommitRefused
 from ..guards.relax import argument_fact
-from ..symbolic.speculation import budget
+from ..symbolic import budget
 from ..symbolic.assumptions import Assumptions
 from ..symbolic.capture import Capture, capture
 from ..symbolic.values import RelaxationRefused

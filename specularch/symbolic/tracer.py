@@ -23,7 +23,8 @@ from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
-from .speculation import budget, item_args, view_writes
+from . import budget
+from .speculation import item_args, view_writes
 from . import inputs
 from .assumptions import Assumptions
 from .speculation.leaf_writes import connect_reads

@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 
-from ...records import Unsupported
+from ..records import Unsupported
 
 FLOOR_SECONDS = 0.5      # never give up sooner (short calls: the compile step dominates)
 EAGER_FACTOR = 2.0       # a capture may cost this many eager calls before giving up
