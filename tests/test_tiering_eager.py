@@ -83,6 +83,8 @@ def test_graph_faster_than_eager_keeps_its_tier(low_thresholds, candidates):  # 
     (event,) = entry.tier.events
     assert event.candidate == "eager" and event.decision == "rejected", event
     assert entry.backend == "fx" and stats.eager_tier_calls == tried
+    # far slower: rejected after its first round, no untimed warm-up calls before it
+    assert tried == specularch.config.tier_trial_calls
     assert stats.graph_hits == hits + len(batches) * 2
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)

@@ -184,11 +184,14 @@ class Trial:
     of the candidate (for a graph that draws random numbers, each checked to draw eager's),
     then ``policy.ROUNDS`` rounds of ``k`` calls each side, interleaved (so
     that a slow phase of the program, or a compile running beside it, weighs on both),
-    compared by median of the calls' CPU time (``policy.clock``)."""
+    compared by median of the calls' CPU time (``policy.clock``). The ``eager`` candidate
+    has no warm-up: the original Python has no first-call work of its own to keep out of
+    the timing, and each of its calls is a step at eager's speed."""
 
     def __init__(self, tier: Tier, candidate: Candidate):
         self.tier, self.candidate = tier, candidate
         self.calls = 0
+        self.warm_up = 0 if candidate.backend == EAGER else policy.WARM_UP
         self.samples: tuple[list, list] = ([], [])  # seconds per call: current, candidate
         self.k = tier.trial_calls
         # Chosen by the first call, on the program's thread: a trial is made on whichever
@@ -200,8 +203,8 @@ class Trial:
     def call(self, L, C, G, B):
         n = self.calls
         self.calls = n + 1
-        timed = n >= policy.WARM_UP
-        side = ((n - policy.WARM_UP) // self.k) % 2 if timed else 1
+        timed = n >= self.warm_up
+        side = ((n - self.warm_up) // self.k) % 2 if timed else 1
         fn = self.candidate.fn if side else self.tier.fn
         if not timed and self.candidate.checked_fn is not None:
             fn = self.candidate.checked_fn  # (same_draws.py)
