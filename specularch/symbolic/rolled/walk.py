@@ -107,14 +107,7 @@ class _Walk(_While):
         rolled_objects.no_earlier_writes(self.tracer, self.nodes, self)
 
     def _iterate(self, index: Value) -> None:
-        frame = self.frame
-        frame.locals[self.var] = rolled_lists.item(self, index, self.nodes)
-        frame.ip = self.body
-        while frame.ip != self.head:
-            if frame.result is not None or not self.body <= frame.ip < self.head:
-                self.refuse("an iteration leaves the loop (break, continue, return or an "
-                            "exception)")
-            frame._step()
+        self._run_body(rolled_lists.item(self, index, self.nodes))
 
     def _after_first(self) -> None:
         if not _successor(self.frame.locals.get(self.var)):

@@ -121,9 +121,13 @@ class _While(_Loop):
                 self.refuse(f"its body has {ins.opname}")
 
     def _iterate(self, index: Value) -> None:
-        frame = self.frame
         self.first = self.first or index
-        frame.locals[self.var] = index
+        self._run_body(index)
+
+    def _run_body(self, value: Value) -> None:
+        """One iteration: ``value`` in the loop's variable, the body run to the loop's head."""
+        frame = self.frame
+        frame.locals[self.var] = value
         frame.ip = self.body
         while frame.ip != self.head:
             if frame.result is not None or not self.body <= frame.ip < self.head:
