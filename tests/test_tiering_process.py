@@ -242,3 +242,23 @@ def test_number_input_meets_a_0d_tensor_in_eagers_dtype_in_the_worker(hot_at_onc
     assert (event.decision, event.compiled_in) == ("kept", "worker process"), str(event)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert_same(q, p, rtol=1e-5, atol=1e-6)
+
+
+def _long(x):
+    for _ in range(1200):  # unrolled: a node each
+        x = x * 1.001
+    return x
+
+
+def test_a_graph_of_many_nodes_round_trips():
+    """A job's graph is written node by node: pickling an ``fx.Graph`` walks its linked
+    nodes recursively, a level per node (Inception's 1,640-node step raised RecursionError)."""
+    opt = specularch.optimize(_long, backend="fx")
+    x = torch.randn(3)
+    for _ in range(4):
+        assert torch.equal(opt(x), _long(x))
+    gm = max(opt.__specularch_state__.entries, key=lambda e: e.hits).capture.graph_module
+    assert len(gm.graph.nodes) > 1200
+    examples = [n.meta["example"] for n in gm.graph.nodes if n.op == "placeholder"]
+    gm2, _ = job.unpack(job.pack(gm, examples))
+    assert gm2.code == gm.code

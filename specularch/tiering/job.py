@@ -2,9 +2,12 @@
 compiled artefact goes, written by the program (``process.py``) and read by the worker
 process (``compile_worker.py``).
 
-The graph travels as a pickled ``torch.fx.Graph`` (its nodes, targets by reference), not as
-a pickled ``GraphModule``: that one is rebuilt by tracing its generated code again, which
-drops what a tracer does not record (``set_grad_enabled`` calls) and every ``meta``. Inputs
+The graph travels as its nodes in order, each ``(op, name, target, args, kwargs)`` with the
+nodes it reads named (``_Ref``), targets pickled by reference, and is rebuilt node by node.
+Not as a pickled ``GraphModule``: that one is rebuilt by tracing its generated code again,
+which drops what a tracer does not record (``set_grad_enabled`` calls) and every ``meta``.
+Nor as a pickled ``torch.fx.Graph``: its nodes are a linked list, which pickle walks
+recursively, a level per node (Inception's 1,640-node step raised ``RecursionError``). Inputs
 travel as metadata only (shape, stride, dtype, device): the compilers trace with fake
 tensors and never read values; Python numbers travel as they are (they are cheap, and
 ``scalar_inputs_as_tensors`` must see that they are numbers). The other nodes' examples
@@ -48,11 +51,7 @@ def unsendable(gm: torch.fx.GraphModule) -> str | None:
 def pack(gm: torch.fx.GraphModule, examples: list, **fields: Any) -> dict:
     """``gm`` and its inputs' metadata as a dict of plain, picklable values (plus ``fields``:
     backend, cache settings). Raises what pickling raises for an unsendable target."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for node in graph.nodes:
-        node.meta = {}
-    return {"graph": _dumps(graph), "meta": {k: v for k, v in gm.meta.items() if _plain(v)},
+    return {"graph": _dumps(_flat(gm.graph)), "meta": {k: v for k, v in gm.meta.items() if _plain(v)},
             "attrs": {n.target: _attribute(gm, n.target) for n in gm.graph.nodes
                       if n.op == "get_attr"},
             "inputs": [_spec(v) for v in examples],
@@ -64,7 +63,7 @@ def pack(gm: torch.fx.GraphModule, examples: list, **fields: Any) -> dict:
 def unpack(job: dict) -> tuple[torch.fx.GraphModule, list]:
     """The graph module and example inputs ``pack`` described (inputs: zero-filled tensors
     of the same layout)."""
-    graph = pickle.loads(job["graph"])
+    graph = _rebuilt(pickle.loads(job["graph"]))
     gm = torch.fx.GraphModule(job["attrs"], graph)
     gm.meta.update(job["meta"])
     examples = [_example(spec) for spec in job["inputs"]]
@@ -75,6 +74,38 @@ def unpack(job: dict) -> tuple[torch.fx.GraphModule, list]:
         if node.name in job.get("examples", {}):
             node.meta["example"] = _example(job["examples"][node.name], device="meta")
     return gm, examples
+
+
+class _Ref:
+    """A node read by another node, by its name (in a graph's flat form)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return _Ref, (self.name,)
+
+
+def _flat(graph: torch.fx.Graph) -> list[tuple]:
+    """``graph``'s nodes in order, each ``(op, name, target, args, kwargs, type)``, the nodes
+    in its arguments as ``_Ref``: what pickle writes without recursing along the graph."""
+    return [(n.op, n.name, n.target,
+             *torch.fx.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name)), n.type)
+            for n in graph.nodes]
+
+
+def _rebuilt(rows: list[tuple]) -> torch.fx.Graph:
+    """The graph ``_flat`` described."""
+    graph, nodes = torch.fx.Graph(), {}
+
+    def node(value):
+        return nodes[value.name] if isinstance(value, _Ref) else value
+    for op, name, target, args, kwargs, type_ in rows:
+        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), node)
+        nodes[name] = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_)
+    return graph
 
 
 def _attribute(gm: torch.fx.GraphModule, target: str):
