@@ -6,7 +6,8 @@ then the parameters and Adam's state, as eager's, no module of ``torch._inductor
 the program beyond those eager PyTorch imports itself (``torch._dynamo``'s; not
 ``compile_fx``), and no unpacked package left in the temporary directory; a package's outputs that
 are inputs, repeated or views, its number inputs, calls from three threads at once; where
-AOTInductor fails, today's ``standalone_compile`` artefact, saying so; an unreadable cached
+AOTInductor fails, or its package raises when run once in the worker, today's
+``standalone_compile`` artefact, saying so; an unreadable cached
 package ignored with one warning."""
 import json
 import logging
@@ -215,6 +216,62 @@ def test_where_aoti_fails_the_standalone_artefact_says_why(monkeypatch, tmp_path
     run = compilers.load_inductor_artifact(str(tmp_path / "a"), meta)
     assert run.artefact_note == "standalone_compile artefact (AOTInductor: ValueError: no export for you)"
     torch.testing.assert_close(run(torch.ones(3), 2.0)[0], torch.full((3,), 2.0))
+
+
+def test_a_package_that_raises_when_run_gives_way_to_the_standalone_artefact(monkeypatch, tmp_path):
+    import torch._inductor
+
+    class Artifact:
+        def save(self, path, format):
+            pathlib.Path(path).write_bytes(b"standalone")
+
+    def fails(path, inputs):
+        assert pathlib.Path(path).read_bytes() == b"package" and len(inputs) == 2
+        raise RuntimeError("Expected IntList but got None\nframe #0")
+    monkeypatch.setattr(aoti, "package", lambda *a: b"package")
+    monkeypatch.setattr(aoti, "test_run", fails)
+    monkeypatch.setattr(torch._inductor, "standalone_compile", lambda *a, **k: Artifact())
+    examples = [torch.randn(3), 2.0]
+    meta = compilers.inductor_artifact(_traced(lambda x, k: x * k, examples), examples,
+                                       str(tmp_path / "a"))
+    assert meta["format"] == "standalone" and meta["aoti_failed"] == \
+        "its package compiled but raised when run: RuntimeError: Expected IntList but got None"
+    assert (tmp_path / "a").read_bytes() == b"standalone"
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = torch.nn.LSTM(4, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0])
+
+
+@pytest.mark.slow
+def test_the_lstm_steps_package_fails_its_test_run_and_the_standalone_artefact_is_used(tmp_path):
+    """A real one: ``nn.LSTM``'s training step compiles to a package whose call of the LSTM
+    backward's fallback kernel raises (torch 2.13): the big LM's step stayed on fx for it."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = _Recurrent()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    fast = specularch.optimize(step, backend="fx")
+    x, y = torch.randn(5, 2, 4), torch.randn(5, 2, 3)
+    for _ in range(5):
+        fast(x, y)
+    gm = max(specularch.api._state_of(fast).entries, key=lambda e: e.hits).capture.graph_module
+    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    meta = compilers.inductor_artifact(gm, examples, str(tmp_path / "a"), threads=1)
+    assert meta["format"] == "standalone", meta
+    assert meta["aoti_failed"].startswith("its package compiled but raised when run"), meta
 
 
 @pytest.mark.parametrize("damage", ["unloadable", "changed after it was saved"])

@@ -51,6 +51,18 @@ def package(graph: torch.fx.GraphModule, inputs: list, threads: int | None) -> b
     return buffer.getvalue()
 
 
+def test_run(path: str, inputs: list) -> None:
+    """Run the package at ``path`` once on ``inputs`` (in the tiering worker: zero-filled
+    tensors of the graph's layout), raising what it raises. A package can compile and then
+    fail when it runs: the big LM's step (``nn.LSTM``) compiled, and its call of the LSTM
+    backward's fallback kernel failed in every call ("Expected IntList but got None"), so
+    its candidate raised in its trial and the step stayed on ``fx`` where Inductor's
+    ``standalone_compile`` runs it 1.6x faster than eager. Such a graph gets that artefact
+    instead. (It runs in the worker process: what it draws is not the program's.)"""
+    with torch.no_grad():
+        Package(path)(list(inputs))
+
+
 def updated_inputs(graph: torch.fx.GraphModule) -> list[int]:
     """The positions of the inputs ``graph`` updates in place (an ATen op whose schema writes
     an argument). Capture writes through the commit, so flattened graphs have none (checked

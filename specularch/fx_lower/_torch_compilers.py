@@ -343,9 +343,14 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
                 data = _torch_aoti.package(flat.graph, flat.inputs, threads)
             with open(path, "wb") as f:
                 f.write(data)
+        except Exception as e:
+            why = _first_line(e)
+    if why is None:
+        try:
+            _torch_aoti.test_run(path, flat.inputs)
             return {**meta, "format": AOTI}
         except Exception as e:
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            why = f"its package compiled but raised when run: {_first_line(e)}"
     with torch.no_grad(), inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}), \
             _no_leaked_pointer(), _inductor_caches():
         artifact = standalone_compile(flat.graph, flat.inputs,
@@ -355,6 +360,10 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
 
 
 AOTI, STANDALONE = "aoti", "standalone"  # meta["format"] of an Inductor artefact
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def _aoti_refusal(gm: torch.fx.GraphModule, flat: Flattened) -> str | None:

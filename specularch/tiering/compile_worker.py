@@ -10,8 +10,10 @@ torch (2-3 s of CPU, far more at a low priority on a busy machine): the program 
 before its first graph is hot (``process.prestart``), and while no job is waiting it imports
 what the compilers import on first use (``PRELOAD``), one module at a time.
 
-It only compiles: it never runs the graph (the compilers trace it with fake tensors) nor
-imports the user's modules (``job.unsendable``). It runs at a lower priority on one thread,
+It compiles (the compilers trace with fake tensors) and runs nothing of the program's but
+an AOTInductor package once, on zero-filled inputs of the graph's layout, to find one that
+compiles and then fails when it runs (``_torch_aoti.test_run``); it never imports the user's
+modules (``job.unsendable``). It runs at a lower priority on one thread,
 so that the program's own thread keeps its core first.
 """
 from __future__ import annotations
