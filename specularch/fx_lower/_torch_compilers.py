@@ -170,7 +170,9 @@ def _inductor_caches(tracing: bool = True):
 def _static_shape_env():
     """The tracing context Inductor's caches look for (they bypass a compile whose context
     has no shape environment, as one outside ``torch.compile`` has), with static shapes:
-    the shapes the graph was captured with, as without it."""
+    the shapes the graph was captured with, as without it. Static only together with
+    ``_compile_static``: the mode's ``static_shapes`` alone does not keep AOT autograd from
+    making every input size a symbol of this ShapeEnv."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -179,6 +181,18 @@ def _static_shape_env():
         return
     with tracing(TracingContext(FakeTensorMode(static_shapes=True, shape_env=ShapeEnv()))):
         yield
+
+
+def _compile_static(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """``compile_fx`` for the example inputs' shapes, as ``standalone_compile`` does for
+    ``dynamic_shapes="from_example_inputs"``. Without ``ignore_shape_env``, AOT autograd
+    fakes every input with ``static_shapes=False`` in the tracing context's ShapeEnv (a
+    symbol per distinct size, whatever the mode's ``static_shapes`` says), and a size that
+    reaches float arithmetic (BatchNorm's ``n / (n - 1)``) is a SymFloat that Inductor's
+    ``tensorify_python_scalars`` pass cannot rebuild from a symbol no graph node binds:
+    ``KeyError: s36``. The graph's guards hold its sizes fixed anyway."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs, ignore_shape_env=True)
 
 
 def _tagged(compiled: Callable, cached: bool) -> Callable:
@@ -190,11 +204,10 @@ def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     is compiled now too, not lazily in the first ``backward()``."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
     with inductor_config.patch(fallback_random=True), \
             functorch_config.patch(force_non_lazy_backward_lowering=True), _no_leaked_pointer(), \
             _inductor_caches() as hit:
-        compiled = compile_fx(gm, example_inputs)
+        compiled = _compile_static(gm, example_inputs)
         return _tagged(compiled, hit())
 
 
@@ -280,12 +293,11 @@ def _without_autograd(flat: Flattened, compiled: Callable) -> Callable:
 def inductor_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """``flatten`` (symbolic) compiled with Inductor, run under ``no_grad``."""
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
 
     flat = flatten(gm, example_inputs, tracing_mode="symbolic")
     with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer(), \
             _inductor_caches() as hit:
-        compiled = compile_fx(flat.graph, flat.inputs)
+        compiled = _compile_static(flat.graph, flat.inputs)
         cached = hit()
     return _tagged(_without_autograd(flat, compiled), cached)
 
