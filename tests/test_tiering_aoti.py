@@ -248,10 +248,8 @@ class _Recurrent(torch.nn.Module):
         return self.out(self.rnn(x)[0])
 
 
-@pytest.mark.slow
-def test_the_lstm_steps_package_fails_its_test_run_and_the_standalone_artefact_is_used(tmp_path):
-    """A real one: ``nn.LSTM``'s training step compiles to a package whose call of the LSTM
-    backward's fallback kernel raises (torch 2.13): the big LM's step stayed on fx for it."""
+def _lstm_step_graph():
+    """The captured graph of an ``nn.LSTM`` model's SGD step and its example inputs."""
     import torch.nn.functional as F
     torch.manual_seed(0)
     model = _Recurrent()
@@ -268,10 +266,42 @@ def test_the_lstm_steps_package_fails_its_test_run_and_the_standalone_artefact_i
     for _ in range(5):
         fast(x, y)
     gm = max(specularch.api._state_of(fast).entries, key=lambda e: e.hits).capture.graph_module
-    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
-    meta = compilers.inductor_artifact(gm, examples, str(tmp_path / "a"), threads=1)
-    assert meta["format"] == "standalone", meta
-    assert meta["aoti_failed"].startswith("its package compiled but raised when run"), meta
+    return gm, [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_an_lstm_step_is_flattened_to_its_cells_not_the_onednn_kernel():
+    """oneDNN's ``mkldnn_rnn_layer`` makes its backward's workspace only in grad mode, and a
+    flattened graph runs under ``no_grad``: its compiled forms failed every call. The
+    flattened step has the cells' ops, computes what the captured graph computes, and
+    leaves oneDNN as it was."""
+    gm, examples = _lstm_step_graph()
+    assert any(getattr(n.target, "__name__", None) == "lstm" for n in gm.graph.nodes)
+    reference = gm(*examples)
+    flat = compilers.flatten(gm, examples, tracing_mode="fake")
+    assert not [n for n in flat.graph.graph.nodes if "rnn" in str(n.target)], flat.graph.code
+    assert torch.backends.mkldnn.enabled
+    with torch.no_grad():
+        outputs = flat.graph(*flat.inputs)
+    assert len(outputs) == len(reference) > 1
+    for got, want in zip(outputs, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_lstm_steps_package_runs_and_matches_the_graph(tmp_path):
+    """A real one: ``nn.LSTM``'s training step (the big LM's step stayed on fx because its
+    package's LSTM-backward call raised, "Expected IntList but got None", and the
+    ``standalone_compile`` artefact tried next its size check): now an AOTInductor package
+    whose outputs are the graph's."""
+    gm, examples = _lstm_step_graph()
+    reference = gm(*examples)
+    path = str(tmp_path / "a")
+    meta = compilers.inductor_artifact(gm, examples, path, threads=1)
+    assert meta["format"] == "aoti", meta
+    outputs = compilers.load_inductor_artifact(path, meta)(*examples)
+    assert len(outputs) == len(reference) > 1
+    for got, want in zip(outputs, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("damage", ["unloadable", "changed after it was saved"])

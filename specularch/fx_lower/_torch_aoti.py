@@ -54,10 +54,10 @@ def package(graph: torch.fx.GraphModule, inputs: list, threads: int | None) -> b
 def test_run(path: str, inputs: list) -> None:
     """Run the package at ``path`` once on ``inputs`` (in the tiering worker: zero-filled
     tensors of the graph's layout), raising what it raises. A package can compile and then
-    fail when it runs: the big LM's step (``nn.LSTM``) compiled, and its call of the LSTM
-    backward's fallback kernel failed in every call ("Expected IntList but got None"), so
-    its candidate raised in its trial and the step stayed on ``fx`` where Inductor's
-    ``standalone_compile`` runs it 1.6x faster than eager. Such a graph gets that artefact
+    fail when it runs: the big LM's step (``nn.LSTM``) did in every call, while its flattened
+    graph still had oneDNN's LSTM kernel ("Expected IntList but got None": the kernel's
+    backward workspace is made only in grad mode; ``_torch_compilers._generic_rnn_kernels``).
+    Such a graph gets the ``standalone_compile`` artefact
     instead. (It runs in the worker process: what it draws is not the program's.)"""
     with torch.no_grad():
         Package(path)(list(inputs))

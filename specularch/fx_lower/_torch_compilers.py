@@ -240,11 +240,30 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     inputs = list(example_inputs)
     for i in converted:
         inputs[i] = as_tensor_input(inputs[i], scalar_device)
-    with torch.enable_grad():
+    with torch.enable_grad(), _generic_rnn_kernels(gm):
         flat = make_fx(gm, tracing_mode=tracing_mode)(*inputs)
     flat.meta["constructed_by"] = "specularch.fx_lower._torch_compilers.flatten (make_fx)"
     _same_output_dtypes(gm, flat)
     return Flattened(flat, inputs, converted)
+
+
+_RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})  # torch.lstm is torch._VF.lstm
+
+
+def _generic_rnn_kernels(gm: torch.fx.GraphModule):
+    """While tracing a graph that calls ``nn.LSTM``/``GRU``/``RNN``'s kernel: oneDNN off, so
+    the recurrent layer is traced as its cells' ops, not as ``aten.mkldnn_rnn_layer``, a
+    kernel that makes the workspace its backward needs only while grad mode is on. A
+    flattened graph runs under ``no_grad`` (so did Inductor's compiled forward): there it
+    returned no workspace, Inductor's compiled code failed its size check ("expected
+    Tensor()") and an AOTInductor package its backward call ("Expected IntList but got
+    None"), so the big LM's step never ran compiled (pinned ``inductor`` on a small
+    ``nn.LSTM`` step failed the same way). Only the tracing changes: eager and ``fx`` keep
+    torch's choice of kernel."""
+    if any(node.op == "call_function" and getattr(node.target, "__name__", None) in _RNN_FUNCTIONS
+           for node in gm.graph.nodes):
+        return torch.backends.mkldnn.flags(enabled=False)
+    return contextlib.nullcontext()
 
 
 def _same_output_dtypes(gm: torch.fx.GraphModule, flat: torch.fx.GraphModule) -> None:
