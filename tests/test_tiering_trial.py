@@ -4,6 +4,7 @@ slow the program), every result bit-identical to eager's because ``fx`` ran ever
 returned; the rejection is remembered."""
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import specularch
 from specularch import tiering
 from specularch.tiering import policy
+from specularch.tiering.trial import Candidate, Trial
 
 from test_tiering import (_batches, _fx, _graph, _mlp, _pair, _run, _settle,  # noqa: F401
                           candidates, low_thresholds, spin, test_backend)
@@ -74,3 +76,35 @@ def test_trial_times_cpu_work_not_preemption(low_thresholds, candidates, test_ba
     entry = _settle(opt, batches, eager)
     (event,) = entry.tier.events
     assert event.candidate_us < event.current_us + 20000, event
+
+
+class _Tier:
+    """What a ``Trial`` reads of its graph's tier, recording its decision."""
+    def __init__(self, k):
+        self.trial_calls, self.history, self.decided = k, types.SimpleNamespace(tier="fx"), []
+
+    def decide(self, trial, event):
+        self.decided.append((len(trial.samples[1]), event))
+
+
+@pytest.mark.parametrize("candidate, rounds, decision", [
+    ([0.8] * 9, 3, "kept"),                        # clearly faster: after ROUNDS
+    ([1.02] * 9, 3, "rejected"),                   # slower: after ROUNDS, no more
+    ([0.97] * 9, 9, "rejected"),                   # faster within the margin: MAX_ROUNDS
+    ([0.97] * 3 + [0.8] * 6, 6, "kept"),           # the first rounds understated it
+])
+def test_a_candidate_faster_within_the_margin_gets_more_rounds(candidate, rounds, decision):
+    """Per-call noise on a shared machine (±30%) can make a 17% win measure 3% in three
+    rounds: a candidate measured faster, but by less than the margin, is timed for more
+    rounds (up to ``policy.MAX_ROUNDS``) before it is rejected; one measured slower is not."""
+    k = 5
+    tier = _Tier(k)
+    trial = Trial(tier, Candidate("torchscript", None, None, "", 0.0))
+    for seconds in candidate:
+        for side, value in ((0, 1.0), (1, seconds)):
+            for _ in range(k):
+                if not tier.decided:
+                    trial._add(side, value * 1e-3)
+    (calls, event), = tier.decided
+    assert (calls // k, event.decision) == (rounds, decision), (calls, event)
+    assert policy.ROUNDS == 3 and policy.MAX_ROUNDS == 9

@@ -27,6 +27,11 @@ TIER0 = "fx"
 CANDIDATES = ("torchscript", "inductor", "cudagraphs", EAGER)
 MARGIN = 0.05   # a candidate is kept only when its median is this much below the current one
 ROUNDS = 3      # interleaved rounds of a trial: config.tier_trial_calls calls per side each
+# A candidate measured faster after ROUNDS, but by less than MARGIN, gets more rounds, up to
+# this many in all, before it is rejected: on the shared 2-core VM one call's CPU time varies
+# by +-30%, and after 3 rounds of 5 calls TorchScript's 17% win on LeNet's step measured 3%
+# in one run and 13-22% in others. One that measured slower is rejected after ROUNDS.
+MAX_ROUNDS = 9
 WARM_UP = 3     # a candidate's first calls, not timed (TorchScript's profiling runs)
 # A candidate whose first round's median is this many times the current tier's is rejected
 # then: each further call of it would slow the program down (Inductor on LeNet: 0.5x eager).
@@ -91,6 +96,11 @@ def _random_refusal(name: str, gm: torch.fx.GraphModule) -> str | None:
 
 def faster(candidate_us: float, current_us: float) -> bool:
     return candidate_us < current_us * (1 - MARGIN)
+
+
+def undecided(candidate_us: float, current_us: float) -> bool:
+    """Faster, but not by ``MARGIN``: worth more rounds (``MAX_ROUNDS``)."""
+    return candidate_us < current_us and not faster(candidate_us, current_us)
 
 
 def hopeless(candidate_us: float, current_us: float) -> bool:

@@ -184,7 +184,8 @@ class Trial:
     of the candidate (for a graph that draws random numbers, each checked to draw eager's),
     then ``policy.ROUNDS`` rounds of ``k`` calls each side, interleaved (so
     that a slow phase of the program, or a compile running beside it, weighs on both),
-    compared by median of the calls' CPU time (``policy.clock``). The ``eager`` candidate
+    compared by median of the calls' CPU time (``policy.clock``); one faster within the
+    margin gets more rounds (``policy.MAX_ROUNDS``). The ``eager`` candidate
     has no warm-up: the original Python has no first-call work of its own to keep out of
     the timing, and each of its calls is a step at eager's speed."""
 
@@ -194,6 +195,7 @@ class Trial:
         self.warm_up = 0 if candidate.backend == EAGER else policy.WARM_UP
         self.samples: tuple[list, list] = ([], [])  # seconds per call: current, candidate
         self.k = tier.trial_calls
+        self.weighed = 0  # calls per side when the samples were last weighed (_add)
         # Chosen by the first call, on the program's thread: a trial is made on whichever
         # thread decided the last one (often the background thread), and with OpenMP
         # torch's thread count is per thread (a thread keeps the count of the moment it was
@@ -235,8 +237,17 @@ class Trial:
 
     def _add(self, side: int, seconds: float) -> None:
         self.samples[side].append(seconds)
-        if min(map(len, self.samples)) >= self.k * policy.ROUNDS or self._hopeless(side):
+        if self._hopeless(side):
             self.tier.decide(self, self._verdict())
+            return
+        done = min(map(len, self.samples))
+        if done < self.k * policy.ROUNDS or done % self.k or done == self.weighed:
+            return
+        self.weighed = done  # (each side's round ends once: weigh it once)
+        current, candidate = (statistics.median(s) for s in self.samples)
+        if done < self.k * policy.MAX_ROUNDS and policy.undecided(candidate, current):
+            return  # faster, within the margin: another round
+        self.tier.decide(self, self._verdict())
 
     def _hopeless(self, side: int) -> bool:
         """After the candidate's first round: far slower already (``policy.HOPELESS``), so
