@@ -25,7 +25,8 @@ def _run(tmp_path, workloads, structures, *extra):
 
 def test_never_seen_regime_reports_every_mode_side_by_side(tmp_path, capsys):
     profiled = specularch.config.profile_calls
-    results, runs = _run(tmp_path, "lenet,tree_rnn,lstm_lm", 6, "--no-torch-compile")
+    # (--tier-warmup-s: the suite keeps graphs cold, so auto would wait 60 s for them to get hot)
+    results, runs = _run(tmp_path, "lenet,tree_rnn,lstm_lm", 6, "--no-torch-compile", "--tier-warmup-s", "0")
     printed = capsys.readouterr()
     # auto: the workloads whose structure varies run never-seen, the others the cycle
     assert [r["workload"] for r in results["results"]] == ["lenet"] and set(runs) == {"tree_rnn", "lstm_lm"}
