@@ -199,16 +199,26 @@ def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
     return None
 
 
-def for_iter(frame, ins, it: SymRangeIterV):
-    """``FOR_ITER`` on a ``SymRangeIterV``: runs and rolls the whole loop; returns where the
-    frame goes on (after the loop)."""
-    tracer = frame.tracer
-    loop = _Loop(frame, ins, it)
+def not_here(tracer, site: tuple) -> bool:
+    """A ``while`` loop at ``site`` stays unrolled: refused before, inside another rolled
+    loop, a merged tensor branch or a recursion template."""
+    return site in tracer.assumptions.unrolled_loops or bool(tracer.rolling) or \
+        bool(tracer.merging) or tracer.template is not None
+
+
+def run_rolling(tracer, loop) -> None:
+    """Capture ``loop`` (its ``run()``), the tracer marked as inside a rolled loop."""
     tracer.rolling += 1
     try:
         loop.run()
     finally:
         tracer.rolling -= 1
+
+
+def for_iter(frame, ins, it: SymRangeIterV):
+    """``FOR_ITER`` on a ``SymRangeIterV``: runs and rolls the whole loop; returns where the
+    frame goes on (after the loop)."""
+    run_rolling(frame.tracer, _Loop(frame, ins, it))
     frame.pop()  # the iterator, as FOR_ITER does when it is exhausted
     return ins.argval
 

@@ -28,7 +28,7 @@ from ...guards.lists import walked
 from ..library_files import is_library_file
 from ..values import ConstV, ObjV, Value
 from . import lists as rolled_lists, objects as rolled_objects
-from .loops import _why_not_roll
+from .loops import _why_not_roll, not_here, run_rolling
 from .while_loops import _While
 
 _END = ("LOAD_FAST", "LOAD_ATTR", "STORE_FAST")  # ``node = node.link``, the body's last line
@@ -48,19 +48,13 @@ def head_test(frame, ins, value: Value):
     body, bottom, exit_, var, link = shape
     tracer = frame.tracer
     site = (id(frame.code), frame.info.instructions[body].offset)
-    if site in tracer.assumptions.unrolled_loops or tracer.rolling or tracer.merging \
-            or tracer.template is not None:
+    if not_here(tracer, site):
         return None
     nodes = walked(value.obj, link)
     if len(nodes) < 2 or not rolled_objects.plain_objects(nodes):
         return None  # too short to compare two iterations, a broken walk, nodes of two classes
-    loop = _Walk(frame, site, (body, bottom, exit_), var, link, value, nodes,
-                 truthiness=ins.opname == "POP_JUMP_FORWARD_IF_FALSE")
-    tracer.rolling += 1
-    try:
-        loop.run()
-    finally:
-        tracer.rolling -= 1
+    run_rolling(tracer, _Walk(frame, site, (body, bottom, exit_), var, link, value, nodes,
+                              truthiness=ins.opname == "POP_JUMP_FORWARD_IF_FALSE"))
     return frame.info.instructions[exit_].offset
 
 

@@ -25,7 +25,7 @@ import operator
 from ..values.rolled import RollRefused
 from ..values.symint import SymV, arithmetic
 from ..values import ConstV, Value
-from .loops import _NOT_IN_BODY, _Loop, _trip_count, _why_not_roll
+from .loops import _NOT_IN_BODY, _Loop, _trip_count, _why_not_roll, not_here, run_rolling
 
 _SYMBOL = {"<": 1, "<=": 1, ">": -1, ">=": -1}  # the direction the counter must step in
 
@@ -39,17 +39,11 @@ def compare(frame, ins, a: Value, b: Value):
     body, bottom, exit_, var = shape
     tracer = frame.tracer
     site = (id(frame.code), frame.info.instructions[body].offset)
-    if site in tracer.assumptions.unrolled_loops or tracer.rolling or tracer.merging \
-            or tracer.template is not None:
+    if not_here(tracer, site):
         return None
     if not _holds(ins.argval, a.value, b.value):
         return None  # no iteration: the test is guarded as before
-    loop = _While(frame, site, body, bottom, exit_, var, a, b, ins.argval)
-    tracer.rolling += 1
-    try:
-        loop.run()
-    finally:
-        tracer.rolling -= 1
+    run_rolling(tracer, _While(frame, site, body, bottom, exit_, var, a, b, ins.argval))
     return frame.info.instructions[exit_].offset
 
 
