@@ -174,13 +174,14 @@ def _models_settle(opt, eager, batches):
     raise AssertionError("tiering did not settle")
 
 
-@pytest.mark.parametrize("backend", [
-    "torchscript", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["torchscript"])
 def test_second_run_loads_the_worker_s_code_from_the_compile_cache(counted_workers, candidates,
                                                                     monkeypatch, tmp_path,
                                                                     backend):
     """A second run (the same program, a fresh process's state) finds each candidate the
-    first run's worker compiled in the persistent compile cache: loaded, no worker job."""
+    first run's worker compiled in the persistent compile cache: loaded, no worker job.
+    (Inductor's package from the cache, in a second process: test_tiering_aoti.py; this
+    test with ``inductor`` compiled one for 28 s of the suite's time.)"""
     candidates(backend)
     monkeypatch.setattr(policy, "faster", lambda candidate, current: True)  # keep it
     # Set, not patched: a patch is seen by this thread only, not by the background one.
