@@ -23,6 +23,7 @@ from ..eager_run import FRAME_HOOK, locked_entry
 from ..entry_function import MISS, build_entry_function
 from ..fx_lower.randomness import graph_uses_randomness
 from ..fx_lower import get_backend
+from ..fx_lower.passes import example_inputs
 from ..guards.guard import refers_to_dead
 from ..records import RecompileRecord, SpecularchStrictError, Unsupported
 from ..shadow_heap import CommitRefused
@@ -265,11 +266,11 @@ def _backend_compile(state: CodeState, gm, backend_name: str | None, note: str):
     if reason:
         note = f"backend {backend.name!r} not used: {reason}; ran it with 'fx'"
         backend = get_backend("fx")
-    example_inputs = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = example_inputs(gm)
     try:
-        return backend.compile(gm, example_inputs), backend.name, note
+        return backend.compile(gm, examples), backend.name, note
     except Exception as e:
         if backend.name == "fx":
             raise
         note = f"backend {backend.name!r} failed ({type(e).__name__}: {e}); ran it with 'fx'"
-        return get_backend("fx").compile(gm, example_inputs), "fx", note
+        return get_backend("fx").compile(gm, examples), "fx", note

@@ -375,13 +375,13 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
             with open(path, "wb") as f:
                 f.write(data)
         except Exception as e:
-            why = _first_line(e)
+            why = compile_cache.error_line(e)
     if why is None:
         try:
             _torch_aoti.test_run(path, flat.inputs)
             return {**meta, "format": AOTI}
         except Exception as e:
-            why = f"its package compiled but raised when run: {_first_line(e)}"
+            why = f"its package compiled but raised when run: {compile_cache.error_line(e)}"
     with torch.no_grad(), inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}), \
             _no_leaked_pointer(), _inductor_caches():
         artifact = standalone_compile(flat.graph, flat.inputs,
@@ -391,10 +391,6 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
 
 
 AOTI, STANDALONE = "aoti", "standalone"  # meta["format"] of an Inductor artefact
-
-
-def _first_line(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def _aoti_refusal(gm: torch.fx.GraphModule, flat: Flattened) -> str | None:

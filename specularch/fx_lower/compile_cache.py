@@ -133,8 +133,7 @@ def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
     try:
         return read_script(path)
     except Exception as e:
-        _LOG.warning(f"compile cache: ignoring unreadable entry {path} "
-                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling again")
+        ignore(path, e)
         return None
 
 
@@ -234,8 +233,14 @@ def artifact(key: str) -> tuple[str, dict] | None:
 
 def ignore(path: str, error: Exception) -> None:
     """One log line for an unreadable entry (it is compiled again and replaced)."""
-    _LOG.warning(f"compile cache: ignoring unreadable entry {path} ({type(error).__name__}: "
-                 f"{str(error).splitlines()[0] if str(error) else ''}); compiling again")
+    _LOG.warning(f"compile cache: ignoring unreadable entry {path} ({error_line(error)}); "
+                 f"compiling again")
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: first line of the message``: a compiler's error in one line of a report."""
+    message = str(error)
+    return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
 
 
 def _write_atomically(path: str, data: bytes) -> None:

@@ -17,6 +17,12 @@ _SCALED_KEYWORD = {"add": "alpha", "add_": "alpha", "sub": "alpha", "sub_": "alp
                    "addcdiv_": "value", "addcmul_": "value"}
 
 
+def example_inputs(gm: torch.fx.GraphModule) -> list:
+    """The values capture saw for ``gm``'s inputs (each placeholder's ``example``), in order:
+    what a backend compiles the graph for."""
+    return [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def scalar_inputs_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int]]:
     """Python-number inputs (a learning rate, Adam's step count) become 0-d float64 tensor
     inputs, so a compiler that would specialise on a number's value cannot. Keyword scalars

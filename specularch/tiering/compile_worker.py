@@ -104,7 +104,7 @@ def compile_job(folder: str) -> int:
         meta = _compile(job, gm, examples, os.path.join(folder, "artefact"))
     except Exception as e:
         traceback.print_exc()
-        _result(folder, {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+        _result(folder, {"error": compile_cache.error_line(e)})
         return 1
     seconds = time.perf_counter() - start
     print(f"compiled {job['backend']} in {seconds:.2f}s", flush=True)

@@ -37,6 +37,7 @@ import torch
 
 from ..fx_lower import _torch_aoti as aoti, _torch_compilers as compilers, compile_cache
 from ..fx_lower.backends import flattened, specialised_numbers
+from ..fx_lower.passes import example_inputs
 from . import job as jobs
 from . import worker  # (imported first: its exit handler must run after ours, atexit is LIFO)
 
@@ -133,7 +134,7 @@ def prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...] = BACKENDS) -> 
 
 
 def _prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...]) -> None:
-    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = example_inputs(gm)
     if any(route(b, gm) is None and not _in_cache(b, compile_cache.entry_key(gm, examples, b, "flattened"))
            for b in backends):
         _worker()
@@ -265,7 +266,7 @@ def _load(backend: str, path: str, meta: dict) -> Callable:
         return compilers.load_inductor_artifact(path, meta)
     except Exception as e:
         raise WorkerFailed(f"the worker's artefact could not be loaded "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+                           f"({compile_cache.error_line(e)})") from e
 
 
 @atexit.register

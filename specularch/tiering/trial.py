@@ -21,6 +21,7 @@ from ..entry_function import MISS
 from ..fx_lower import get_backend
 from ..fx_lower import compile_cache
 from ..fx_lower.backends import compile_in_background
+from ..fx_lower.passes import example_inputs
 from ..fx_lower.randomness import graph_uses_randomness
 from . import policy, process, worker
 from .eager_tier import EAGER, RunTimer
@@ -113,7 +114,7 @@ class Tier:
                                             time.perf_counter() - start, "guards only"))
                 self._next_trial()
             return
-        examples = [n.meta.get("example") for n in self.gm.graph.nodes if n.op == "placeholder"]
+        examples = example_inputs(self.gm)
         why_not = process.route(name, self.gm) if process.ENABLED else "process.ENABLED is off"
         where = "worker process" if why_not is None else f"thread: {why_not}"
         try:

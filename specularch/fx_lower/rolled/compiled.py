@@ -39,12 +39,18 @@ def with_own_loops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for node in graph.nodes:
-        if node.op == "call_function" and hasattr(node.target, "run_body") \
-                and hasattr(node.target, "body"):
+        if _is_loop(node):
             node.target = copy.copy(node.target)
     own = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     own.meta = dict(gm.meta)
     return own
+
+
+def _is_loop(node: torch.fx.Node) -> bool:
+    """A node running a ``RolledLoop`` (``symbolic/rolled/loops.py``, above this layer: known
+    by what it has)."""
+    return node.op == "call_function" and hasattr(node.target, "run_body") and \
+        hasattr(node.target, "body")
 
 
 def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
@@ -52,7 +58,7 @@ def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
     (``gm``'s loops must be its own: ``with_own_loops``)."""
     for node in gm.graph.nodes:
         loop = node.target
-        if node.op == "call_function" and hasattr(loop, "run_body") and hasattr(loop, "body"):
+        if _is_loop(node):
             if getattr(loop.prepare, "stack", None) is not None:
                 loop.report.faster += f"; body not compiled by {backend}: it runs as one node"
                 continue
