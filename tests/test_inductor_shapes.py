@@ -120,3 +120,36 @@ def test_dynamic_batch_runs_with_fx_and_says_why(tmp_path):
     assert e.graphs and all(g.backend == "fx" for g in e.graphs), str(e)
     assert e.graphs[0].note == ("backend 'inductor' not used: it has dynamic sizes (Inductor "
                                 "would specialise on them); ran it with 'fx'"), str(e)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0]).flatten(0, 1)  # (time x batch, classes)
+
+
+@pytest.mark.slow
+def test_lstm_step_under_pinned_inductor_trains_like_eager(tmp_path):
+    """An ``nn.LSTM`` training step compiled by Inductor (flattened: its recurrent layer traced
+    as its cells, ``_torch_compilers._generic_rnn_kernels``; oneDNN's kernel made every call of
+    the compiled step fail and it ran on ``fx``): losses, parameters, gradients and momentum
+    buffers as eager's, within float rounding, and every graph run by Inductor."""
+    torch.manual_seed(0)
+    model = _Recurrent()
+    ref = copy.deepcopy(model)
+    step, opt = _train_step(model)
+    eager, ref_opt = _train_step(ref)
+    fast = specularch.optimize(step, backend="inductor")
+    gen = torch.Generator().manual_seed(2)
+    with specularch.config.patch(compile_cache_dir=str(tmp_path)):
+        for i in range(6):
+            batch = (torch.randn(5, 2, 4, generator=gen), torch.randint(0, 3, (10,), generator=gen))
+            loss, expected = fast(batch), eager(batch)
+            assert abs(loss - expected) < 1e-4, (i, loss, expected)
+    _assert_same_state(model, ref, opt, ref_opt, **TOL)
+    e = specularch.explain(fast)
+    assert e.fallbacks == [] and e.graphs, str(e)
+    assert all((g.backend, g.note) == ("inductor", "") for g in e.graphs), str(e)
