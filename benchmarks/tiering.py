@@ -2,7 +2,8 @@
 and the pinned backends, for the MLP and LeNet of ``train_step.py``.
 
     python benchmarks/tiering.py [--seconds 60] [--models mlp,lenet] [--pinned fx,torchscript,inductor]
-        [--switch-interval 0.0005] [--compile-in process|thread] [--json PATH] [--trace]
+        [--switch-interval 0.0005] [--compile-in process|thread] [--worker fork|new]
+        [--json PATH] [--trace]
         [--cache-dir DIR]
 
 One thread (``torch.set_num_threads(1)``), unmodified Adam training steps, subnormal floats
@@ -21,6 +22,8 @@ so unflushed the final ratios compared training stages, not backends. Per model:
 * then eager, tiered and each pinned backend interleaved round by round (medians): the final
   ratio of tiered to eager and to the best pinned backend.
 
+``--worker`` chooses how the worker process starts: forked from the program where that is safe
+(``fork``, the default; ``specularch.tiering.process.FORK``) or as a new interpreter (``new``).
 ``--compile-in`` chooses where candidates compile (``specularch.tiering.process.ENABLED``; default
 ``process``). ``--switch-interval`` sets the thread switch interval the background compiler uses
 (``specularch.tiering.worker.SWITCH_INTERVAL``; CPython's default is 0.005 s).
@@ -103,6 +106,7 @@ def tiered_run(name, batches, seconds, eager_s, trace=None):
         "last_10s_over_eager": eager_s / statistics.median(steady) if steady else None,
         "tiers": [line for g in graphs for line in g.tiers],
         "ended_on": [g.backend for g in graphs],
+        "worker_started": getattr(process._current, "started", None),  # (None: none needed)
         **({"slowest_steps": trace.slowest(rows, first, eager_s)} if trace else {}),
     }
 
@@ -174,6 +178,7 @@ def main() -> None:
     parser.add_argument("--pinned", default="fx,torchscript,inductor")
     parser.add_argument("--switch-interval", type=float, default=worker.SWITCH_INTERVAL)
     parser.add_argument("--compile-in", choices=("process", "thread"), default="process")
+    parser.add_argument("--worker", choices=("fork", "new"), default="fork")
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--cache-dir", default=None)
@@ -181,6 +186,7 @@ def main() -> None:
     args.pinned = [b for b in args.pinned.split(",") if b]
     worker.SWITCH_INTERVAL = args.switch_interval
     process.ENABLED = args.compile_in == "process"
+    process.FORK = args.worker == "fork"
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # (see the docstring: the modes are at different stages)
     cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="inductor-")
@@ -191,7 +197,7 @@ def main() -> None:
         if not args.cache_dir:
             shutil.rmtree(cache, ignore_errors=True)
     print(f"torch={torch.__version__} threads=1 switch_interval={args.switch_interval} "
-          f"compile_in={args.compile_in} "
+          f"compile_in={args.compile_in} worker={args.worker} "
           f"seconds={args.seconds}")
     for r in results:
         print(json.dumps(r, indent=1))

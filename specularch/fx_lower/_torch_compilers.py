@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 from typing import Callable
@@ -60,6 +61,16 @@ def background_tracing():
 def compiling_in_background() -> bool:
     """This thread compiles beside the user's program (``background_tracing``)."""
     return getattr(_BACKGROUND, "active", False)
+
+
+def compile_threads_from_environment() -> None:
+    """Inductor's compile threads as ``TORCHINDUCTOR_COMPILE_THREADS`` says, where its config
+    was imported before the variable was set (a worker forked from a program that had
+    imported Inductor: the config read the program's environment)."""
+    config = sys.modules.get("torch._inductor.config")
+    value = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    if config is not None and value and value.isdigit():
+        config.compile_threads = int(value)
 
 
 def _install_thread_aware_rng_restore() -> None:

@@ -7,7 +7,8 @@ output. What a job prints goes to ``FOLDER/log.txt``. It leaves when its input c
 
 Kept warm between jobs so that a candidate does not pay for starting Python and importing
 torch (2-3 s of CPU, far more at a low priority on a busy machine): the program starts it
-before its first graph is hot (``process.prestart``), and while no job is waiting it imports
+before its first graph is hot (``process.prestart``; where it is safe, as a fork of the
+program, ``fork.py``, with torch already imported), and while no job is waiting it imports
 what the compilers import on first use (``PRELOAD``), one module at a time.
 
 It compiles (the compilers trace with fake tensors) and runs nothing of the program's but
@@ -27,20 +28,26 @@ import sys
 import time
 import traceback
 
-# Imported while idle, cheapest and most needed first: the flattening and TorchScript path,
-# then Inductor (seconds of imports on first use).
+# Imported while idle: first the flattening and TorchScript path, which the first candidate
+# (TorchScript, the cheapest compile) needs; Inductor's (1-2 s of imports each) only once a
+# job was served. An import is not interrupted: a job that arrived during Inductor's would
+# wait for it (LeNet's first TorchScript job, a 0.33 s compile, waited 1.1 s).
 PRELOAD = ("specularch.fx_lower._torch_compilers", "specularch.tiering.job",
-           "torch.fx.experimental.proxy_tensor", "torch._inductor.compile_fx", "torch.export",
-           "torch._inductor.standalone_compile")
+           "torch.fx.experimental.proxy_tensor")
+PRELOAD_AFTER_A_JOB = ("torch._inductor.compile_fx", "torch.export",
+                       "torch._inductor.standalone_compile")
 
 
-def serve(niceness: int) -> int:
+def serve(niceness: int, answers_fd: int | None = None) -> int:
+    """Compile the jobs named on stdin until it closes; answer each on ``answers_fd`` (a
+    forked worker's own pipe), or on stdout (a new interpreter's)."""
     if hasattr(os, "nice"):
         os.nice(niceness)
     import torch
     torch.set_num_threads(1)
-    answers = os.fdopen(os.dup(1), "w")  # fd 1 and 2 go to each job's log
-    preload = list(PRELOAD)
+    # fd 1 and 2 go to each job's log
+    answers = os.fdopen(os.dup(1) if answers_fd is None else answers_fd, "w")
+    preload, later = list(PRELOAD), list(PRELOAD_AFTER_A_JOB)
     while True:
         folder = _next_job(preload)
         if folder is None:
@@ -49,6 +56,8 @@ def serve(niceness: int) -> int:
             code = compile_job(folder)
         answers.write(f"{code}\n")
         answers.flush()
+        preload.extend(later)
+        later.clear()
 
 
 def _next_job(preload: list[str]) -> str | None:

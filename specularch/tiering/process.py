@@ -3,9 +3,10 @@ the GIL while a compiler holds it (TorchScript's and Inductor's C++ passes hold 
 a second at a time: with a compile thread, steps were up to 1400x slower; docs/tiering.md).
 
 The background thread (``worker.py``) still runs the job, but only waits: it writes the job
-(``job.py``), hands its folder to the worker process (``python -m
-specularch.tiering.compile_worker``: one long-lived child, started before the first graph is
-hot and kept warm between jobs) and waits for its answer (a wait on a pipe releases the
+(``job.py``), hands its folder to the worker process (``compile_worker.serve``: one
+long-lived child, started before the first graph is hot and kept warm between jobs; forked
+from the program where that is safe, ``fork.py``, else ``python -m
+specularch.tiering.compile_worker``) and waits for its answer (a wait on a pipe releases the
 GIL), then loads the artefact: a ``torch.jit.save``d frozen module (TorchScript) or an
 AOTInductor package (Inductor; a ``standalone_compile`` artefact where AOTInductor failed),
 each a few milliseconds to load. Both are kept
@@ -38,20 +39,23 @@ import torch
 from ..fx_lower import _torch_aoti as aoti, _torch_compilers as compilers, compile_cache
 from ..fx_lower.backends import flattened, specialised_numbers
 from ..fx_lower.passes import example_inputs
+from . import fork
 from . import job as jobs
 from . import worker  # (imported first: its exit handler must run after ours, atexit is LIFO)
 
 COMMAND = [sys.executable, "-m", "specularch.tiering.compile_worker"]  # + the niceness
+_NEW_INTERPRETER = list(COMMAND)  # what a forked worker runs (fork.py); tests set others
 # Module settings, not config options (the README's option table is not ours to change):
 ENABLED = True   # False: every candidate compiles on the background thread, as before
 TIMEOUT = 600.0  # seconds a worker may compile one candidate before it is killed
 NICENESS = 10    # the worker's, so that the program keeps its core first (docs/tiering.md)
 PRESTART = True  # start the worker before the first graph is hot (``prestart``)
+FORK = True      # fork the worker from the program where that is safe (``fork.py``)
 BACKENDS = ("torchscript", "inductor")
 # Variables a worker must not inherit: Inductor's address in this process, the global switch.
 PRIVATE_ENV = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "SPECULARCH")
 
-_children: set[subprocess.Popen] = set()
+_children: set = set()  # subprocess.Popen or fork.Forked
 _children_lock = threading.Lock()
 _current: "_Worker | None" = None  # the warm worker
 _worker_lock = threading.Lock()
@@ -147,17 +151,26 @@ def _in_cache(backend: str, key: str) -> bool:
 
 
 class _Worker:
-    """The long-lived child (``compile_worker.py``): a job's folder in, its status out."""
+    """The long-lived child (``compile_worker.py``): a job's folder in, its status out.
+    ``started`` says how: ``"forked"`` or ``"new interpreter (<why not forked>)"``."""
 
     def __init__(self, command: list[str]):
         self.command = command
         self.log = TemporaryFile()  # what it prints outside a job (its start)
-        env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
         # One compile thread: Inductor's default pool (a process per core, each running a
         # C++ compiler) would take the cores the program runs on.
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self.log, env=env)
+        own = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        why_not = _fork_refusal(command)
+        if why_not is None:
+            self.child = fork.start(int(command[-1]), self.log.fileno(), PRIVATE_ENV, own)
+            self.started = "forked"
+        else:
+            env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+            for name, value in own.items():
+                env.setdefault(name, value)
+            self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=self.log, env=env)
+            self.started = f"new interpreter ({why_not})"
         with _children_lock:
             _children.add(self.child)
 
@@ -192,6 +205,14 @@ class _Worker:
         lines = [line.strip() for line in self.log.read().decode(errors="replace").splitlines()
                  if line.strip()]
         return lines[-1] if lines else "no output"
+
+
+def _fork_refusal(command: list[str]) -> str | None:
+    if not FORK:
+        return "process.FORK is off"
+    if command[:-1] != _NEW_INTERPRETER:
+        return "another worker command"
+    return fork.refusal()
 
 
 def _worker() -> _Worker:

@@ -30,6 +30,7 @@ import torch
 
 from .. import log
 
+THREAD_NAME = "specularch-tier-compiler"
 SWITCH_INTERVAL = 0.0005  # seconds, while a compile runs (CPython's default: 0.005)
 NICENESS = 0  # this thread's (see above); > 0 lowers it (Linux setpriority on the thread)
 # Calls of a compiled candidate on copies of its inputs before its trial: TorchScript profiles
@@ -130,7 +131,7 @@ def _ensure_thread() -> None:
     global _thread
     with _start_lock:
         if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_run, name="specularch-tier-compiler", daemon=True)
+            _thread = threading.Thread(target=_run, name=THREAD_NAME, daemon=True)
             _thread.start()
 
 
