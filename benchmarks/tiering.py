@@ -101,6 +101,7 @@ def tiered_run(name, batches, seconds, eager_s, trace=None):
             statistics.quantiles(while_compiling, n=10)[-1] / eager_s if len(while_compiling) > 10 else None,
         "p99_while_compiling_over_eager": _p99(while_compiling) / eager_s if while_compiling else None,
         "steps_while_compiling": len(while_compiling),
+        "steps_over_3x_eager_while_compiling": sum(s > 3 * eager_s for s in while_compiling),
         "final_tier_s": _since(trace.final_tier_at(tiers), first) if trace else None,
         "first_speedup_s": min(kept) if kept else None,
         "last_10s_over_eager": eager_s / statistics.median(steady) if steady else None,

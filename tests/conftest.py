@@ -34,23 +34,9 @@ def no_profiling():
         yield
 
 
-def stop_idle_inductor_threads() -> None:
-    """Inductor, once it compiled in this process (a pinned ``inductor``), keeps a pool of
-    idle compile threads for good; while they live, tiering starts its worker as a new
-    interpreter (seconds) instead of forking it (``tiering/fork.py``). A program that never
-    compiled with Inductor in-process has none: each test starts as such a program. Not while
-    a background compile might be using the pool."""
-    async_compile = sys.modules.get("torch._inductor.async_compile")
-    if (async_compile is not None and async_compile.AsyncCompile.pool.cache_info().currsize
-            and not specularch.tiering.pending()):
-        async_compile.AsyncCompile.pool().shutdown(wait=True)
-        async_compile.AsyncCompile.pool.cache_clear()
-
-
 @pytest.fixture(autouse=True)
 def _fresh_specularch():
     specularch.reset()
-    stop_idle_inductor_threads()
     torch.manual_seed(0)
     yield
     specularch.reset()

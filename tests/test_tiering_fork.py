@@ -1,10 +1,13 @@
 """The worker process forked from the program (``tiering/fork.py``): it starts without
 importing torch, compiles candidates that match eager, is refused where a fork is not safe,
 never writes the program's buffered output, and is replaced when it dies."""
+import concurrent.futures
 import io
 import os
+import queue
 import sys
 import threading
+import time
 
 import pytest
 
@@ -22,9 +25,9 @@ pytestmark = pytest.mark.usefixtures("no_profiling")
 
 @pytest.fixture
 def no_other_threads():
-    """A fork is refused while other threads run (Inductor's idle compile threads are stopped
-    before every test, conftest.py). Any other thread an earlier test left fails the test,
-    naming it (a leak to fix there), except where fork is never used."""
+    """A fork is refused while another thread is busy (not parked where it holds nothing,
+    ``fork._busy_threads``): any busy thread an earlier test left fails the test, naming it
+    (a leak to fix there), except where fork is never used."""
     if not sys.platform.startswith("linux"):
         pytest.skip("the worker is forked on Linux only")
     assert fork.refusal() is None, fork.refusal()
@@ -41,9 +44,13 @@ def test_forked_worker_compiles_candidates_that_match_eager(counted_workers, can
     assert only.child.pid != os.getpid() and only.child.poll() is None  # still warm
 
 
-def test_fork_is_refused_while_another_thread_runs(no_other_threads):
+def test_fork_is_refused_while_another_thread_is_busy(no_other_threads):
     stop = threading.Event()
-    other = threading.Thread(target=stop.wait, name="the program's loader")
+
+    def busy():
+        while not stop.is_set():
+            sum(range(100))
+    other = threading.Thread(target=busy, name="the program's loader")
     other.start()
     try:
         assert "the program's loader" in fork.refusal()
@@ -55,6 +62,31 @@ def test_fork_is_refused_while_another_thread_runs(no_other_threads):
         stop.set()
         other.join()
         process.shut_down()
+
+
+def test_threads_parked_where_they_hold_nothing_do_not_refuse_a_fork(no_other_threads):
+    """An idle pool (Inductor's compile threads after a pinned ``inductor``), a writer
+    thread waiting on its queue (TensorBoard's), a thread waiting on an event or a join."""
+    stop, jobs = threading.Event(), queue.Queue()
+    waiting = [threading.Thread(target=jobs.get, name="writer"),
+               threading.Thread(target=stop.wait, name="waiter")]
+    waiting.append(threading.Thread(target=waiting[1].join, name="joiner"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(abs, [-1, -2, -3])) == [1, 2, 3]
+        for t in waiting:
+            t.start()
+        time.sleep(0.1)  # (each reaches its wait)
+        try:
+            assert fork.refusal() is None
+            sleeper = threading.Thread(target=time.sleep, args=(0.5,), name="sleeper")
+            sleeper.start()  # not known to hold nothing: refused
+            assert "sleeper" in fork.refusal()
+            sleeper.join()
+        finally:
+            jobs.put(None)
+            stop.set()
+            for t in waiting:
+                t.join()
 
 
 def test_a_fork_never_writes_the_programs_buffered_output(counted_workers, candidates,

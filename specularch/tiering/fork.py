@@ -7,9 +7,11 @@ after it was asked for, most of it that import).
 A fork copies only the forking thread (the background compile thread, ``worker.py``, which
 the frame hook never covers: the hook is per thread). A lock another thread held at that
 moment stays locked in the child, so the worker is forked only when no other thread of the
-program can hold one the child needs (``refusal``): no thread but the program's main thread
-and ours, no CUDA (a forked child cannot use a CUDA context), no ``torch.distributed`` (its
-threads, and its sockets, which the child would keep open). Otherwise, or with
+program can hold one the child needs (``refusal``): every thread but the program's main
+thread and ours parked where it holds nothing (waiting on a ``Condition``, ``Event`` or
+``Queue``, in a ``join``, or an idle thread of a pool: Inductor's compile threads), no CUDA
+(a forked child cannot use a CUDA context), no ``torch.distributed`` (its threads, and its
+sockets, which the child would keep open). Otherwise, or with
 ``process.FORK = False``, the worker is started as a new interpreter, as before. The main
 thread may be inside a torch op at that moment; its locks are its own (the allocator's are
 fork-safe: glibc takes them across ``fork``), and a child that hung anyway is killed at
@@ -40,12 +42,33 @@ def refusal() -> str | None:
         return "CUDA is initialised (a forked child cannot use it)"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "torch.distributed is initialised (its threads and sockets)"
-    ours = (threading.main_thread().ident, threading.get_ident())
-    others = [t.name for t in threading.enumerate()
-              if t.ident not in ours and t.name != worker.THREAD_NAME]
-    if others:
-        return f"other threads run ({', '.join(sorted(others)[:3])})"
+    busy = _busy_threads()
+    if busy:
+        return f"other threads run ({', '.join(sorted(busy)[:3])})"
     return None
+
+
+def _parked_code() -> frozenset:
+    """Where a thread waits holding nothing: a ``Condition`` (``Event``, ``Queue.get``,
+    ``Semaphore``), a ``join``, or an idle pool thread waiting for work (Inductor's compile
+    threads, which Inductor itself resets in a forked child)."""
+    from concurrent.futures import thread as pool_thread
+    return frozenset((threading.Condition.wait.__code__,
+                      threading.Thread._wait_for_tstate_lock.__code__,
+                      pool_thread._worker.__code__))
+
+
+def _busy_threads() -> list[str]:
+    """Threads other than the main one and ours that are not parked (``_parked_code``): one
+    inside a torch op, or any other code, may hold a lock the child would wait on forever."""
+    ours = (threading.main_thread().ident, threading.get_ident())
+    others = {t.ident: t.name for t in threading.enumerate()
+              if t.ident not in ours and t.name != worker.THREAD_NAME}
+    if not others:
+        return []
+    parked, frames = _parked_code(), sys._current_frames()
+    return [name for ident, name in others.items()
+            if ident not in frames or frames[ident].f_code not in parked]
 
 
 class Forked:
