@@ -333,7 +333,7 @@ def test_unreadable_cached_package_is_ignored_with_one_warning_and_replaced(
 
 def test_the_job_asks_for_a_package_only_where_this_torch_loads_one(monkeypatch):
     seen = []
-    monkeypatch.setattr(process, "_run", lambda folder, timeout: seen.append(
+    monkeypatch.setattr(process, "_run", lambda folder, timeout, may_fork: seen.append(
         torch.load(f"{folder}/job.pt", weights_only=False)) or {})
     monkeypatch.setattr(process, "_load", lambda backend, path, meta: None)
     gm = _traced(lambda x: x + 1, [torch.ones(2)])

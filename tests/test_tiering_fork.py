@@ -8,6 +8,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -134,3 +135,40 @@ def test_a_forked_worker_takes_one_compile_thread_though_inductor_read_its_confi
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     compilers.compile_threads_from_environment()
     assert inductor_config.compile_threads == 1
+
+
+def test_loading_the_workers_torchscript_leaves_the_warning_filters_alone(
+        counted_workers, candidates, monkeypatch):
+    """``warnings.catch_warnings`` swaps the process-wide filters: on the background thread,
+    loading a candidate would drop a warning the program raised meanwhile. It is used there
+    no more (``compile_cache.read_script(quiet=False)``)."""
+    swaps = []
+    original = warnings.catch_warnings
+
+    def recording(*args, **kwargs):
+        swaps.append((threading.current_thread().name, sys._getframe(1).f_code.co_name))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(warnings, "catch_warnings", recording)
+    candidates("torchscript")
+    opts = _models_stepped([_mlp], (8, 16), 4)
+    events = _worker_events(opts[0])
+    assert events and all(e.compiled_in == "worker process" for e in events), events
+    assert not [s for s in swaps if s[0] != threading.main_thread().name and s[1] == "read_script"]
+
+
+def test_an_inductor_job_of_a_program_on_several_threads_gets_a_new_interpreter(no_other_threads):
+    """A child forked from a program whose OpenMP pool exists hangs in an OpenMP region of more
+    than one thread, which the Inductor package's test run opens for such a program: that job
+    goes to a new interpreter (the forked worker is retired), TorchScript's still fork."""
+    assert process.forkable("torchscript", 8) and process.forkable("inductor", 1)
+    assert not process.forkable("inductor", 2)
+    process.shut_down()
+    try:
+        forked = process._worker()
+        assert forked.started == "forked" and process._worker(may_fork=True) is forked  # warm
+        new = process._worker(may_fork=False)
+        assert new is not forked and new.started.startswith("new interpreter (an Inductor job")
+        assert forked.child.poll() == -9  # retired
+        assert process._worker(may_fork=True) is new  # a new interpreter serves every job
+    finally:
+        process.shut_down()

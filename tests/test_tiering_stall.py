@@ -80,8 +80,8 @@ class _CountingWorker(process._Worker):
     """The real worker process, counting how many were started and how many jobs each ran."""
     started: list = []
 
-    def __init__(self, command):
-        super().__init__(command)
+    def __init__(self, command, may_fork=True):
+        super().__init__(command, may_fork)
         self.jobs = 0
         _CountingWorker.started.append(self)
 

@@ -42,11 +42,12 @@ def test_inductor_artifact_writes_kernels_for_the_given_threads(monkeypatch, tmp
 
 
 def test_the_worker_is_told_the_programs_threads(monkeypatch, tmp_path):
-    """The job the program writes carries its thread count, and the worker passes it on."""
+    """The job the program writes carries its thread count, and the worker passes it on; on
+    several threads it is not given to a forked worker (``process.forkable``)."""
     jobs_seen, passed = [], []
 
-    def run(folder, timeout):
-        jobs_seen.append(torch.load(f"{folder}/job.pt", weights_only=False))
+    def run(folder, timeout, may_fork):
+        jobs_seen.append((torch.load(f"{folder}/job.pt", weights_only=False), may_fork))
         raise Stop
     monkeypatch.setattr(process, "_run", run)
     threads = torch.get_num_threads()
@@ -57,8 +58,8 @@ def test_the_worker_is_told_the_programs_threads(monkeypatch, tmp_path):
             process.compile_candidate("inductor", gm, examples, timeout=5)
     finally:
         torch.set_num_threads(threads)
-    (job,) = jobs_seen
-    assert job["threads"] == 3
+    ((job, may_fork),) = jobs_seen
+    assert job["threads"] == 3 and may_fork is False
     monkeypatch.setattr(compilers, "inductor_artifact",
                         lambda gm, examples, path, threads=None, aoti=False: passed.append(threads) or {})
     compile_worker._compile(job, *jobs.unpack(job), str(tmp_path / "artefact"))

@@ -458,7 +458,7 @@ def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list)
     kernels, e.g. oneDNN's LSTM, keep what the flattened backward reads only in grad mode),
     on detached inputs, so autograd records nothing."""
     key = compile_cache.entry_key(gm, example_inputs, "torchscript", "flattened")
-    loaded = compile_cache.load_script(key)
+    loaded = compile_cache.load_script(key, quiet=not compiling_in_background())
     if loaded is not None:
         scripted, meta = loaded
         return compile_cache.mark_cached(_run_scripted(scripted, meta["converted"], meta["devices"]))

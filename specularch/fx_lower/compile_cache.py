@@ -121,9 +121,10 @@ def entry_key(gm: torch.fx.GraphModule, example_inputs: list, backend: str, path
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
-def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
+def load_script(key: str, quiet: bool = True) -> tuple[torch.jit.ScriptModule, dict] | None:
     """The scripted module saved under ``key`` and its metadata, or None (none saved, or an
-    entry that cannot be read: logged, and left for ``save_script`` to replace)."""
+    entry that cannot be read: logged, and left for ``save_script`` to replace). ``quiet``:
+    see ``read_script``."""
     folder = directory("torchscript")
     if folder is None:
         return None
@@ -131,7 +132,7 @@ def load_script(key: str) -> tuple[torch.jit.ScriptModule, dict] | None:
     if not os.path.exists(path):
         return None
     try:
-        return read_script(path)
+        return read_script(path, quiet)
     except Exception as e:
         ignore(path, e)
         return None
@@ -143,11 +144,16 @@ def has_script(key: str) -> bool:
     return folder is not None and os.path.exists(os.path.join(folder, f"{key}.pt"))
 
 
-def read_script(path: str) -> tuple[torch.jit.ScriptModule, dict]:
-    """A module ``write_script`` saved (in this process or another), and its metadata."""
+def read_script(path: str, quiet: bool = True) -> tuple[torch.jit.ScriptModule, dict]:
+    """A module ``write_script`` saved (in this process or another), and its metadata.
+    ``quiet`` silences TorchScript's deprecation warning, by swapping the process-wide warning
+    filters for the load: only on the program's own thread. On a background thread
+    (``quiet=False``) the swap would drop a warning the program's thread raised meanwhile, or
+    a filter it set."""
     extra = {"specularch.json": ""}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings() if quiet else contextlib.nullcontext():
+        if quiet:
+            warnings.simplefilter("ignore")
         module = torch.jit.load(path, _extra_files=extra)
     return module, json.loads(extra["specularch.json"])
 

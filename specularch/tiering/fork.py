@@ -11,7 +11,10 @@ program can hold one the child needs (``refusal``): every thread but the program
 thread and ours parked where it holds nothing (waiting on a ``Condition``, ``Event`` or
 ``Queue``, in a ``join``, or an idle thread of a pool: Inductor's compile threads), no CUDA
 (a forked child cannot use a CUDA context), no ``torch.distributed`` (its threads, and its
-sockets, which the child would keep open). Otherwise, or with
+sockets, which the child would keep open). OpenMP's pool does not survive a fork either:
+the child computes on one thread, and a job that would open wider OpenMP regions (an
+Inductor package's test run for a program on several threads) goes to a new interpreter
+(``process.forkable``). Otherwise, or with
 ``process.FORK = False``, the worker is started as a new interpreter, as before. The main
 thread may be inside a torch op at that moment; its locks are its own (the allocator's are
 fork-safe: glibc takes them across ``fork``), and a child that hung anyway is killed at

@@ -99,7 +99,7 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
                         aoti=aoti.loadable(), cache_dir=_cache_root(),
                         inductor_dir_chosen=compile_cache.inductor_dir_chosen())
         torch.save(job, os.path.join(folder, "job.pt"))
-        meta = _run(folder, timeout)
+        meta = _run(folder, timeout, forkable(backend, torch.get_num_threads()))
         return _load(backend, os.path.join(folder, "artefact"), meta)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -107,7 +107,7 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
 
 def _cached(backend: str, key: str) -> Callable | None:
     if backend == "torchscript":
-        loaded = compile_cache.load_script(key)
+        loaded = compile_cache.load_script(key, quiet=False)  # (the background thread)
         return None if loaded is None else compilers.run_scripted(*loaded)
     entry = compile_cache.artifact(key)
     if entry is None:
@@ -139,9 +139,20 @@ def prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...] = BACKENDS) -> 
 
 def _prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...]) -> None:
     examples = example_inputs(gm)
-    if any(route(b, gm) is None and not _in_cache(b, compile_cache.entry_key(gm, examples, b, "flattened"))
-           for b in backends):
-        _worker()
+    needed = [b for b in backends if route(b, gm) is None
+              and not _in_cache(b, compile_cache.entry_key(gm, examples, b, "flattened"))]
+    if needed:  # started as the first job will need it
+        _worker(forkable(needed[0], torch.get_num_threads()))
+
+
+def forkable(backend: str, threads: int) -> bool:
+    """Whether a forked worker may compile ``backend``'s candidate for a program computing
+    on ``threads`` threads. Inductor's job runs the package it compiled once (``_torch_aoti.
+    test_run``), and its kernels open OpenMP regions of ``threads`` threads: in a child forked
+    from a program whose OpenMP pool exists (it computed on more than one thread), such a
+    region never starts (libgomp's pool does not survive a fork; measured: a hang). The
+    worker itself computes on one thread, which a fork leaves working."""
+    return backend != "inductor" or threads <= 1
 
 
 def _in_cache(backend: str, key: str) -> bool:
@@ -154,13 +165,14 @@ class _Worker:
     """The long-lived child (``compile_worker.py``): a job's folder in, its status out.
     ``started`` says how: ``"forked"`` or ``"new interpreter (<why not forked>)"``."""
 
-    def __init__(self, command: list[str]):
+    def __init__(self, command: list[str], may_fork: bool = True):
         self.command = command
         self.log = TemporaryFile()  # what it prints outside a job (its start)
         # One compile thread: Inductor's default pool (a process per core, each running a
         # C++ compiler) would take the cores the program runs on.
         own = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        why_not = _fork_refusal(command)
+        why_not = _fork_refusal(command) if may_fork else \
+            "an Inductor job for a program on several threads (process.forkable)"
         if why_not is None:
             self.child = fork.start(int(command[-1]), self.log.fileno(), PRIVATE_ENV, own)
             self.started = "forked"
@@ -215,16 +227,18 @@ def _fork_refusal(command: list[str]) -> str | None:
     return fork.refusal()
 
 
-def _worker() -> _Worker:
-    """The warm worker, started if there is none (or it was started with other settings)."""
+def _worker(may_fork: bool = True) -> _Worker:
+    """The warm worker, started if there is none (or it was started with other settings, or
+    forked where the job needs a new interpreter: ``forkable``)."""
     global _current
     command = [*COMMAND, str(NICENESS)]
     with _worker_lock:
-        if _current is not None and (_current.command != command or _current.child.poll() is not None):
+        if _current is not None and (_current.command != command or _current.child.poll() is not None
+                                     or (_current.started == "forked" and not may_fork)):
             _current.close()
             _current = None
         if _current is None:
-            _current = _Worker(command)
+            _current = _Worker(command, may_fork)
         return _current
 
 
@@ -237,8 +251,8 @@ def shut_down() -> None:
         current.close()
 
 
-def _run(folder: str, timeout: float) -> dict:
-    child = _worker()
+def _run(folder: str, timeout: float, may_fork: bool = True) -> dict:
+    child = _worker(may_fork)
     try:
         code = child.run(folder, timeout)
     except WorkerFailed:
@@ -283,7 +297,7 @@ def _last_line(folder: str) -> str:
 def _load(backend: str, path: str, meta: dict) -> Callable:
     try:
         if backend == "torchscript":
-            return compilers.run_scripted(*compile_cache.read_script(path))
+            return compilers.run_scripted(*compile_cache.read_script(path, quiet=False))
         return compilers.load_inductor_artifact(path, meta)
     except Exception as e:
         raise WorkerFailed(f"the worker's artefact could not be loaded "
