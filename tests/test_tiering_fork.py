@@ -5,6 +5,7 @@ import concurrent.futures
 import io
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -171,4 +172,25 @@ def test_an_inductor_job_of_a_program_on_several_threads_gets_a_new_interpreter(
         assert forked.child.poll() == -9  # retired
         assert process._worker(may_fork=True) is new  # a new interpreter serves every job
     finally:
+        process.shut_down()
+
+
+def test_the_programs_signal_handlers_never_run_in_the_forked_worker(no_other_threads, tmp_path):
+    """A program's handler (saving a checkpoint on SIGUSR1, say) must not run in the child on
+    its stale copy; Ctrl-C, sent to the whole process group, leaves the child alive."""
+    ran = tmp_path / "handler ran"
+    previous = signal.signal(signal.SIGUSR1, lambda *_: ran.write_text(str(os.getpid())))
+    process.shut_down()
+    try:
+        child = process._worker().child
+        assert isinstance(child, fork.Forked)
+        time.sleep(0.2)  # (past the fork's set-up)
+        os.kill(child.pid, signal.SIGINT)
+        time.sleep(0.2)
+        assert child.poll() is None  # ignored
+        os.kill(child.pid, signal.SIGUSR1)
+        assert child.wait() == -signal.SIGUSR1  # its default action, not the program's handler
+        assert not ran.exists()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
         process.shut_down()

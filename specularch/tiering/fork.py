@@ -149,8 +149,23 @@ def _after_fork(drop_env: tuple[str, ...], env: dict[str, str]) -> None:
                                                    line_buffering=True)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False),
                                                    line_buffering=True)
+    _program_handlers_off()
     for name in drop_env:
         os.environ.pop(name, None)
     for name, value in env.items():
         os.environ.setdefault(name, value)
     compilers.compile_threads_from_environment()
+
+
+def _program_handlers_off() -> None:
+    """The program's Python signal handlers are the program's: one in the child (a Ctrl-C
+    handler that saves a checkpoint, say) would run the program's code on its stale copy.
+    Ctrl-C reaches the whole process group: the child ignores it (it leaves when the program
+    closes its input); any other signal takes its default action."""
+    for number in signal.valid_signals():
+        try:
+            handler = signal.getsignal(number)
+        except (OSError, ValueError):
+            continue
+        if callable(handler):
+            signal.signal(number, signal.SIG_IGN if number == signal.SIGINT else signal.SIG_DFL)
