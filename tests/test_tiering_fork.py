@@ -133,10 +133,14 @@ def test_a_forked_worker_takes_one_compile_thread_though_inductor_read_its_confi
     must make the config say one thread, as a new interpreter's does."""
     from torch._inductor import config as inductor_config
     from specularch.fx_lower import _torch_compilers as compilers
-    monkeypatch.setattr(inductor_config, "compile_threads", 7)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    compilers.compile_threads_from_environment()
-    assert inductor_config.compile_threads == 1
+    before = inductor_config.compile_threads  # (not monkeypatch.setattr: its undo deletes
+    inductor_config.compile_threads = 7       # a key of Inductor's config module)
+    try:
+        compilers.compile_threads_from_environment()
+        assert inductor_config.compile_threads == 1
+    finally:
+        inductor_config.compile_threads = before
 
 
 def test_loading_the_workers_torchscript_leaves_the_warning_filters_alone(
