@@ -16,7 +16,6 @@ import contextlib
 import os
 import sys
 import threading
-import warnings
 from typing import Callable
 
 import torch
@@ -112,16 +111,10 @@ def _install_thread_aware_patcher() -> None:
         st._new_patcher = new_patcher
 
 
-@contextlib.contextmanager
 def _quiet_torchscript():
     """TorchScript's deprecation and annotation warnings silenced, except in a background
-    compile (``warnings.catch_warnings`` swaps the process-wide filters)."""
-    if getattr(_BACKGROUND, "active", False):
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    compile (``compile_cache.quiet_warnings``)."""
+    return compile_cache.quiet_warnings(not compiling_in_background())
 
 
 def aot_torchscript(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -458,12 +451,13 @@ def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list)
     kernels, e.g. oneDNN's LSTM, keep what the flattened backward reads only in grad mode),
     on detached inputs, so autograd records nothing."""
     key = compile_cache.entry_key(gm, example_inputs, "torchscript", "flattened")
-    loaded = compile_cache.load_script(key, quiet=not compiling_in_background())
+    quiet = not compiling_in_background()
+    loaded = compile_cache.load_script(key, quiet)
     if loaded is not None:
         scripted, meta = loaded
         return compile_cache.mark_cached(_run_scripted(scripted, meta["converted"], meta["devices"]))
     scripted, meta = scripted_flattened(gm, example_inputs)
-    compile_cache.save_script(key, scripted, meta)
+    compile_cache.save_script(key, scripted, meta, quiet)
     return run_scripted(scripted, meta)
 
 

@@ -144,36 +144,45 @@ def has_script(key: str) -> bool:
     return folder is not None and os.path.exists(os.path.join(folder, f"{key}.pt"))
 
 
+@contextlib.contextmanager
+def quiet_warnings(quiet: bool = True):
+    """TorchScript's deprecation (and annotation) warnings silenced while ``quiet``, by
+    swapping the process-wide warning filters: only on the program's own thread. On a thread
+    beside the program (``quiet=False``) the swap would drop a warning the program's thread
+    raised meanwhile, or a filter it set."""
+    if not quiet:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def read_script(path: str, quiet: bool = True) -> tuple[torch.jit.ScriptModule, dict]:
     """A module ``write_script`` saved (in this process or another), and its metadata.
-    ``quiet`` silences TorchScript's deprecation warning, by swapping the process-wide warning
-    filters for the load: only on the program's own thread. On a background thread
-    (``quiet=False``) the swap would drop a warning the program's thread raised meanwhile, or
-    a filter it set."""
+    ``quiet``: ``quiet_warnings``."""
     extra = {"specularch.json": ""}
-    with warnings.catch_warnings() if quiet else contextlib.nullcontext():
-        if quiet:
-            warnings.simplefilter("ignore")
+    with quiet_warnings(quiet):
         module = torch.jit.load(path, _extra_files=extra)
     return module, json.loads(extra["specularch.json"])
 
 
-def write_script(path: str, module: torch.jit.ScriptModule, meta: dict) -> None:
-    """``module`` and ``meta`` saved to ``path`` atomically (a reader never sees half)."""
+def write_script(path: str, module: torch.jit.ScriptModule, meta: dict, quiet: bool = True) -> None:
+    """``module`` and ``meta`` saved to ``path`` atomically (a reader never sees half).
+    ``quiet``: ``quiet_warnings`` (``torch.jit.save``'s deprecation: it still works)."""
     buffer = io.BytesIO()
-    with warnings.catch_warnings():  # torch.jit.save's deprecation: it still works
-        warnings.simplefilter("ignore")
+    with quiet_warnings(quiet):
         torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
     _write_atomically(path, buffer.getvalue())
 
 
-def save_script(key: str, module: torch.jit.ScriptModule, meta: dict) -> None:
+def save_script(key: str, module: torch.jit.ScriptModule, meta: dict, quiet: bool = True) -> None:
     """Save ``module`` under ``key`` (atomically); a failure only costs the next run a compile."""
     folder = directory("torchscript")
     if folder is None:
         return
     try:
-        write_script(os.path.join(folder, f"{key}.pt"), module, meta)
+        write_script(os.path.join(folder, f"{key}.pt"), module, meta, quiet)
     except Exception as e:
         _LOG.warning(f"compile cache: could not save a TorchScript entry ({type(e).__name__}: {e})")
 
