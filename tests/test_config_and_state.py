@@ -68,11 +68,23 @@ GOOD = [(name, v) for name, o in OPTIONS.items() for v in _good_values(o)]
 BAD = [(name, v) for name, o in OPTIONS.items() for v in _bad_values(o)]
 
 
+def _id(name, value) -> str:
+    """A test id that is the same in every process (pytest-xdist's workers compare their
+    collections): sets in sorted order, an ``object()`` by its type."""
+    if isinstance(value, (set, frozenset)):
+        shown = f"{type(value).__name__}({sorted(value, key=repr)!r})"
+    elif type(value) is object:
+        shown = "object()"
+    else:
+        shown = repr(value)
+    return f"{name}={shown}"
+
+
 def _stored(value):
     return frozenset(value) if isinstance(value, (set, list)) else value
 
 
-@pytest.mark.parametrize("name,value", GOOD, ids=[f"{n}={v!r}" for n, v in GOOD])
+@pytest.mark.parametrize("name,value", GOOD, ids=[_id(n, v) for n, v in GOOD])
 def test_every_option_takes_a_value_of_its_kind(name, value, saved_config):
     with config.patch(**{name: value}):
         assert getattr(config, name) == _stored(value)
@@ -80,7 +92,7 @@ def test_every_option_takes_a_value_of_its_kind(name, value, saved_config):
     assert getattr(config, name) == _stored(value)
 
 
-@pytest.mark.parametrize("name,value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+@pytest.mark.parametrize("name,value", BAD, ids=[_id(n, v) for n, v in BAD])
 def test_every_option_refuses_a_value_of_another_kind(name, value, saved_config):
     before = getattr(config, name)
     for set_it in (lambda: setattr(config, name, value),

@@ -610,3 +610,23 @@ def test_torch_compile_still_compiles_functions_we_touched(rec):
     with frames.hook_active():
         assert tensor_free(1, 2) == ("dispatched", 3)
     torch._dynamo.reset()
+
+
+def test_a_freed_shadow_code_is_forgotten():
+    """A target's shadow code is never offered to the global policy while it lives; once its
+    target is dropped and it is freed, its address is free for a new code object, which must
+    not be taken for a shadow (under pytest-xdist's test order a fresh function landed on
+    such an address and the policy was never asked about it)."""
+    import gc
+    import weakref
+    ns = {}
+    exec(compile("def fresh(x):\n    return x - 1\n", "<fresh>", "exec"), ns)
+    target = frames.register(ns["fresh"])
+    shadow = weakref.ref(target.shadow_code)
+    key = id(target.shadow_code)
+    assert key in interceptor._shadow_ids
+    frames.reset()
+    del target, ns
+    gc.collect()
+    assert shadow() is None, "the shadow code outlived its target"
+    assert key not in interceptor._shadow_ids

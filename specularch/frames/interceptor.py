@@ -163,7 +163,7 @@ def _register(fn: Any, glue: str) -> Target:
         target = Target(fn, next(_keys), glue)
         _by_key[target.key] = target
         _by_code[id(code)] = target
-        _shadow_ids.add(id(target.shadow_code))  # never auto-targeted (it is the fallback)
+        _note_shadow(target.shadow_code)  # never auto-targeted (it is the fallback)
         if _th.HOOK_AVAILABLE and not target.is_generator:
             _th.clear_global_skip(code)
             if id(code) in _skipped:  # already SKIP-marked by us: only a new region forgets
@@ -179,7 +179,15 @@ def _unregister(target: Target) -> None:
 
 
 _auto_target: Optional[Callable] = None
-_shadow_ids: set = set()  # ids of shadow codes (kept alive by their targets)
+# id(shadow code) -> a weak reference to it, dropped when that code is freed: an unregistered
+# target's shadow code dies with it, and a fresh code object at the same address must not be
+# taken for a shadow (the global policy would never be asked about it).
+_shadow_ids: dict[int, weakref.ref] = {}
+
+
+def _note_shadow(code) -> None:
+    key = id(code)
+    _shadow_ids[key] = weakref.ref(code, lambda _, key=key: _shadow_ids.pop(key, None))
 
 
 def set_auto_target(predicate: Optional[Callable]) -> None:
