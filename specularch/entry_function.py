@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -100,9 +101,19 @@ def _guarded_grad_mode(guards: GuardSet) -> bool:
 
 def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Rebuild, graph_fn: Callable,
                 fast_tensors: bool = True, writes: list = (), assertions: list = (),
-                random_graph: bool = False) -> tuple[Callable, str]:
+                random_graph: bool = False, built: dict | None = None) -> tuple[Callable, str]:
     """The entry function and its source text (kept for explain()). ``writes``: the lowered
-    shadow-heap records (``shadow_heap/writes.py``), committed in program order."""
+    shadow-heap records (``shadow_heap/writes.py``), committed in program order.
+
+    ``built``: where the entries of one capture keep their generated code. The text depends
+    on the graph only through ``_runs_on_fx``, so a later graph of the same capture (a tiering
+    candidate) gets the code already compiled, bound to a namespace of its own with that
+    graph as ``GRAPH``: generating and compiling an entry's text is milliseconds of Python
+    holding the GIL (10-18 ms for a small training step), which a program's step running
+    beside the background compiler waits for."""
+    key = (_runs_on_fx(graph_fn), fast_tensors, random_graph)
+    if built is not None and key in built:
+        return _rebound(*built[key], graph_fn, guards)
     consts: dict[str, Any] = {}
     namer = SourceNamer()
     body = guard_lines(guards, namer, consts, fast_tensors)
@@ -148,7 +159,20 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     entry = ns["entry"]
     entry.__code__ = compact_locals(entry.__code__)  # a big entry's frame fits the data stack
     guards.timer = _guard_timer(ns)
-    return ns["entry"], text
+    if built is not None:
+        built[key] = (entry.__code__, ns, text)
+    return entry, text
+
+
+def _rebound(code: types.CodeType, namespace: dict, text: str, graph_fn: Callable,
+             guards: GuardSet) -> tuple[Callable, str]:
+    """An entry function running ``code`` (another entry's) with ``graph_fn`` as its graph.
+    Everything else in its namespace is the capture's, shared: constants, guarded objects
+    (held weakly), the tensor checker (it keeps no state between calls)."""
+    ns = dict(namespace, GRAPH=graph_fn)
+    ns["entry"] = entry = types.FunctionType(code, ns, "entry")
+    guards.timer = _guard_timer(ns)
+    return entry, text
 
 
 GUARD_TIMING_CALLS = 50

@@ -3,6 +3,7 @@ training step compiled in the background and kept only when measured faster, a s
 candidate rejected and remembered, a candidate that raises at run time sent back to ``fx``,
 no call waiting for a compile, small graphs and ``exact=True`` staying bit-identical."""
 import copy
+import sys
 import threading
 import time
 
@@ -159,6 +160,39 @@ def test_slower_candidate_is_rejected_and_remembered(low_thresholds, candidates,
     assert event.candidate_us > event.current_us + 20000
     assert _graph(opt).backend == "fx" and tiering.pending() == 0
     assert "slow_fx: rejected" in str(specularch.explain(opt))
+
+
+def test_later_candidates_reuse_the_first_ones_entry_code(low_thresholds, candidates, test_backend):
+    """Each candidate's entry runs the same generated code (compiled once, for the first
+    candidate), with its own graph as ``GRAPH``; results are eager's."""
+    seen = {}  # backend -> [(entry code, its GRAPH is this backend's graph)]
+
+    def recording(name):
+        def compile_fn(gm, inputs):
+            fn = _fx(gm, inputs)
+
+            def run(*args):
+                caller = sys._getframe(1)
+                if caller.f_code.co_name == "entry":  # (not the worker's warm-up call)
+                    seen.setdefault(name, []).append((caller.f_code, caller.f_globals["GRAPH"] is run))
+                return fn(*args)
+            return run
+        return compile_fn
+    test_backend("first", recording("first"))
+    test_backend("second", recording("second"))
+    candidates("first", "second")
+    eager, opt, model, twin = _pair(_mlp)
+    batches = _batches((8, 16), 4, 4)
+    _run(eager, opt, batches, rtol=1e-5)
+    entry = _settle(opt, batches, eager)
+    _run(eager, opt, batches * 2, rtol=1e-4)
+    assert [e.candidate for e in entry.tier.events] == ["first", "second"]
+    assert set(seen) == {"first", "second"}
+    codes = {id(code) for calls in seen.values() for code, _ in calls}  # (equal codes compare equal)
+    assert len(codes) == 1, "the second candidate's entry was generated and compiled again"
+    assert all(own for calls in seen.values() for _, own in calls)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert_same(q, p, rtol=1e-4, atol=1e-6)
 
 
 def test_candidate_raising_in_its_trial_leaves_the_graph_on_fx(low_thresholds, candidates,
