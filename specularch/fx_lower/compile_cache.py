@@ -2,8 +2,9 @@
 same program starts with the first run's compiled code instead of compiling again.
 
 * TorchScript: a flattened graph's frozen scripted module is saved with ``torch.jit.save``
-  under a key hashing everything the compiled code depends on (``entry_key``) and loaded
-  with ``torch.jit.load`` on a later run. Graphs compiled through AOT autograd (a forward
+  under a key hashing everything the compiled code depends on (``entry_key``), with its
+  graph's IR text, and loaded on a later run as a function made from that text (or with
+  ``torch.jit.load`` where the text would not give the same graph back). Graphs compiled through AOT autograd (a forward
   and a backward function, glued by an autograd.Function) are not cached: that glue is
   Python, not a serializable artefact.
 * Inductor keeps its own on-disk caches (FX graph cache, AOT autograd cache); they are
@@ -30,10 +31,13 @@ import logging
 import os
 import tempfile
 import warnings
+import zipfile
 from typing import Any, Callable
 
 import torch
 import torch.fx
+
+from . import _torch_script_ir
 
 # Set by specularch/__init__.py (``configure``): config sits above fx_lower (it imports the
 # backend registry to check a backend name), so fx_lower does not import it.
@@ -121,8 +125,8 @@ def entry_key(gm: torch.fx.GraphModule, example_inputs: list, backend: str, path
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
-def load_script(key: str, quiet: bool = True) -> tuple[torch.jit.ScriptModule, dict] | None:
-    """The scripted module saved under ``key`` and its metadata, or None (none saved, or an
+def load_script(key: str, quiet: bool = True) -> tuple[Callable, dict] | None:
+    """The scripted graph saved under ``key`` (``read_script``) and its metadata, or None (none saved, or an
     entry that cannot be read: logged, and left for ``save_script`` to replace). ``quiet``:
     see ``read_script``."""
     folder = directory("torchscript")
@@ -158,21 +162,35 @@ def quiet_warnings(quiet: bool = True):
         yield
 
 
-def read_script(path: str, quiet: bool = True) -> tuple[torch.jit.ScriptModule, dict]:
-    """A module ``write_script`` saved (in this process or another), and its metadata.
-    ``quiet``: ``quiet_warnings``."""
-    extra = {"specularch.json": ""}
+_META, _IR = "specularch.json", "specularch.ir"  # files of ours inside the archive
+
+
+def read_script(path: str, quiet: bool = True) -> tuple[Callable, dict]:
+    """What ``write_script`` saved (in this process or another), callable as the module, and
+    its metadata: the function made from the graph's IR text where the archive holds one
+    (``_torch_script_ir``: a fraction of ``torch.jit.load``'s time holding the GIL), else
+    the module ``torch.jit.load`` reads. ``quiet``: ``quiet_warnings``."""
+    with zipfile.ZipFile(path) as archive:
+        ours = {name.rsplit("/", 1)[-1]: name for name in archive.namelist()
+                if name.endswith((f"/extra/{_META}", f"/extra/{_IR}"))}
+        meta = json.loads(archive.read(ours[_META]))
+        if _IR in ours:
+            return _torch_script_ir.function_from_text(archive.read(ours[_IR]).decode()), meta
     with quiet_warnings(quiet):
-        module = torch.jit.load(path, _extra_files=extra)
-    return module, json.loads(extra["specularch.json"])
+        return torch.jit.load(path), meta
 
 
 def write_script(path: str, module: torch.jit.ScriptModule, meta: dict, quiet: bool = True) -> None:
-    """``module`` and ``meta`` saved to ``path`` atomically (a reader never sees half).
-    ``quiet``: ``quiet_warnings`` (``torch.jit.save``'s deprecation: it still works)."""
+    """``module`` and ``meta`` saved to ``path`` atomically (a reader never sees half), with
+    its graph's IR text where that gives the same graph back. ``quiet``: ``quiet_warnings``
+    (``torch.jit.save``'s deprecation: it still works)."""
+    extra = {_META: json.dumps(meta)}
+    text = _torch_script_ir.function_text(module)
+    if text is not None:
+        extra[_IR] = text
     buffer = io.BytesIO()
     with quiet_warnings(quiet):
-        torch.jit.save(module, buffer, _extra_files={"specularch.json": json.dumps(meta)})
+        torch.jit.save(module, buffer, _extra_files=extra)
     _write_atomically(path, buffer.getvalue())
 
 
