@@ -105,13 +105,14 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     """The entry function and its source text (kept for explain()). ``writes``: the lowered
     shadow-heap records (``shadow_heap/writes.py``), committed in program order.
 
-    ``built``: where the entries of one capture keep their generated code. The text depends
-    on the graph only through ``_runs_on_fx``, so a later graph of the same capture (a tiering
-    candidate) gets the code already compiled, bound to a namespace of its own with that
-    graph as ``GRAPH``: generating and compiling an entry's text is milliseconds of Python
-    holding the GIL (10-18 ms for a small training step), which a program's step running
-    beside the background compiler waits for."""
-    key = (_runs_on_fx(graph_fn), fast_tensors, random_graph)
+    ``built``: where the entries of one capture keep their generated code. The text does
+    not depend on the graph (whether it releases old gradients early is ``EARLY`` in its
+    namespace), so a later graph of the same capture (a tiering candidate) gets the code
+    already compiled, bound to a namespace of its own with that graph as ``GRAPH``:
+    generating and compiling an entry's text is milliseconds of Python holding the GIL
+    (5-11 ms for a small training step), which a program's step running beside the
+    background compiler waits for."""
+    key = (fast_tensors, random_graph)
     if built is not None and key in built:
         return _rebound(*built[key], graph_fn, guards)
     consts: dict[str, Any] = {}
@@ -119,9 +120,10 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     body = guard_lines(guards, namer, consts, fast_tensors)
     inputs = [namer.name(s) for s in input_sources]
     render = Renderer(namer, consts)
-    released, writes = early_releases(list(writes), input_sources, output_spec, assertions) \
-        if _runs_on_fx(graph_fn) else ([], list(writes))
-    release = release_lines(render, released)  # last step's .grad, freed before the graph
+    # Last step's .grad, freed before the graph where it runs on fx (``EARLY``); their writes
+    # stay in the commit's gradient assignments too (for fx: ``None`` again, in program order).
+    release = release_lines(render, early_releases(list(writes), input_sources, output_spec,
+                                                   assertions))
     checks = check_lines(render, writes)
     commit = commit_lines(render, writes, _only_plain_tensors(guards))
     result = render.expr(output_spec)
@@ -138,7 +140,8 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     # graph had never run.
     restore = ["SET_GRAD(GRAD)", *(["SET_RNG(RNG)"] if random_graph else [])]
     src += ["    RNG = GET_RNG()"] if random_graph else []
-    src += [f"    {line}" for line in _clock_reads(render, "before") + release]
+    src += [f"    {line}" for line in _clock_reads(render, "before")]
+    src += ["    if EARLY:", *[f"        {line}" for line in release]] if release else []
     src += ["    try:", f"        {call}", "    except BaseException:",
             *[f"        {line}" for line in restore], "        raise"]
     for i, (index, expected, _, _) in enumerate(assertions):
@@ -152,7 +155,7 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     src.append(f"    return {result}")
     text = "\n".join(src) + "\n"
     ns: dict[str, Any] = dict(consts, **COMMIT_NAMESPACE, **RELEASE_NAMESPACE, MISS=MISS,
-                              GRAPH=graph_fn, O=PINNED, FAILED=failed,
+                              GRAPH=graph_fn, EARLY=_runs_on_fx(graph_fn), O=PINNED, FAILED=failed,
                               GET_RNG=torch.get_rng_state, SET_RNG=torch.set_rng_state,
                               SET_GRAD=torch.set_grad_enabled, GRAD=_guarded_grad_mode(guards))
     exec(compile(text, "<specularch entry>", "exec"), ns)
@@ -169,7 +172,7 @@ def _rebound(code: types.CodeType, namespace: dict, text: str, graph_fn: Callabl
     """An entry function running ``code`` (another entry's) with ``graph_fn`` as its graph.
     Everything else in its namespace is the capture's, shared: constants, guarded objects
     (held weakly), the tensor checker (it keeps no state between calls)."""
-    ns = dict(namespace, GRAPH=graph_fn)
+    ns = dict(namespace, GRAPH=graph_fn, EARLY=_runs_on_fx(graph_fn))
     ns["entry"] = entry = types.FunctionType(code, ns, "entry")
     guards.timer = _guard_timer(ns)
     return entry, text

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import specularch
-from specularch import tiering
+from specularch import entry_function, tiering
 from specularch.config import OPTIONS
 from specularch.fx_lower.backends import BACKENDS, get_backend, register_backend
 from specularch.tiering import policy
@@ -162,10 +162,12 @@ def test_slower_candidate_is_rejected_and_remembered(low_thresholds, candidates,
     assert "slow_fx: rejected" in str(specularch.explain(opt))
 
 
-def test_later_candidates_reuse_the_first_ones_entry_code(low_thresholds, candidates, test_backend):
-    """Each candidate's entry runs the same generated code (compiled once, for the first
-    candidate), with its own graph as ``GRAPH``; results are eager's."""
-    seen = {}  # backend -> [(entry code, its GRAPH is this backend's graph)]
+def test_candidates_reuse_the_captures_entry_code(low_thresholds, candidates, test_backend,
+                                                  monkeypatch):
+    """Each candidate's entry runs the code generated and compiled at capture (no entry is
+    generated on the background thread), with its own graph as ``GRAPH``; results are
+    eager's, with fx's early release of old gradients and without it."""
+    seen = {}  # backend -> [(entry code, its GRAPH is this backend's graph, EARLY)]
 
     def recording(name):
         def compile_fn(gm, inputs):
@@ -174,7 +176,8 @@ def test_later_candidates_reuse_the_first_ones_entry_code(low_thresholds, candid
             def run(*args):
                 caller = sys._getframe(1)
                 if caller.f_code.co_name == "entry":  # (not the worker's warm-up call)
-                    seen.setdefault(name, []).append((caller.f_code, caller.f_globals["GRAPH"] is run))
+                    seen.setdefault(name, []).append(
+                        (caller.f_code, caller.f_globals["GRAPH"] is run, caller.f_globals["EARLY"]))
                 return fn(*args)
             return run
         return compile_fn
@@ -183,14 +186,18 @@ def test_later_candidates_reuse_the_first_ones_entry_code(low_thresholds, candid
     candidates("first", "second")
     eager, opt, model, twin = _pair(_mlp)
     batches = _batches((8, 16), 4, 4)
-    _run(eager, opt, batches, rtol=1e-5)
+    _run(eager, opt, batches, rtol=1e-5)  # both graphs captured (.grad None, then set)
+    generated = []
+    monkeypatch.setattr(entry_function, "compile", lambda *a: generated.append(a) or compile(*a),
+                        raising=False)
     entry = _settle(opt, batches, eager)
     _run(eager, opt, batches * 2, rtol=1e-4)
     assert [e.candidate for e in entry.tier.events] == ["first", "second"]
     assert set(seen) == {"first", "second"}
-    codes = {id(code) for calls in seen.values() for code, _ in calls}  # (equal codes compare equal)
-    assert len(codes) == 1, "the second candidate's entry was generated and compiled again"
-    assert all(own for calls in seen.values() for _, own in calls)
+    assert generated == [], "an entry was generated again for a candidate"
+    codes = {id(code) for calls in seen.values() for code, _, _ in calls}  # (equal codes compare equal)
+    assert len(codes) == 1
+    assert all(own and not early for calls in seen.values() for _, own, early in calls)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert_same(q, p, rtol=1e-4, atol=1e-6)
 

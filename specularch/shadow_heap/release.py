@@ -17,11 +17,15 @@ run can tell the difference:
   value is read through a ``.grad`` attribute), so the old value is not needed later;
 * the graph has no in-graph assumption: an assumption that fails returns before the commit
   and the call runs eagerly from the state before it, as it does today;
-* the graph runs on ``fx`` (``entry_function._runs_on_fx``): a compiling backend's graph that
-  raises is retried with ``fx`` on the same call, whose guards must see its gradients.
+* the graph runs on ``fx`` (``entry_function._runs_on_fx``, the entry's ``EARLY``): a
+  compiling backend's graph that raises is retried with ``fx`` on the same call, whose
+  guards must see its gradients.
 
-The commit then leaves out the released writes (no other write of a ``.grad`` came before
-them, so every later one still runs after them, in program order).
+The commit keeps the released writes among its gradient assignments, in program order: after
+an early release each sets to None a ``.grad`` that is None already (no other write of a
+``.grad`` came before them, so every later one still runs after them). So the entry's text is
+the same whichever graph it calls, and a tiering candidate reuses the capture's compiled
+entry code (``build_entry_function(built=)``).
 """
 from __future__ import annotations
 
@@ -33,21 +37,21 @@ from .writes import DelAttr, SetAttr, Write
 
 
 def early_releases(writes: list[Write], input_sources: Iterable[Source], output: Rebuild,
-                   assertions) -> tuple[list[SetAttr], list[Write]]:
-    """``(released, commit)``: the ``.grad = None`` writes the entry does before the graph,
-    and the writes left for the commit, in program order."""
+                   assertions) -> list[SetAttr]:
+    """The ``.grad = None`` writes the entry may do before the graph (the commit does them
+    too, in program order, where they change nothing after an early release: each sets a
+    ``.grad`` that no write before it set)."""
     if assertions or not any(_is_release(w) for w in writes):
-        return [], writes
+        return []
     if _reads_a_grad([*input_sources, *_sources_read(writes, output)]):
-        return [], writes
+        return []
     released, written = [], False
     for w in writes:
         if _is_release(w) and not written:
             released.append(w)
         elif isinstance(w, (SetAttr, DelAttr)) and w.name == "grad":
             written = True  # (any tensor's: two sources may name one tensor)
-    ids = {id(w) for w in released}
-    return released, [w for w in writes if id(w) not in ids]
+    return released
 
 
 def _is_release(w: Write) -> bool:
