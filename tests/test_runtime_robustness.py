@@ -253,16 +253,19 @@ def test_memory_returns_to_baseline_after_300_models():
                 m(x)
         return specularch.explain(m).stats.graph_hits
 
-    for _ in range(30):  # allocator arenas, torch's caches
+    # Native memory (allocator arenas, torch's caches) grows over the first few hundred
+    # models, by 7-13 MB depending on what ran before in the process (measured: after other
+    # test files, 12-13 MB, which failed a 10 MB bound), then stays: each later 300 add
+    # 0.0-0.4 MB. So 300 models warm up, and the next 300 are measured.
+    for _ in range(300):
         one()
     _return_freed_memory()
     baseline = _rss_mb()
     assert sum(one() for _ in range(300)) > 0
     _return_freed_memory()
     # Each model holds 0.5 MB of parameters: 150 MB if they were kept. torch.fx's copies of
-    # each graph's source text are released with the graph (fx_lower/_torch_fx_sources.py);
-    # what remains (about 6 MB) is native memory that warms up once: 300 more models add ~0.
-    assert _rss_mb() - baseline < 10
+    # each graph's source text are released with the graph (fx_lower/_torch_fx_sources.py).
+    assert _rss_mb() - baseline < 5
 
 
 # ---------------------------------------------------------------------- recursion depth
