@@ -31,7 +31,7 @@ Inductor and the compile cache start from fresh, empty directories (a first run)
 ``--cache-dir`` names one (run twice with the same one: the second run's numbers are a second
 run's). ``--trace`` lists the slowest steps while compiling with the tiering events that
 happened during each (worker started, job sent, artefact loaded, warm-up, trial calls,
-decisions), to find where a slow step's time went.
+decisions, Python's garbage collections), to find where a slow step's time went.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ records that overlap each. Benchmark-only instrumentation: nothing here is part 
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 
@@ -36,6 +37,18 @@ class Trace:
             self.records.append([now, now, f"event: {event}", _thread()])
             return add(h, event)
         history.TierHistory.add = add_logged
+        self._gc_start: float | None = None
+        gc.callbacks.append(self._collection)
+
+    def _collection(self, phase, info):
+        """Python's garbage collections (a slow step may be one: nothing of tiering's)."""
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start = now
+        elif self._gc_start is not None and (info["generation"] == 2 or now - self._gc_start > 5e-4):
+            self.records.append([self._gc_start, now, f"gc gen{info['generation']}", _thread()])
+        if phase != "start":
+            self._gc_start = None
 
     def _wrap(self, owner, name, what):
         fn = getattr(owner, name)
