@@ -202,6 +202,23 @@ def test_candidates_reuse_the_captures_entry_code(low_thresholds, candidates, te
         assert_same(q, p, rtol=1e-4, atol=1e-6)
 
 
+def test_warm_up_makes_a_graphs_own_number_of_calls():
+    calls = []
+
+    def graph(x):
+        calls.append("graph")
+        return (x + 1,)
+
+    def package(x):
+        calls.append("package")
+        return (x + 1,)
+    package.warm_calls = 1  # (an AOTInductor package's, load_inductor_artifact)
+    x = torch.randn(3)
+    tiering.worker.warm_up(graph, [x])
+    tiering.worker.warm_up(package, [x])
+    assert calls == ["graph"] * tiering.worker.WARM_CALLS + ["package"]
+
+
 def test_candidate_raising_in_its_trial_leaves_the_graph_on_fx(low_thresholds, candidates,
                                                                test_backend):
     def raising(gm, inputs):

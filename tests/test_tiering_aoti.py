@@ -155,7 +155,7 @@ def test_package_outputs_numbers_and_threads_match_the_graph(tmp_path, monkeypat
                                        str(tmp_path / "a"), threads=1)
     assert meta["format"] == "aoti" and meta["converted"] == [2, 3], meta
     run = compilers.load_inductor_artifact(str(tmp_path / "a"), meta)
-    assert run.artefact_note == ""
+    assert run.artefact_note == "" and run.warm_calls == 1  # (worker.warm_up: kernels loaded)
     x, p = torch.randn(3, 3), torch.nn.Parameter(torch.randn(3, 3))
     for k, n in [(0.25, 3), (-1.5, 0)]:  # new values of the numbers: inputs, not constants
         got = run(x, p, k, n)
@@ -215,6 +215,7 @@ def test_where_aoti_fails_the_standalone_artefact_says_why(monkeypatch, tmp_path
                         staticmethod(lambda path, format: lambda x, k: (x * k,)))
     run = compilers.load_inductor_artifact(str(tmp_path / "a"), meta)
     assert run.artefact_note == "standalone_compile artefact (AOTInductor: ValueError: no export for you)"
+    assert not hasattr(run, "warm_calls")  # its first call loads its kernels: warmed as usual
     torch.testing.assert_close(run(torch.ones(3), 2.0)[0], torch.full((3,), 2.0))
 
 

@@ -98,7 +98,8 @@ def _drain() -> None:
 
 
 def warm_up(graph_fn: Callable, examples: list) -> None:
-    """Call ``graph_fn`` ``WARM_CALLS`` times on copies of ``examples`` (the captured graph's
+    """Call ``graph_fn`` ``WARM_CALLS`` times (or its ``warm_calls``: an AOTInductor
+    package's, one) on copies of ``examples`` (the captured graph's
     example inputs), on this thread. Copies: a compiled graph may update its inputs in place,
     and the examples are the program's own tensors. Graphs taking anything but tensors and
     numbers are not warmed (a copy of another object could behave differently). A call that
@@ -106,7 +107,7 @@ def warm_up(graph_fn: Callable, examples: list) -> None:
     inputs = _copies(examples)
     if inputs is None:
         return
-    for _ in range(WARM_CALLS):
+    for _ in range(getattr(graph_fn, "warm_calls", WARM_CALLS)):
         try:
             graph_fn(*inputs)
         except Exception:
