@@ -4,9 +4,9 @@ same program starts with the first run's compiled code instead of compiling agai
 * TorchScript: a flattened graph's frozen scripted module is saved with ``torch.jit.save``
   under a key hashing everything the compiled code depends on (``entry_key``), with its
   graph's IR text, and loaded on a later run as a function made from that text (or with
-  ``torch.jit.load`` where the text would not give the same graph back). Graphs compiled through AOT autograd (a forward
-  and a backward function, glued by an autograd.Function) are not cached: that glue is
-  Python, not a serializable artefact.
+  ``torch.jit.load`` where the text would not give the same graph back). Graphs compiled
+  through AOT autograd (a forward and a backward function, glued by an autograd.Function)
+  are not cached: that glue is Python, not a serializable artefact.
 * Inductor keeps its own on-disk caches (FX graph cache, AOT autograd cache); they are
   pointed into ``<cache dir>/inductor`` by ``_torch_compilers``. A flattened graph compiled
   by a tiering worker process is also kept whole, as its AOTInductor package (or, where
@@ -126,9 +126,9 @@ def entry_key(gm: torch.fx.GraphModule, example_inputs: list, backend: str, path
 
 
 def load_script(key: str, quiet: bool = True) -> tuple[Callable, dict] | None:
-    """The scripted graph saved under ``key`` (``read_script``) and its metadata, or None (none saved, or an
-    entry that cannot be read: logged, and left for ``save_script`` to replace). ``quiet``:
-    see ``read_script``."""
+    """The scripted graph saved under ``key`` (``read_script``) and its metadata, or None
+    (none saved, or an entry that cannot be read: logged, and left for ``save_script`` to
+    replace). ``quiet``: see ``read_script``."""
     folder = directory("torchscript")
     if folder is None:
         return None
