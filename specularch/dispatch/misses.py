@@ -229,7 +229,8 @@ def compile_entry(state: CodeState, cap: Capture, fast_tensors: bool = True,
     graph_fn, backend, note = _backend_compile(
         state, cap.graph_module, backend_name or tiering.first_tier(state.backend), note)
     built: dict = {}  # the capture's generated entry code, for its later graphs (tiering)
-    fn, text = _entry_function(state, cap, graph_fn, fast_tensors, buffers, built)
+    random = graph_uses_randomness(cap.graph_module)  # (a walk of the graph: once)
+    fn, text = _entry_function(state, cap, graph_fn, fast_tensors, buffers, random, built)
     seconds = time.perf_counter() - start
     state.stats.compile_seconds += seconds
     grad = next((g.grad_enabled for g in cap.guards if hasattr(g, "grad_enabled")), True)
@@ -241,18 +242,18 @@ def compile_entry(state: CodeState, cap: Capture, fast_tensors: bool = True,
     entry = GraphEntry(cap, backend, fn, text, grad, seconds, note=note, graph_fn=graph_fn)
     if backend_name is None and tiering.tiered(state.backend) and not cap.distributed_leaves:
         tiering.watch(entry, cap.graph_module, functools.partial(
-            _entry_function, state, cap, fast_tensors=fast_tensors, buffers=buffers, built=built),
+            _entry_function, state, cap, fast_tensors=fast_tensors, buffers=buffers,
+            random=random, built=built),
             eager=functools.partial(tiering.eager_choice, cap.guards, state.target))
     return entry
 
 
 def _entry_function(state: CodeState, cap: Capture, graph_fn: Callable, fast_tensors: bool,
-                    buffers: list, built: dict | None = None) -> tuple[Callable, str]:
-    """The entry function of ``cap`` calling ``graph_fn``, and its source (``built``: as in
-    ``build_entry_function``)."""
+                    buffers: list, random: bool, built: dict | None = None) -> tuple[Callable, str]:
+    """The entry function of ``cap`` calling ``graph_fn``, and its source (``random``: the
+    graph draws random numbers; ``built``: as in ``build_entry_function``)."""
     fn, text = build_entry_function(cap.guards, cap.input_sources, cap.output, graph_fn, fast_tensors,
-                           cap.writes, cap.assertions, graph_uses_randomness(cap.graph_module),
-                           built)
+                           cap.writes, cap.assertions, random, built)
     fn = exact.entry(state, cap.graph_module, fn)
     if cap.distributed_leaves:
         fn = hooks.distributed.wrap_entry(fn, list(buffers))
