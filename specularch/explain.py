@@ -32,6 +32,7 @@ class GraphReport:
     tier: object = None  # ... as the live ``tiering.TierHistory`` (times, events, settled)
     cached: bool = False      # the compiled graph came from the persistent compile cache
     guard_us: float | None = None  # µs one check of the guards took (timed at compile time)
+    sizes: str = ""           # compiled for dynamic sizes: where, and the calls that ran fx
 
     def _timing(self) -> str:
         return (f"backend={self.backend} runs={self.hits} capture={self.capture_seconds * 1e3:.1f}ms "
@@ -46,6 +47,7 @@ class GraphReport:
         line = f"{self._timing()} inputs={len(self.inputs)} {self._guards()}"
         line += "".join(f"\n    {loop}" for loop in self.loops)
         line += "".join(f"\n    {tier}" for tier in self.tiers)
+        line += f"\n    {self.sizes}" if self.sizes else ""
         return line + (f"\n    note: {self.note}" if self.note else "")
 
     def __str__(self) -> str:
@@ -53,6 +55,7 @@ class GraphReport:
                  *([f"  note: {self.note}"] if self.note else []),
                  *[f"  {loop}" for loop in self.loops],
                  *[f"  {tier}" for tier in self.tiers],
+                 *([f"  {self.sizes}"] if self.sizes else []),
                  "  inputs: " + (", ".join(self.inputs) or "(none)"),
                  f"  {self._guards(': ')}"]
         lines += [f"    {g}" for g in self.guards]
@@ -113,13 +116,15 @@ class Explanation:
 
 def explain_state(state, verbose: bool = False) -> Explanation:
     from .fx_lower.compile_cache import from_cache
+    from .fx_lower.dynamic_sizes import describe
     from .templates.report import template_lines
     graphs = [GraphReport(e.capture.code, e.capture.guards.readable(),
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
                           e.capture.seconds, e.compile_seconds, e.note,
                           list(getattr(e.capture, "loops", ())),
                           e.tier.lines() if e.tier is not None else [], e.tier,
-                          cached=from_cache(e.graph_fn), guard_us=e.capture.guards.micros)
+                          cached=from_cache(e.graph_fn), guard_us=e.capture.guards.micros,
+                          sizes=describe(e.graph_fn, [str(s) for s in e.capture.input_sources]))
               for e in reversed(state.entries)]
     templates = template_lines([e.capture.graph_module for e in state.entries])
     return Explanation(state.target.name, graphs, [replace(f) for f in state.fallbacks.values()],

@@ -82,41 +82,53 @@ def test_inductor_values_and_gradients(monkeypatch):
     assert pointer not in os.environ
 
 
-def test_static_backend_on_dynamic_graph_uses_fx_and_says_why():
+def test_compiling_backend_compiles_a_dynamic_graph_once_for_every_size():
+    """Batch size and a number both varied while profiling: one TorchScript compile serves
+    every batch size its trace holds for; size 1 (traced as at least 2) runs the fx code."""
     def scaled(x, s):
         return torch.relu(x) * s
     opt = specularch.optimize(scaled, backend="torchscript")
     with specularch.config.patch(profile_calls=2):
-        for i, s in enumerate([0.5, 2.0, 3.0, 1.5]):
-            x = torch.randn(2 + i, 3)
+        for i, s in enumerate([0.5, 2.0, 3.0, 1.5, 2.5, 0.25]):
+            x = torch.randn((2, 3, 4, 9, 1, 17)[i], 3)
             torch.testing.assert_close(opt(x, s), scaled(x, s))
     e = specularch.explain(opt)
-    assert e.graphs and all(g.backend == "fx" for g in e.graphs), str(e)
-    assert "dynamic" in e.graphs[0].note and "torchscript" in e.graphs[0].note, str(e)
+    assert [g.backend for g in e.graphs] == ["torchscript"] and e.graphs[0].note == "", str(e)
+    assert e.graphs[0].sizes == ("compiled for every size where L['x'].is_contiguous() and "
+                                 "(2 <= L['x'].size()[0]); 1 call(s) outside ran fx"), str(e)
 
 
-def test_clipped_training_step_with_a_short_last_batch_names_its_dynamic_sizes():
-    """A step whose batch size changed is dynamic (and then also checks its gradients'
-    sizes inside the graph): the note names the sizes, which the user can act on."""
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def test_clipped_training_step_with_a_short_last_batch_is_compiled_for_every_size():
+    """A step whose batch size changed is dynamic; its gradients keep their parameters'
+    static sizes (the clipping reads them), so nothing about them is checked in the graph,
+    and TorchScript compiles the whole step once for every batch size."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def train_step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
+        def train_step(x, y):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss.item()
+        return model, train_step
 
+    model, train_step = make()
+    twin, eager = make()
     step = specularch.optimize(train_step, backend="torchscript")
     with specularch.config.patch(profile_calls=0):
-        for batch in (4, 4, 3, 3):
-            step(torch.randn(batch, 3), torch.randn(batch, 2))
+        for batch in (4, 4, 3, 3, 5, 1, 7):
+            x, y = torch.randn(batch, 3), torch.randn(batch, 2)
+            assert step(x, y) == pytest.approx(eager(x, y), rel=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
     e = specularch.explain(step)
-    assert e.graphs[0].backend == "fx", str(e)
-    assert e.graphs[0].note.startswith("backend 'torchscript' not used: it has dynamic sizes"), str(e)
+    assert e.graphs[0].backend == "torchscript" and e.graphs[0].note == "", str(e)
+    assert "specularch_guards_guard_same_value" not in e.graphs[0].code, str(e)
+    assert e.graphs[0].sizes.endswith("1 call(s) outside ran fx"), str(e)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

@@ -322,7 +322,7 @@ def test_unreadable_cached_package_is_ignored_with_one_warning_and_replaced(
         if damage != "unloadable":
             (folder / "k.pt2").write_bytes(b"PK" * 99 + b"PX")
         with caplog.at_level(logging.WARNING, logger="specularch"):
-            assert process._cached("inductor", "k") is None
+            assert process._cached("inductor", "k", None) is None
         (record,) = caplog.records
         assert "ignoring unreadable entry" in record.getMessage() and "k.pt2" in record.getMessage()
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("aotinductor_")]
@@ -336,7 +336,7 @@ def test_the_job_asks_for_a_package_only_where_this_torch_loads_one(monkeypatch)
     seen = []
     monkeypatch.setattr(process, "_run", lambda folder, timeout, may_fork: seen.append(
         torch.load(f"{folder}/job.pt", weights_only=False)) or {})
-    monkeypatch.setattr(process, "_load", lambda backend, path, meta: None)
+    monkeypatch.setattr(process, "_load", lambda backend, path, meta, fallback: None)
     gm = _traced(lambda x: x + 1, [torch.ones(2)])
     for loadable in (True, False):
         monkeypatch.setattr(aoti, "loadable", lambda: loadable)

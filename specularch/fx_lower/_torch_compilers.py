@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.fx
 
-from . import _torch_aoti, compile_cache
+from . import _torch_aoti, _torch_shapes, compile_cache
+from .dynamic_sizes import checked, dynamic_inputs
 from .passes import as_tensor_input, scalar_inputs_as_tensors
 
 
@@ -220,8 +221,21 @@ class Flattened:
     takes ``inputs`` (the example inputs with Python numbers at positions ``converted`` made
     0-d tensors) and returns what the captured graph returns."""
 
-    def __init__(self, graph: torch.fx.GraphModule, inputs: list, converted: list[int]):
+    def __init__(self, graph: torch.fx.GraphModule, inputs: list, converted: list[int],
+                 dynamic: dict[int, list[int]] | None = None, fakes: list | None = None):
         self.graph, self.inputs, self.converted = graph, inputs, converted
+        self.dynamic, self.fakes = dynamic or {}, fakes
+
+    def meta(self) -> dict:
+        """What the compiled form's caller needs: positions of converted numbers and their
+        devices, and, for dynamic sizes, what the trace (and the compile, which may add to
+        it) assumed of them (``dynamic_sizes``)."""
+        meta = {"converted": self.converted,
+                "devices": [str(self.inputs[i].device) for i in self.converted]}
+        if self.dynamic:
+            placeholders = [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder"]
+            meta["size_guards"] = _torch_shapes.size_guards(placeholders, self.dynamic)
+        return meta
 
     def arguments(self, args) -> list:
         """The call's graph inputs as the flattened graph takes them."""
@@ -235,20 +249,28 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
             scalar_device=None) -> Flattened:
     """For graphs whose outputs need no autograd (inference, whole training steps with an
     in-graph ``autograd.grad``): trace the graph to ATen ops with ``make_fx`` (``symbolic``:
-    dynamic sizes stay symbolic; ``fake``: shapes specialised), so that the backward pass
-    becomes explicit ops and the result runs under ``no_grad``. Python-number inputs become
-    0-d tensors (on ``scalar_device``), so their values are inputs, not constants."""
+    every size a symbol; ``fake``: shapes specialised), so that the backward pass becomes
+    explicit ops and the result runs under ``no_grad``. Python-number inputs become 0-d
+    tensors (on ``scalar_device``), so their values are inputs, not constants. A graph with
+    dynamic sizes (``dynamic_sizes.dynamic_inputs``) is traced with those dimensions, and
+    only those, as symbols (``_torch_shapes``), whatever ``tracing_mode`` says: one compile
+    for every size, checked against what the trace assumed (``Flattened.meta``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    dynamic = dynamic_inputs(gm)
     gm, converted = scalar_inputs_as_tensors(gm)
     inputs = list(example_inputs)
     for i in converted:
         inputs[i] = as_tensor_input(inputs[i], scalar_device)
+    fakes = _torch_shapes.symbolic_inputs(inputs, dynamic) if dynamic else None
     with torch.enable_grad(), _generic_rnn_kernels(gm):
-        flat = make_fx(gm, tracing_mode=tracing_mode)(*inputs)
+        if dynamic:
+            flat = make_fx(gm, tracing_mode="symbolic")(*fakes)
+        else:
+            flat = make_fx(gm, tracing_mode=tracing_mode)(*inputs)
     flat.meta["constructed_by"] = "specularch.fx_lower._torch_compilers.flatten (make_fx)"
     _same_output_dtypes(gm, flat)
-    return Flattened(flat, inputs, converted)
+    return Flattened(flat, inputs, converted, dynamic, fakes)
 
 
 _RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})  # torch.lstm is torch._VF.lstm
@@ -319,10 +341,18 @@ def inductor_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) ->
 
     flat = flatten(gm, example_inputs, tracing_mode="symbolic")
     with torch.no_grad(), inductor_config.patch(fallback_random=True), _no_leaked_pointer(), \
-            _inductor_caches() as hit:
-        compiled = _compile_static(flat.graph, flat.inputs)
+            _inductor_caches(tracing=not flat.dynamic) as hit:
+        compiled = _compile_dynamic(flat) if flat.dynamic else _compile_static(flat.graph, flat.inputs)
         cached = hit()
-    return _tagged(_without_autograd(flat, compiled), cached)
+    return _tagged(checked(_without_autograd(flat, compiled), flat.meta(), gm.forward), cached)
+
+
+def _compile_dynamic(flat: Flattened) -> Callable:
+    """Inductor's compile of a graph flattened with symbolic dynamic sizes, for every size
+    (in the shape environment of the flattening's fake inputs: ``_torch_shapes.traced_with``)."""
+    from torch._inductor import standalone_compile
+    with _torch_shapes.traced_with(flat.fakes):
+        return standalone_compile(flat.graph, flat.fakes, dynamic_shapes="from_tracing_context")
 
 
 def script_aten_graph(gm: torch.fx.GraphModule) -> torch.jit.ScriptModule:
@@ -348,12 +378,12 @@ def script_aten_graph(gm: torch.fx.GraphModule) -> torch.jit.ScriptModule:
 
 
 def scripted_flattened(gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
-    """``flatten`` (fake tensors: static shapes) and ``script_aten_graph``: the frozen module
-    and what ``run_scripted`` needs to call it (``converted``, ``devices``)."""
+    """``flatten`` (fake tensors: static shapes, but for dynamic sizes) and
+    ``script_aten_graph``: the frozen module and what ``run_scripted`` needs to call it
+    (``Flattened.meta``)."""
     flat = flatten(gm, example_inputs, tracing_mode="fake")
-    scripted = script_aten_graph(flat.graph)
-    devices = [str(flat.inputs[i].device) for i in flat.converted]
-    return scripted, {"converted": flat.converted, "devices": devices}
+    meta = flat.meta()
+    return script_aten_graph(flat.graph), meta
 
 
 def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
@@ -369,8 +399,6 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
     a worker)."""
     from torch._inductor import config as inductor_config, standalone_compile
     flat = flatten(gm, example_inputs, tracing_mode="fake")
-    meta = {"converted": flat.converted,
-            "devices": [str(flat.inputs[i].device) for i in flat.converted]}
     why = _aoti_refusal(gm, flat) if aoti else "the program's torch cannot load its packages"
     if why is None:
         try:
@@ -383,21 +411,26 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
     if why is None:
         try:
             _torch_aoti.test_run(path, flat.inputs)
-            return {**meta, "format": AOTI}
+            return {**flat.meta(), "format": AOTI}
         except Exception as e:
             why = f"its package compiled but raised when run: {compile_cache.error_line(e)}"
     with torch.no_grad(), inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}), \
-            _no_leaked_pointer(), _inductor_caches():
-        artifact = standalone_compile(flat.graph, flat.inputs,
-                                      dynamic_shapes="from_example_inputs")
+            _no_leaked_pointer(), _inductor_caches(tracing=not flat.dynamic):
+        if flat.dynamic:
+            artifact = _compile_dynamic(flat)
+        else:
+            artifact = standalone_compile(flat.graph, flat.inputs,
+                                          dynamic_shapes="from_example_inputs")
         artifact.save(path=path, format="binary")
-    return {**meta, "format": STANDALONE, "aoti_failed": why}
+    return {**flat.meta(), "format": STANDALONE, "aoti_failed": why}
 
 
 AOTI, STANDALONE = "aoti", "standalone"  # meta["format"] of an Inductor artefact
 
 
 def _aoti_refusal(gm: torch.fx.GraphModule, flat: Flattened) -> str | None:
+    if flat.dynamic:
+        return "the graph has dynamic sizes (a package would need torch.export's dimensions)"
     # On a GPU the package's kernels are loaded from the loader's folder on first use, and
     # nothing of it was measured there: such graphs keep the standalone artefact.
     devices = {t.device.type for t in flat.inputs if isinstance(t, torch.Tensor)}
@@ -410,9 +443,10 @@ def _aoti_refusal(gm: torch.fx.GraphModule, flat: Flattened) -> str | None:
     return None
 
 
-def load_inductor_artifact(path: str, meta: dict) -> Callable:
+def load_inductor_artifact(path: str, meta: dict, fallback: Callable | None = None) -> Callable:
     """What ``inductor_artifact`` saved, as the captured graph's compiled form (run under
-    ``no_grad``, Python numbers at ``meta["converted"]`` made 0-d tensors). An AOTInductor
+    ``no_grad``, Python numbers at ``meta["converted"]`` made 0-d tensors; ``fallback``, the
+    captured graph's ``fx`` code, for sizes a dynamic graph was not compiled for). An AOTInductor
     package is loaded by the C++ loader (milliseconds, ``torch._inductor`` not imported); a
     ``standalone_compile`` artefact's load imports Inductor (seconds, holding the GIL), and
     the returned function's ``artefact_note`` says why it is one."""
@@ -443,11 +477,13 @@ def load_inductor_artifact(path: str, meta: dict) -> Callable:
         # one (LeNet's step: three warm-up calls took 24-26 ms, a step's time each), and
         # each warm-up call runs its kernels beside the program's (tiering/worker.py).
         run.warm_calls = 1
-    return run
+    return checked(run, meta, fallback)
 
 
-def run_scripted(scripted, meta: dict) -> Callable:
-    return _run_scripted(scripted, meta["converted"], meta["devices"])
+def run_scripted(scripted, meta: dict, fallback: Callable | None = None) -> Callable:
+    """A flattened scripted graph as the captured graph's compiled form (``fallback``: see
+    ``load_inductor_artifact``)."""
+    return checked(_run_scripted(scripted, meta["converted"], meta["devices"]), meta, fallback)
 
 
 def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -460,10 +496,10 @@ def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list)
     loaded = compile_cache.load_script(key, quiet)
     if loaded is not None:
         scripted, meta = loaded
-        return compile_cache.mark_cached(_run_scripted(scripted, meta["converted"], meta["devices"]))
+        return compile_cache.mark_cached(run_scripted(scripted, meta, gm.forward))
     scripted, meta = scripted_flattened(gm, example_inputs)
     compile_cache.save_script(key, scripted, meta, quiet)
-    return run_scripted(scripted, meta)
+    return run_scripted(scripted, meta, gm.forward)
 
 
 def _run_scripted(scripted, converted: list[int], devices: list[str]) -> Callable:

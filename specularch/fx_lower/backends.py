@@ -184,10 +184,10 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
         return _OPAQUE
     if gm.meta.get("rolled_loops"):
         return f"it runs a rolled loop ({compiler} would unroll it at one trip count)"
-    # Dynamic sizes first: a dynamic graph also checks sizes inside the graph (e.g. the
-    # gradients' in a clipped training step), and the sizes are what the user can change.
-    if gm.meta.get("dynamic_dims"):
-        return f"it has dynamic sizes ({compiler} would specialise on them)"
+    # Dynamic sizes are compiled for every size (``dynamic_sizes.py``) when they are sizes of
+    # graph inputs; a size that only an intermediate value has is not.
+    if gm.meta.get("dynamic_dims") and not gm.meta.get("dynamic_inputs"):
+        return f"it has dynamic sizes that are not sizes of its inputs ({compiler} would specialise on them)"
     if any(n.op == "call_method" and n.target == "item" for n in gm.graph.nodes):
         return "it reads `.item()` values inside the graph (numbers passed to torch ops)"
     # An in-graph assumption is a tensor output the entry function checks after the graph

@@ -71,11 +71,14 @@ def directory(kind: str) -> str | None:
     return path
 
 
-def _placeholder_facts(value: Any) -> list:
-    """What the compiled code may have specialised on, of one graph input."""
+def _placeholder_facts(value: Any, dynamic: list[int] = ()) -> list:
+    """What the compiled code may have specialised on, of one graph input (``dynamic``: its
+    dimensions compiled for every size)."""
     if isinstance(value, torch.Tensor):
-        return [type(value).__name__, str(value.dtype), list(value.shape), list(value.stride()),
-                str(value.device), value.requires_grad]
+        shape = ["?" if d in dynamic else n for d, n in enumerate(value.shape)]
+        return [type(value).__name__, str(value.dtype), shape,
+                value.is_contiguous() if dynamic else list(value.stride()), str(value.device),
+                value.requires_grad]
     return [type(value).__name__]
 
 
@@ -117,10 +120,13 @@ def _specularch_version() -> str:
 
 def entry_key(gm: torch.fx.GraphModule, example_inputs: list, backend: str, path: str) -> str:
     """The key of ``gm`` compiled by ``backend`` along ``path`` (e.g. ``flattened``): its code
-    text, every input's metadata, and the versions of torch and specularch."""
+    text, every input's metadata (not the sizes of dynamic dimensions, and of those inputs'
+    strides only whether they are contiguous: compiled for every size), and the versions of
+    torch and specularch."""
+    dynamic = {int(i): dims for i, dims in gm.meta.get("dynamic_inputs", ())}
     facts = {"format": FORMAT, "code": gm.code, "backend": backend, "path": path,
              "constants": _constants(gm),
-             "inputs": [_placeholder_facts(v) for v in example_inputs],
+             "inputs": [_placeholder_facts(v, dynamic.get(i, ())) for i, v in enumerate(example_inputs)],
              "torch": torch.__version__, "specularch": _specularch_version()}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 

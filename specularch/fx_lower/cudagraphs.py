@@ -43,6 +43,8 @@ def reason_without_device(gm: torch.fx.GraphModule) -> str | None:
     reason = flattening_reason(gm, "a CUDA graph")
     if reason:
         return reason
+    if gm.meta.get("dynamic_dims"):
+        return "it has dynamic sizes (a CUDA graph replays the sizes it was recorded with)"
     if gm.meta.get("outputs_require_grad"):
         return ("its results need autograd (captured with grad enabled from inputs that require "
                 "grad); CUDA graphs replay graphs that need none: inference under no_grad, or "

@@ -181,6 +181,9 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     gm.meta["scalar_inputs"] = any(isinstance(n.meta.get("example"), (int, float)) for n in placeholders)
     gm.meta["dynamic_dims"] = bool(tracer._sizes) or any(
         getattr(n.meta.get("value"), "dynamic", False) for n in placeholders)
+    gm.meta["dynamic_inputs"] = [  # (position, dims) pairs: plain values, sent to the tiering worker
+        [i, sorted(n.meta["value"].dyn_dims)] for i, n in enumerate(placeholders)
+        if getattr(n.meta.get("value"), "dyn_dims", None)]
     gm.meta["dynamic"] = gm.meta["scalar_inputs"] or gm.meta["dynamic_dims"]
     gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))

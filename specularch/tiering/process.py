@@ -86,7 +86,7 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
     ``WorkerFailed``), or loaded from the persistent compile cache, where an earlier run's
     worker left it. Call it on the background thread: it waits for the worker."""
     key = compile_cache.entry_key(gm, examples, backend, "flattened")
-    cached = _cached(backend, key)
+    cached = _cached(backend, key, gm.forward)
     if cached is not None:
         return compile_cache.mark_cached(cached)
     folder = tempfile.mkdtemp(prefix="specularch-compile-")
@@ -100,20 +100,21 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
                         inductor_dir_chosen=compile_cache.inductor_dir_chosen())
         torch.save(job, os.path.join(folder, "job.pt"))
         meta = _run(folder, timeout, forkable(backend, torch.get_num_threads()))
-        return _load(backend, os.path.join(folder, "artefact"), meta)
+        return _load(backend, os.path.join(folder, "artefact"), meta, gm.forward)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _cached(backend: str, key: str) -> Callable | None:
+def _cached(backend: str, key: str, fallback: Callable) -> Callable | None:
+    """``fallback``: the graph's ``fx`` code, for sizes a dynamic graph was not compiled for."""
     if backend == "torchscript":
         loaded = compile_cache.load_script(key, quiet=False)  # (the background thread)
-        return None if loaded is None else compilers.run_scripted(*loaded)
+        return None if loaded is None else compilers.run_scripted(*loaded, fallback)
     entry = compile_cache.artifact(key)
     if entry is None:
         return None
     try:
-        return compilers.load_inductor_artifact(*entry)
+        return compilers.load_inductor_artifact(*entry, fallback)
     except Exception as e:
         compile_cache.ignore(entry[0], e)
         return None
@@ -294,11 +295,11 @@ def _last_line(folder: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _load(backend: str, path: str, meta: dict) -> Callable:
+def _load(backend: str, path: str, meta: dict, fallback: Callable) -> Callable:
     try:
         if backend == "torchscript":
-            return compilers.run_scripted(*compile_cache.read_script(path, quiet=False))
-        return compilers.load_inductor_artifact(path, meta)
+            return compilers.run_scripted(*compile_cache.read_script(path, quiet=False), fallback)
+        return compilers.load_inductor_artifact(path, meta, fallback)
     except Exception as e:
         raise WorkerFailed(f"the worker's artefact could not be loaded "
                            f"({compile_cache.error_line(e)})") from e

@@ -128,6 +128,10 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
     for leaf, grad in zip(leaves, grads.items):
         if isinstance(grad, ConstV):  # unused leaf: eager leaves its .grad alone
             continue
+        # Autograd gives a gradient its input's shape (it checks), so a gradient of a leaf
+        # with static sizes has them too, in a graph with dynamic sizes as well: nothing to
+        # check of its sizes (a clipped step's norms read them).
+        grad.dynamic = grad.dynamic and leaf.dynamic
         if grad.example.layout is not torch.strided:
             raise Unsupported("unsupported_call", f"the gradient of {leaf.source} is sparse "
                               "(e.g. nn.Embedding(sparse=True)); sparse gradients are not captured")

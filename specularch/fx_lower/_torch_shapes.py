@@ -1,0 +1,105 @@
+"""Compat: symbolic sizes for graphs compiled once for every size of their dynamic dimensions
+(``torch.fx.experimental.symbolic_shapes.ShapeEnv``, ``FakeTensorMode``'s ``from_tensor`` with a
+``StatelessSymbolicContext``, ``ShapeEnv.produce_guards_expression`` and ``SYMPY_INTERP``).
+
+Capture already knows which dimensions of which graph inputs vary (``guards/relax.py``): those,
+and only those, become symbols when the graph is flattened to ATen ops; every other size and
+stride stays the number it is (our own guards check them before the graph runs). Tracing
+with symbols records what the trace assumed of them (a symbol at least 2, two symbols equal,
+...): ``size_check`` turns that into a check of a call's inputs, so that a compiled graph
+runs only on sizes its trace holds for.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Callable
+
+import torch
+
+
+class NotSymbolic(ValueError):
+    """A dimension meant to be dynamic was fixed by the trace (an example size of 0 or 1, which
+    tracing specialises on)."""
+
+
+def symbolic_inputs(inputs: list, dynamic: dict[int, list[int]]) -> list:
+    """Fake tensors for ``inputs`` in one fresh shape environment: the dimensions
+    ``dynamic[i]`` of input ``i`` symbolic, every other size, stride and input static
+    (numbers stay numbers)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    out = []
+    for i, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor):
+            out.append(value)
+            continue
+        dims = set(dynamic.get(i, ()))
+        if dims and not value.is_contiguous():
+            raise NotSymbolic(f"graph input {i} has dynamic sizes but is not contiguous")
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
+        out.append(mode.from_tensor(value,
+                                    symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
+    return out
+
+
+def size_guards(placeholders: list, dynamic: dict[int, list[int]]) -> str:
+    """What the trace of a graph whose placeholders' values are ``placeholders`` (fake
+    tensors made by ``symbolic_inputs``, then traced and compiled) assumed of its dynamic
+    sizes, as a Python expression over ``L['t<i>']`` (input ``i``): the shape environment's
+    guards on symbols, and contiguity of each input with a dynamic size (their strides were
+    traced as a contiguous tensor's). Raises ``NotSymbolic`` where a dynamic dimension was
+    traced as a number."""
+    for i, dims in dynamic.items():
+        value = placeholders[i]
+        for d in dims:
+            if not isinstance(value.shape[d], torch.SymInt) or \
+                    not value.shape[d].node.expr.free_symbols:
+                raise NotSymbolic(f"dimension {d} of graph input {i} was traced as the number "
+                                  f"{int(value.shape[d])} (sizes 0 and 1 are specialised on)")
+    terms = [f"L['t{i}'].is_contiguous()" for i in sorted(dynamic)]
+    expression = _shape_env(placeholders).produce_guards_expression(placeholders, ignore_static=True)
+    if expression:
+        terms.append(f"({expression})")
+    return " and ".join(terms)
+
+
+def _shape_env(placeholders: list):
+    for value in placeholders:
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    raise NotSymbolic("no graph input has a symbolic size")
+
+
+_INPUT = re.compile(r"L\['t(\d+)'\]")
+
+
+def size_check(expression: str) -> Callable[[tuple], bool]:
+    """``size_guards``' expression as a function of a call's inputs (a tuple), evaluated with
+    the functions torch's guards use (``SYMPY_INTERP``: ``Eq``, ``Mod``, ``FloorDiv``, ...)."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    body = _INPUT.sub(r"a[\1]", expression)
+    return eval(f"lambda a: bool({body})", dict(SYMPY_INTERP))
+
+
+def named(expression: str, inputs: list[str]) -> str:
+    """``expression`` with each ``L['t<i>']`` written as ``inputs[i]`` (a report's names)."""
+    return _INPUT.sub(lambda m: inputs[int(m.group(1))] if int(m.group(1)) < len(inputs)
+                      else m.group(0), expression)
+
+
+@contextlib.contextmanager
+def traced_with(fakes: list):
+    """A compile (Inductor's ``standalone_compile(dynamic_shapes="from_tracing_context")``)
+    inside uses the fake mode and shape environment of ``fakes`` (``symbolic_inputs``): our
+    symbols, our static sizes, and what it assumes of them lands where ``size_guards`` reads
+    it. (Without it Inductor fakes the inputs afresh: every size a symbol, equal sizes one
+    symbol, assumptions ``size_guards`` never sees.)"""
+    from torch._guards import TracingContext, tracing
+    mode = next(t.fake_mode for t in fakes if isinstance(t, torch.Tensor))
+    with tracing(TracingContext(mode)):
+        yield

@@ -1,0 +1,68 @@
+"""Compiled graphs for every size of their dynamic dimensions.
+
+A captured graph whose argument sizes varied keeps those dimensions dynamic
+(``guards/relax.py``): its ``fx`` code computes with the sizes it is given. A compiling
+backend traces it with those dimensions as symbols (``_torch_shapes``), so one compile serves
+every size, except where the trace assumed something of them (sizes 0 and 1 are
+specialised on, two sizes traced equal must stay equal, Inductor may assume more while it
+compiles). Those assumptions become ``meta["size_guards"]``, checked before each call of the
+compiled form; a call they do not hold for runs the captured graph's ``fx`` code, which
+holds for every size.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import _torch_shapes
+
+
+def dynamic_inputs(gm: torch.fx.GraphModule) -> dict[int, list[int]]:
+    """``{graph input position: its dynamic dimensions}`` (capture's ``meta["dynamic_inputs"]``,
+    pairs: it travels to the tiering worker as plain values)."""
+    return {int(i): list(dims) for i, dims in gm.meta.get("dynamic_inputs", ())}
+
+
+class SizeChecked:
+    """``compiled`` where the call's sizes satisfy ``expression`` (``_torch_shapes.size_guards``),
+    else ``fallback`` (the captured graph's ``fx`` code). ``misses`` counts the calls that
+    ran the fallback."""
+
+    def __init__(self, compiled: Callable, expression: str, fallback: Callable):
+        self.compiled, self.expression, self.fallback = compiled, expression, fallback
+        self._holds = _torch_shapes.size_check(expression)
+        self.misses = 0
+        self.artefact_note = "; ".join(filter(None, [
+            getattr(compiled, "artefact_note", ""),
+            "compiled for every size of its dynamic dimensions (explain's sizes line)"]))
+        if hasattr(compiled, "warm_calls"):
+            self.warm_calls = compiled.warm_calls
+
+    def __call__(self, *args):
+        if self._holds(args):
+            return self.compiled(*args)
+        self.misses += 1
+        return self.fallback(*args)
+
+
+def checked(compiled: Callable, meta: dict, fallback: Callable | None) -> Callable:
+    """``compiled`` (made from a graph whose flattening returned ``meta``), size-checked where
+    it was compiled for dynamic sizes. Raises without a ``fallback`` then: the compiled form
+    alone would run on sizes it was not traced for."""
+    expression = meta.get("size_guards")
+    if not expression:
+        return compiled
+    if fallback is None:
+        raise ValueError("a graph compiled for dynamic sizes needs its fx code for the sizes "
+                         "its trace did not hold for")
+    return SizeChecked(compiled, expression, fallback)
+
+
+def describe(graph_fn: Callable, inputs: list[str]) -> str:
+    """``explain()``'s line for a graph's compiled form, where it is size-checked (``inputs``:
+    where each graph input is read from, as the report names them)."""
+    if not isinstance(graph_fn, SizeChecked):
+        return ""
+    where = _torch_shapes.named(graph_fn.expression, inputs)
+    return f"compiled for every size where {where}; {graph_fn.misses} call(s) outside ran fx"

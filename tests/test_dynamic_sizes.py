@@ -1,0 +1,197 @@
+"""Graphs with dynamic sizes compiled once for every size (``fx_lower/dynamic_sizes.py``,
+``fx_lower/_torch_shapes.py``): differential against eager on sizes the trace holds for and
+on sizes it does not (a batch of one, two sizes traced equal called unequal, a
+non-contiguous input), which must run the graph's ``fx`` code; what the trace assumed is
+checked, not trusted; pinned backends, the tiering worker and the compile cache."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import specularch
+from specularch import tiering
+from specularch.api import _state_of
+from specularch.fx_lower import _torch_compilers, _torch_shapes, compile_cache
+from specularch.fx_lower.dynamic_sizes import SizeChecked, checked
+from specularch.fx_lower.passes import example_inputs
+
+import test_tiering
+import test_tiering_stall
+
+candidates, counted_workers = test_tiering.candidates, test_tiering_stall.counted_workers  # fixtures
+
+pytestmark = pytest.mark.usefixtures("no_profiling")
+
+
+def _pair_sums(x, y):
+    with torch.no_grad():
+        return (x.relu() * 2).sum(0) + y.tanh().sum(0)
+
+
+def _optimized(fn, backend, calls):
+    """``fn`` optimized with ``backend``, called on ``calls`` (argument tuples) with the
+    sizes made dynamic by the first two; each result compared with eager's."""
+    opt = specularch.optimize(fn, backend=backend)
+    for args in calls:
+        torch.testing.assert_close(opt(*args), fn(*args))
+    return opt
+
+
+def _rows(*sizes, width=3):
+    gen = torch.Generator().manual_seed(sum(sizes))
+    return [torch.randn(n, width, generator=gen) for n in sizes]
+
+
+def _entry(opt):
+    (entry,) = _state_of(opt).entries
+    return entry
+
+
+def test_sizes_the_trace_did_not_hold_for_run_the_fx_code():
+    calls = [_rows(4, 4), _rows(5, 5), _rows(9, 9), _rows(6, 2),
+             _rows(1, 1),  # one: traced as at least 2
+             _rows(12, 12)]
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_pair_sums, "torchscript", calls)
+    graph_fn = _entry(opt).graph_fn
+    assert isinstance(graph_fn, SizeChecked), graph_fn
+    assert graph_fn.misses == 1
+    e = specularch.explain(opt).graphs[0]
+    assert e.backend == "torchscript" and e.note == "", e
+    assert e.sizes == ("compiled for every size where L['x'].is_contiguous() and "
+                       "L['y'].is_contiguous() and (2 <= L['x'].size()[0] and "
+                       "2 <= L['y'].size()[0]); 1 call(s) outside ran fx"), e.sizes
+    # (a transposed argument fails capture's guards: a graph of its own; the compiled form
+    # alone refuses it too)
+    x, y = torch.randn(3, 7).t(), torch.randn(7, 3)
+    torch.testing.assert_close(graph_fn(x, y), graph_fn.fallback(x, y))
+    assert graph_fn.misses == 2
+
+
+def test_a_dynamic_dimension_traced_at_size_one_is_refused():
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_pair_sums, "fx", [_rows(4, 4), _rows(5, 5)])
+    gm = _entry(opt).capture.graph_module
+    assert gm.meta["dynamic_inputs"] == [[0, [0]], [1, [0]]]
+    flat = _torch_compilers.flatten(gm, _rows(1, 1))
+    with pytest.raises(_torch_shapes.NotSymbolic, match="dimension 0 of graph input 0 was traced "
+                                                        "as the number 1"):
+        flat.meta()
+    ok = _torch_compilers.flatten(gm, _rows(2, 2)).meta()
+    check = _torch_shapes.size_check(ok["size_guards"])
+    assert check(tuple(_rows(7, 7))) and check(tuple(_rows(7, 6)))
+    assert not check(tuple(_rows(1, 7))) and not check((torch.randn(3, 7).t(), torch.randn(7, 3)))
+
+
+def test_a_compiled_form_for_dynamic_sizes_needs_its_fallback():
+    def compiled(*args):
+        return args
+    assert checked(compiled, {"converted": []}, None) is compiled
+    with pytest.raises(ValueError, match="needs its fx code"):
+        checked(compiled, {"size_guards": "2 <= L['t0'].size()[0]"}, None)
+    guarded = checked(compiled, {"size_guards": "2 <= L['t0'].size()[0]"}, lambda *a: "fx")
+    x = torch.zeros(3)
+    assert guarded(x)[0] is x and guarded.misses == 0
+    assert guarded(torch.zeros(1)) == "fx" and guarded.misses == 1
+
+
+def test_the_cache_key_of_a_dynamic_graph_leaves_out_its_dynamic_sizes():
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_pair_sums, "fx", [_rows(4, 4), _rows(5, 5)])
+    gm = _entry(opt).capture.graph_module
+
+    def key(*sizes, width=3):
+        return compile_cache.entry_key(gm, _rows(*sizes, width=width), "torchscript", "flattened")
+    assert key(4, 4) == key(9, 9)
+    assert key(4, 4) != key(4, 4, width=5)  # a static size
+
+
+def _mlp_pair():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+    twin = copy.deepcopy(model)
+
+    def step_of(m):
+        opt = torch.optim.Adam(m.parameters(), lr=0.01)
+
+        def train_step(x, y):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()
+        return train_step
+    return model, twin, step_of(model), step_of(twin)
+
+
+def _batches(sizes):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(n, 6, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+            for n in sizes]
+
+
+def _train(opt, eager, sizes):
+    for x, y in _batches(sizes):
+        assert opt(x, y) == pytest.approx(eager(x, y), rel=1e-5)
+
+
+def test_a_training_step_with_varying_batches_is_compiled_by_the_worker(counted_workers, candidates):
+    """Tiered: the step's batch size varies; TorchScript's candidate, compiled in the worker
+    process for every batch size, is timed and decided like any other, and whatever the
+    decision the parameters stay within rounding of eager's."""
+    candidates("torchscript")
+    model, twin, step, eager = _mlp_pair()
+    opt = specularch.optimize(step)
+    sizes = [5, 7, 9, 4, 8, 6, 1, 10]
+    for _ in range(40):
+        _train(opt, eager, sizes)
+        assert tiering.wait(timeout=300)
+        entry = _entry(opt)
+        if entry.tier is not None and entry.tier.settled:
+            break
+    else:
+        raise AssertionError("tiering did not settle")
+    (event,) = [e for e in entry.tier.events if e.candidate == "torchscript"]
+    assert event.compiled_in.startswith("worker process") and event.decision in ("kept", "rejected"), event
+    assert "compiled for every size of its dynamic dimensions" in str(event), event
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_inductor_runs_only_the_sizes_and_layouts_it_was_compiled_for():
+    """Inductor's compiled code assumes its inputs' strides and what its trace assumed of
+    the sizes: a batch of one and a transposed input run ``fx``."""
+    calls = [_rows(4, 4), _rows(5, 5), _rows(9, 9), _rows(6, 2), _rows(1, 1), _rows(33, 33)]
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_pair_sums, "inductor", calls)
+    graph_fn = _entry(opt).graph_fn
+    assert isinstance(graph_fn, SizeChecked) and graph_fn.misses == 1, graph_fn
+    x, y = torch.randn(3, 7).t(), torch.randn(7, 3)
+    torch.testing.assert_close(graph_fn(x, y)[0], _pair_sums(x, y))
+    assert graph_fn.misses == 2
+
+
+def test_a_flattened_dynamic_graph_keeps_its_static_sizes_as_numbers():
+    """Only the dimensions that varied become symbols: a parameter's sizes stay numbers
+    (the compiled code may specialise on them; our guards check them)."""
+    model, twin, step, eager = _mlp_pair()
+    opt = specularch.optimize(step, backend="fx")
+    _train(opt, eager, [5, 7, 9])
+    gm = _entry(opt).capture.graph_module
+    flat = _torch_compilers.flatten(gm, example_inputs(gm))
+    shapes = [n.meta["val"].shape for n in flat.graph.graph.nodes if n.op == "placeholder"
+              and isinstance(n.meta.get("val"), torch.Tensor)]
+    symbolic = [[isinstance(s, torch.SymInt) for s in shape] for shape in shapes]
+    assert symbolic[:2] == [[True, False], [True]], shapes
+    assert not any(any(row) for row in symbolic[2:]), shapes
+
+
+def test_cuda_graphs_still_refuse_dynamic_sizes():
+    from specularch.fx_lower.cudagraphs import reason_without_device
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_pair_sums, "fx", [_rows(4, 4), _rows(5, 5)])
+    gm = _entry(opt).capture.graph_module
+    assert reason_without_device(gm) == ("it has dynamic sizes (a CUDA graph replays the sizes "
+                                         "it was recorded with)")
