@@ -4,8 +4,11 @@ and torch.compile, side by side in one process.
 
     python benchmarks/dynamic_batch.py [--models mlp,lenet] [--sizes 8-64] [--warmup 60]
         [--rounds 7] [--steps 40] [--modes auto,fx,torchscript,inductor,torch.compile]
+        [--what step|forward]
 
-The step is ``train_step.py``'s (Adam, unmodified); each step draws its batch size from
+The step is ``train_step.py``'s (Adam, unmodified), optimized whole (``--what step``) or only
+its model (``forward``: loss, backward and optimizer step eager around the optimized model,
+whose result needs autograd); each step draws its batch size from
 ``--sizes`` (uniform, one fixed sequence for every mode). ``torch.set_num_threads(1)``.
 Inductor and the compile cache start from empty directories. Per mode: the wall time of
 the warm-up (the same ``--warmup`` seconds of steps for the tiered mode, which compiles in
@@ -42,14 +45,36 @@ def _batches(model: str, sizes: tuple[int, int], count: int, seed: int) -> list:
     return [SHAPES[model](rng.randint(*sizes)) for _ in range(count)]
 
 
-def _modes(model: str, names: list[str]) -> dict:
-    modes = {"eager": make_step(*build(model))}
+def _forward_step(model, opt, wrap):
+    """The same step with only the model optimized (``wrap(model)``): its loss, backward and
+    optimizer step eager around it."""
+    forward, loss_fn = wrap(model), torch.nn.CrossEntropyLoss()
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(forward(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return train_step, forward
+
+
+def _modes(model: str, names: list[str], what: str) -> tuple[dict, dict]:
+    """The steps to time, by mode, and what each mode optimized (for ``explain()``)."""
+    modes, optimized = {"eager": make_step(*build(model))}, {}
     for name in names:
         if name == "torch.compile":
-            modes[name] = torch.compile(make_step(*build(model)))
+            wrap = torch.compile
         else:
-            modes[f"specularch {name}"] = specularch.optimize(make_step(*build(model)), backend=name)
-    return modes
+            def wrap(fn, backend=name):
+                return specularch.optimize(fn, backend=backend)
+            name = f"specularch {name}"
+        if what == "step":
+            modes[name] = wrap(make_step(*build(model)))
+            optimized[name] = modes[name]
+        else:
+            modes[name], optimized[name] = _forward_step(*build(model), wrap)
+    return modes, optimized
 
 
 def _warm_up(modes: dict, batches: list, seconds: float) -> dict:
@@ -102,18 +127,19 @@ def _torch_compile_graphs() -> str:
 
 def bench(model: str, args) -> None:
     sizes = tuple(int(v) for v in args.sizes.split("-"))
-    modes = _modes(model, args.modes.split(","))
+    modes, optimized = _modes(model, args.modes.split(","), args.what)
     warm = _batches(model, sizes, 16, seed=1)
     first = _warm_up(modes, warm, args.warmup)
     timed = _batches(model, sizes, args.steps, seed=2)
     med = _timed(modes, timed, args.rounds)
-    print(f"[{model}] Adam step, batch size drawn from {sizes[0]}-{sizes[1]} each step, "
+    print(f"[{model}] Adam step ({'whole step' if args.what == 'step' else 'model only'} "
+          f"optimized), batch size drawn from {sizes[0]}-{sizes[1]} each step, "
           f"torch {torch.__version__}, threads={torch.get_num_threads()}, "
           f"{args.rounds} rounds x {args.steps} steps, median round")
     print("| mode | µs/step | vs eager | first 16 steps | graphs |")
     print("|---|---|---|---|---|")
     for name, step in modes.items():
-        graphs = _graphs(step) if name.startswith("specularch") else (
+        graphs = _graphs(optimized[name]) if name.startswith("specularch") else (
             _torch_compile_graphs() if name == "torch.compile" else "-")
         print(f"| {name} | {med[name] * 1e6:.0f} | {med['eager'] / med[name]:.2f}x | "
               f"{first[name]:.2f} s | {graphs} |")
@@ -128,6 +154,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--modes", default="auto,fx,torchscript,inductor,torch.compile")
+    parser.add_argument("--what", choices=("step", "forward"), default="step",
+                        help="optimize the whole training step, or only the model (forward)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(prefix="dynamic-batch-")

@@ -195,3 +195,46 @@ def test_cuda_graphs_still_refuse_dynamic_sizes():
     gm = _entry(opt).capture.graph_module
     assert reason_without_device(gm) == ("it has dynamic sizes (a CUDA graph replays the sizes "
                                          "it was recorded with)")
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).relu())
+
+
+def _forward_and_backward(backend):
+    """``optimize(model)``, the loss's backward outside it: the batch size varies, so the
+    forward graph (whose result needs autograd) has a dynamic batch dimension."""
+    torch.manual_seed(0)
+    model = _Net()
+    twin = copy.deepcopy(model)
+    fast = specularch.optimize(model, backend=backend)
+    for n in (4, 6, 9, 1, 13, 5):
+        x = torch.randn(n, 6)
+        out, ref = fast(x), twin(x)
+        torch.testing.assert_close(out, ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    return specularch.explain(fast).graphs
+
+
+def test_a_forward_whose_result_needs_autograd_is_compiled_for_every_size():
+    """Through AOT autograd: forward and backward graphs scripted once, the backward taking
+    the batch size as an ``int``; a batch of one runs ``fx``."""
+    graphs = _forward_and_backward("torchscript")
+    assert [(g.backend, g.note) for g in graphs] == [("torchscript", "")], graphs
+    assert graphs[0].sizes == ("compiled for every size where L['x'].is_contiguous() and "
+                               "(2 <= L['x'].size()[0]); 1 call(s) outside ran fx"), graphs[0].sizes
+
+
+@pytest.mark.slow
+def test_inductor_compiles_a_forward_whose_result_needs_autograd_for_every_size():
+    graphs = _forward_and_backward("inductor")
+    assert [(g.backend, g.note) for g in graphs] == [("inductor", "")], graphs
+    assert graphs[0].sizes.endswith("; 1 call(s) outside ran fx"), graphs[0].sizes

@@ -119,13 +119,41 @@ def _quiet_torchscript():
 
 
 def aot_torchscript(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """AOT autograd's forward and backward graphs, each scripted (``ts_compile``); for dynamic
+    sizes traced with symbols (``_aot_dynamic``), where the backward graph takes sizes as
+    ``int`` inputs."""
     from functorch.compile import aot_module_simplified, ts_compile
 
     def compile_one(graph: torch.fx.GraphModule, inputs: list):
+        for node in graph.graph.nodes:  # (TorchScript takes an unannotated input for a Tensor)
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.SymInt):
+                node.type = int
+        graph.recompile()
         return ts_compile(graph, inputs)
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=compile_one,
-                                 bw_compiler=compile_one)
+    def compile_with(inputs: list) -> Callable:
+        return aot_module_simplified(gm, inputs, fw_compiler=compile_one, bw_compiler=compile_one)
+    return _aot_dynamic(gm, example_inputs, compile_with) or compile_with(example_inputs)
+
+
+def _aot_dynamic(gm: torch.fx.GraphModule, example_inputs: list,
+                 compile_with: Callable[[list], Callable]) -> Callable | None:
+    """For a graph with dynamic sizes whose results need autograd: ``compile_with`` (an AOT
+    autograd compile of ``gm``) called on fake inputs whose dynamic dimensions are symbols,
+    in their shape environment, the backward graph compiled now too; the result checked
+    against what the compile assumed of the sizes (``dynamic_sizes.SizeChecked``). None for
+    a graph without dynamic sizes."""
+    from torch._functorch import config as functorch_config
+    dynamic = dynamic_inputs(gm)
+    if not dynamic:
+        return None
+    fallback = gm.forward  # (before Inductor's passes rewrite ``gm``)
+    fakes = _torch_shapes.symbolic_inputs(example_inputs, dynamic)
+    with _torch_shapes.traced_with(fakes), \
+            functorch_config.patch(force_non_lazy_backward_lowering=True):
+        compiled = compile_with(fakes)
+    meta = {"size_guards": _torch_shapes.size_guards(fakes, dynamic)}
+    return checked(compiled, meta, fallback)
 
 
 _INDUCTOR_POINTER = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
@@ -209,10 +237,13 @@ def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     is compiled now too, not lazily in the first ``backward()``."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+    dynamic = bool(dynamic_inputs(gm))
     with inductor_config.patch(fallback_random=True), \
             functorch_config.patch(force_non_lazy_backward_lowering=True), _no_leaked_pointer(), \
-            _inductor_caches() as hit:
-        compiled = _compile_static(gm, example_inputs)
+            _inductor_caches(tracing=not dynamic) as hit:
+        compiled = _aot_dynamic(gm, example_inputs, lambda fakes: compile_fx(gm, fakes)) \
+            if dynamic else _compile_static(gm, example_inputs)
         return _tagged(compiled, hit())
 
 

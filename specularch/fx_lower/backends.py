@@ -112,9 +112,11 @@ def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 
 def flattened(gm: torch.fx.GraphModule) -> bool:
     """Graphs compiled as one ATen graph without autograd (``_torch_compilers.flatten``):
-    whole training steps (an in-graph ``autograd.grad``) and graphs with dynamic sizes or
-    Python-number inputs."""
-    return bool(gm.meta.get("dynamic")) or _has_autograd(gm)
+    whole training steps (an in-graph ``autograd.grad``), graphs with Python-number inputs,
+    and graphs with dynamic sizes whose results need no autograd. (Others go through AOT
+    autograd, dynamic sizes included.)"""
+    return bool(gm.meta.get("scalar_inputs")) or _has_autograd(gm) or bool(
+        gm.meta.get("dynamic_dims") and not gm.meta.get("outputs_require_grad"))
 
 
 # Python-number graph inputs may flow only into arithmetic: a torch function that branched
