@@ -238,3 +238,19 @@ def test_inductor_compiles_a_forward_whose_result_needs_autograd_for_every_size(
     graphs = _forward_and_backward("inductor")
     assert [(g.backend, g.note) for g in graphs] == [("inductor", "")], graphs
     assert graphs[0].sizes.endswith("; 1 call(s) outside ran fx"), graphs[0].sizes
+
+
+def test_a_second_run_loads_the_graph_compiled_for_every_size(tmp_path):
+    """The compile cache's key leaves out the dynamic sizes: a run whose sizes differ from the
+    first run's loads its compiled graph, and checks it as the first run did."""
+    first = [_rows(4, 4), _rows(5, 5), _rows(9, 9)]
+    second = [_rows(7, 3), _rows(8, 11), _rows(1, 6), _rows(20, 2)]
+    lines = []
+    for calls in (first, second):
+        specularch.reset()
+        with specularch.config.patch(profile_calls=0, compile_cache_dir=str(tmp_path)):
+            opt = _optimized(_pair_sums, "torchscript", calls)
+        (graph,) = specularch.explain(opt).graphs
+        lines.append((graph.backend, graph.cached, graph.sizes.rsplit("; ", 1)[-1]))
+    assert lines == [("torchscript", False, "0 call(s) outside ran fx"),
+                     ("torchscript", True, "1 call(s) outside ran fx")], lines
