@@ -254,3 +254,20 @@ def test_a_second_run_loads_the_graph_compiled_for_every_size(tmp_path):
         lines.append((graph.backend, graph.cached, graph.sizes.rsplit("; ", 1)[-1]))
     assert lines == [("torchscript", False, "0 call(s) outside ran fx"),
                      ("torchscript", True, "1 call(s) outside ran fx")], lines
+
+
+def test_a_dynamic_graph_compiled_per_value_of_a_number_checks_sizes_in_each():
+    """``clamp(max=k)`` takes the number itself: one compile per value of ``k``, each for
+    every batch size, each size-checked."""
+    def clipped(x, k, lr):
+        with torch.no_grad():
+            return x.clamp(max=k) * lr + torch.full((x.shape[0], 1), 2.0)
+    calls = [(torch.randn(n, 3), (0.5, 1.0)[i % 2], 0.1 * i)
+             for i, n in enumerate((3, 4, 5, 6, 1, 9, 12))]
+    with specularch.config.patch(profile_calls=2):
+        opt = _optimized(clipped, "torchscript", calls)
+    (graph,) = specularch.explain(opt).graphs
+    assert (graph.backend, graph.note) == ("torchscript", ""), graph
+    assert graph.sizes == ("compiled for every size where L['x'].is_contiguous() and "
+                           "(2 <= L['x'].size()[0]) (2 compiles, one per value of a number); "
+                           "1 call(s) outside ran fx"), graph.sizes

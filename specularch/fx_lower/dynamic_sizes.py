@@ -60,9 +60,22 @@ def checked(compiled: Callable, meta: dict, fallback: Callable | None) -> Callab
 
 
 def describe(graph_fn: Callable, inputs: list[str]) -> str:
-    """``explain()``'s line for a graph's compiled form, where it is size-checked (``inputs``:
-    where each graph input is read from, as the report names them)."""
-    if not isinstance(graph_fn, SizeChecked):
+    """``explain()``'s line for a graph's compiled form, where it is size-checked (also each
+    compile per value of a number, ``specialise.PerValue``); ``inputs``: where each graph
+    input is read from, as the report names them."""
+    forms = _size_checked(graph_fn)
+    if not forms:
         return ""
-    where = _torch_shapes.named(graph_fn.expression, inputs)
-    return f"compiled for every size where {where}; {graph_fn.misses} call(s) outside ran fx"
+    where = " | ".join(dict.fromkeys(_torch_shapes.named(f.expression, inputs) for f in forms))
+    per_value = f" ({len(forms)} compiles, one per value of a number)" if len(forms) > 1 else ""
+    misses = sum(f.misses for f in forms)
+    return f"compiled for every size where {where}{per_value}; {misses} call(s) outside ran fx"
+
+
+def _size_checked(graph_fn: Callable) -> list[SizeChecked]:
+    if isinstance(graph_fn, SizeChecked):
+        return [graph_fn]
+    per_value = getattr(graph_fn, "compiled", None)  # specialise.PerValue: compiles by value
+    if isinstance(per_value, dict):
+        return [f for f in per_value.values() if isinstance(f, SizeChecked)]
+    return []
