@@ -136,11 +136,10 @@ def _train(opt, eager, sizes):
         assert opt(x, y) == pytest.approx(eager(x, y), rel=1e-5)
 
 
-def test_a_training_step_with_varying_batches_is_compiled_by_the_worker(counted_workers, candidates):
-    """Tiered: the step's batch size varies; TorchScript's candidate, compiled in the worker
+def _tiered_with_varying_batches(backend):
+    """Tiered: the step's batch size varies; ``backend``'s candidate, compiled in the worker
     process for every batch size, is timed and decided like any other, and whatever the
-    decision the parameters stay within rounding of eager's."""
-    candidates("torchscript")
+    decision the parameters stay within rounding of eager's. Its tier event."""
     model, twin, step, eager = _mlp_pair()
     opt = specularch.optimize(step)
     sizes = [5, 7, 9, 4, 8, 6, 1, 10]
@@ -152,11 +151,26 @@ def test_a_training_step_with_varying_batches_is_compiled_by_the_worker(counted_
             break
     else:
         raise AssertionError("tiering did not settle")
-    (event,) = [e for e in entry.tier.events if e.candidate == "torchscript"]
+    (event,) = [e for e in entry.tier.events if e.candidate == backend]
     assert event.compiled_in.startswith("worker process") and event.decision in ("kept", "rejected"), event
     assert "compiled for every size of its dynamic dimensions" in str(event), event
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    return event
+
+
+def test_a_training_step_with_varying_batches_is_compiled_by_the_worker(counted_workers, candidates):
+    candidates("torchscript")
+    _tiered_with_varying_batches("torchscript")
+
+
+@pytest.mark.slow
+def test_inductors_candidate_for_varying_batches_is_a_standalone_artefact(counted_workers, candidates):
+    """No AOTInductor package for dynamic sizes (it would need torch.export's dimensions):
+    the worker's ``standalone_compile`` artefact, in the fakes' shape environment."""
+    candidates("inductor")
+    event = _tiered_with_varying_batches("inductor")
+    assert "AOTInductor: the graph has dynamic sizes" in event.compiled_in, event
 
 
 @pytest.mark.slow
