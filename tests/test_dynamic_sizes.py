@@ -165,12 +165,28 @@ def test_a_training_step_with_varying_batches_is_compiled_by_the_worker(counted_
 
 
 @pytest.mark.slow
-def test_inductors_candidate_for_varying_batches_is_a_standalone_artefact(counted_workers, candidates):
-    """No AOTInductor package for dynamic sizes (it would need torch.export's dimensions):
-    the worker's ``standalone_compile`` artefact, in the fakes' shape environment."""
+def test_inductors_candidate_for_varying_batches_comes_from_the_worker(counted_workers, candidates):
     candidates("inductor")
     event = _tiered_with_varying_batches("inductor")
-    assert "AOTInductor: the graph has dynamic sizes" in event.compiled_in, event
+    assert "standalone_compile artefact" not in event.compiled_in, event  # a package
+
+
+@pytest.mark.slow
+def test_an_aotinductor_package_for_every_size_checks_exports_ranges_too(tmp_path):
+    """The worker's AOTInductor package for dynamic sizes: exported with those dimensions
+    dynamic; what it holds for (export's ranges and equal dimensions) joins the trace's
+    assumptions in the size check."""
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_pair_sums, "fx", [_rows(4, 4), _rows(5, 5)])
+    gm = _entry(opt).capture.graph_module
+    path = str(tmp_path / "artefact")
+    meta = _torch_compilers.inductor_artifact(gm, _rows(5, 5), path, threads=1, aoti=True)
+    assert meta["format"] == "aoti", meta
+    assert meta["size_guards"].endswith(" and (2 <= L['t0'].size()[0] and 2 <= L['t1'].size()[0])"), meta
+    run = _torch_compilers.load_inductor_artifact(path, meta, gm.forward)
+    for x, y in (_rows(3, 8), _rows(40, 2), _rows(1, 3)):
+        torch.testing.assert_close(run(x, y)[0], _pair_sums(x, y))
+    assert run.misses == 1
 
 
 @pytest.mark.slow

@@ -41,13 +41,60 @@ def package(graph: torch.fx.GraphModule, inputs: list, threads: int | None) -> b
     and compiled by AOTInductor; the ``.pt2`` package's bytes. Random ops call eager's
     kernels on the global generator (``fallback_random``), so a graph draws eager's numbers;
     the C++ kernels are written for ``threads`` (the program's count, not this process's)."""
-    from torch._inductor import aoti_compile_and_package, config as inductor_config
     examples = tuple(t.detach() for t in inputs)
     with torch.no_grad():
-        exported = torch.export.export(_Graph(graph), examples, strict=False)
-        buffer = io.BytesIO()
-        with inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}):
-            aoti_compile_and_package(exported, package_path=buffer)
+        return _compiled(torch.export.export(_Graph(graph), examples, strict=False), threads)
+
+
+def package_dynamic(graph: torch.fx.GraphModule, inputs: list, threads: int | None,
+                    dynamic: dict[int, list[int]]) -> tuple[bytes, str]:
+    """``package`` for a graph flattened with dynamic sizes: exported with the dimensions
+    ``dynamic[i]`` of input ``i`` dynamic (``Dim.AUTO``: export may narrow their range, or
+    fix one), compiled for every size in the exported ranges. Also what the package holds
+    for, as a size-guard expression over ``L['t<i>']`` (``dynamic_sizes``): each dimension's
+    range, dimensions export found equal, fixed ones. Raises ``ValueError`` where export made
+    a dimension an expression of others (not checked here)."""
+    from torch.export import Dim
+    examples = tuple(t.detach() for t in inputs)
+    shapes = tuple({d: Dim.AUTO for d in dynamic.get(i, ())} or None for i in range(len(examples)))
+    with torch.no_grad():
+        exported = torch.export.export(_Graph(graph), examples, dynamic_shapes=(shapes,),
+                                       strict=False)
+        guards = _export_guards(exported, dynamic)
+        return _compiled(exported, threads), guards
+
+
+def _export_guards(exported, dynamic: dict[int, list[int]]) -> str:
+    from torch.utils._sympy.numbers import int_oo
+    names = list(exported.graph_signature.user_inputs)
+    values = {n.name: n.meta["val"] for n in exported.graph_module.graph.nodes if n.op == "placeholder"}
+    terms, first = [], {}
+    for i, dims in sorted(dynamic.items()):
+        value = values[names[i]]
+        for d in dims:
+            size, at = value.shape[d], f"L['t{i}'].size()[{d}]"
+            if not isinstance(size, torch.SymInt):
+                terms.append(f"{at} == {int(size)}")
+                continue
+            symbol = size.node.expr
+            if not symbol.is_Symbol:
+                raise ValueError(f"export made dimension {d} of input {i} the expression {symbol}")
+            if symbol in first:
+                terms.append(f"{at} == {first[symbol]}")
+                continue
+            first[symbol] = at
+            bounds = exported.range_constraints[symbol]
+            terms.append(f"{int(bounds.lower)} <= {at}")
+            if bounds.upper != int_oo:
+                terms.append(f"{at} <= {int(bounds.upper)}")
+    return " and ".join(terms)
+
+
+def _compiled(exported, threads: int | None) -> bytes:
+    from torch._inductor import aoti_compile_and_package, config as inductor_config
+    buffer = io.BytesIO()
+    with inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}):
+        aoti_compile_and_package(exported, package_path=buffer)
     return buffer.getvalue()
 
 

@@ -419,8 +419,10 @@ def scripted_flattened(gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
 
 def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
                       threads: int | None = None, aoti: bool = True) -> dict:
-    """``flatten`` (static shapes) compiled by Inductor and saved to ``path`` (for
-    ``load_inductor_artifact`` in another process); returns the metadata that call needs.
+    """``flatten`` (static shapes, but for dynamic sizes) compiled by Inductor and saved to
+    ``path`` (for ``load_inductor_artifact`` in another process); returns the metadata that
+    call needs (for dynamic sizes, ``size_guards``: the trace's assumptions and, for a
+    package, the ranges export gave its dimensions).
     The artefact is an AOTInductor package (``_torch_aoti``: the program loads it without
     importing Inductor), or, where export or AOTInductor fails for the graph (or ``aoti`` is
     False: the program cannot load packages), a ``standalone_compile`` artefact, whose load
@@ -431,10 +433,15 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
     from torch._inductor import config as inductor_config, standalone_compile
     flat = flatten(gm, example_inputs, tracing_mode="fake")
     why = _aoti_refusal(gm, flat) if aoti else "the program's torch cannot load its packages"
+    package_guards = ""  # what a package for dynamic sizes holds for, besides the trace's
     if why is None:
         try:
             with _no_leaked_pointer(), _inductor_caches(tracing=False):
-                data = _torch_aoti.package(flat.graph, flat.inputs, threads)
+                if flat.dynamic:
+                    data, package_guards = _torch_aoti.package_dynamic(
+                        flat.graph, flat.inputs, threads, flat.dynamic)
+                else:
+                    data = _torch_aoti.package(flat.graph, flat.inputs, threads)
             with open(path, "wb") as f:
                 f.write(data)
         except Exception as e:
@@ -442,7 +449,10 @@ def inductor_artifact(gm: torch.fx.GraphModule, example_inputs: list, path: str,
     if why is None:
         try:
             _torch_aoti.test_run(path, flat.inputs)
-            return {**flat.meta(), "format": AOTI}
+            meta = flat.meta()
+            if package_guards:
+                meta["size_guards"] = f"{meta['size_guards']} and ({package_guards})"
+            return {**meta, "format": AOTI}
         except Exception as e:
             why = f"its package compiled but raised when run: {compile_cache.error_line(e)}"
     with torch.no_grad(), inductor_config.patch(fallback_random=True, **{"cpp.threads": threads or -1}), \
@@ -460,8 +470,6 @@ AOTI, STANDALONE = "aoti", "standalone"  # meta["format"] of an Inductor artefac
 
 
 def _aoti_refusal(gm: torch.fx.GraphModule, flat: Flattened) -> str | None:
-    if flat.dynamic:
-        return "the graph has dynamic sizes (a package would need torch.export's dimensions)"
     # On a GPU the package's kernels are loaded from the loader's folder on first use, and
     # nothing of it was measured there: such graphs keep the standalone artefact.
     devices = {t.device.type for t in flat.inputs if isinstance(t, torch.Tensor)}
