@@ -131,6 +131,17 @@ class Unsupported(Exception):
                               self.function or "<unknown>")
 
 
+class AssumptionBroken(Exception):
+    """Raised inside a graph whose in-graph assumption failed where the graph cannot go on
+    (a rolled loop's body assumption, in a later iteration: what follows the loop would run
+    on a partial result). The dispatcher treats it as the entry's failed assumption
+    (``where``, ``site``): nothing was committed, the graph is dropped, the original runs."""
+
+    def __init__(self, where: str, site: tuple):
+        super().__init__(f"in-graph assumption at {where} failed")
+        self.where, self.site = where, site
+
+
 class SpecularchStrictError(RuntimeError):
     """Raised instead of a fallback or recompile when ``config.strict`` is on.
 

@@ -968,18 +968,38 @@ class Attention(nn.Module):
         return self.mha(x, x, x, need_weights=False)[0]
 
 
+class SteeredBySize(nn.Module):
+    def forward(self, x):
+        h = torch.relu(x)
+        if h.shape[0] > 3:  # the size of an intermediate tensor steers Python
+            return h * 2
+        return h - 1
+
+
 def test_sizes_of_intermediate_tensors_that_steer_python_make_sizes_static_again():
-    """nn.MultiheadAttention checks the sizes of a transposed input in Python: with a dynamic
-    batch those sizes are only known inside the graph, so the first new size fails that
-    assumption once; sizes are then static (one guarded graph per batch size, then hits)."""
+    """A branch on the size of an intermediate tensor: with a dynamic batch that size is only
+    known inside the graph, so the first size on the other side fails that assumption once;
+    sizes are then static (one guarded graph per batch size, then hits)."""
     sizes = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5]
     with specularch.config.patch(profile_calls=3):
-        pair = module_pair(Attention)
+        pair = module_pair(SteeredBySize)
         what = run_calls(pair, lambda i: A(T(sizes[i], 5, 8)), len(sizes))
     e = pair.explain()
     assert e.stats.assumption_failures <= 1, f"{what}\n{e}"
     assert any("made static again" in r for r in e.relaxations), e.relaxations
     assert what[-3:] == ["hit"] * 3, f"{what}\n{e}"
+
+
+def test_attention_with_a_dynamic_batch_is_one_graph():
+    """nn.MultiheadAttention's forward returns a pair (output, weights): a fixed count, so it
+    does not fix its inputs' sizes as split or chunk must; one graph for every batch size."""
+    sizes = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5]
+    with specularch.config.patch(profile_calls=3):
+        pair = module_pair(Attention)
+        what = run_calls(pair, lambda i: A(T(sizes[i], 5, 8)), len(sizes))
+    e = pair.explain()
+    assert what[3:] == ["capture"] + ["hit"] * 8, f"{what}\n{e}"
+    assert e.stats.assumption_failures == 0 and len(e.graphs) == 1, f"{what}\n{e}"
 
 
 def test_profiling_runs_eagerly_then_captures():

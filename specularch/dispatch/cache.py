@@ -14,6 +14,7 @@ from typing import Any, Callable
 from ..config import config
 from ..eager_run import FRAME_HOOK, EagerRun
 from ..entry_function import MISS, AssumptionFailed
+from ..records import AssumptionBroken
 from . import fallback, hooks, misses
 from .state import _STATES, CodeState, GraphEntry, state_for
 
@@ -90,6 +91,9 @@ def try_entry(state: CodeState, entry: GraphEntry, slots, cells, globals_, built
     raises, or whose assumption fails, leads to the original Python (nothing committed)."""
     try:
         result = entry.fn(slots, cells, globals_, builtins_)
+    except AssumptionBroken as e:  # (an in-graph assumption, failed where the graph cannot go on)
+        failure = AssumptionFailed(e.where, e.site, True)
+        return fallback.assumption_failed(state, entry, failure, slots, cells)
     except Exception as e:  # (the entry function put the grad mode back: see entry_function.py)
         replacement = misses.fx_instead(state, entry, e)  # a compiling backend failed
         if replacement is not None:

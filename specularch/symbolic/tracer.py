@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import collections
 import functools
+import re
 import types
 from typing import Any, Callable
 
@@ -324,8 +325,9 @@ class Tracer:
                                   f"`{label}` turns tensor data into a Python "
                                   f"{type(result).__name__}")
             return self.wrap_python(result)
-        if dynamic and type(result) in (tuple, list):
+        if dynamic and type(result) in (tuple, list) and _COUNT_FROM_SIZES.search(label):
             # how many tensors split/chunk/unbind return depends on sizes: fix those sizes
+            # (other ops return as many as they always do: lstm_cell's (h, c), sort's pair)
             for a in [*args, *kwargs.values()]:
                 for leaf in leaves(a):
                     if isinstance(leaf, TensorV) and leaf.dynamic:
@@ -489,6 +491,9 @@ def _object_guard(obj) -> tuple:
     return ValueGuard, obj
 
 
+# Ops whose number of results depends on the sizes of their input (``split``, ``chunk``,
+# ``unbind``, ``tensor_split``, ``hsplit``, ``split_with_sizes``, ...), by name.
+_COUNT_FROM_SIZES = re.compile("split|chunk|unbind")
 _VALUE_FACTORIES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
 
 

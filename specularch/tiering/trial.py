@@ -23,6 +23,7 @@ from ..fx_lower import compile_cache
 from ..fx_lower.backends import compile_in_background
 from ..fx_lower.passes import example_inputs
 from ..fx_lower.randomness import graph_uses_randomness
+from ..records import AssumptionBroken
 from . import policy, process, worker
 from .eager_tier import EAGER, RunTimer
 from .same_draws import Checked
@@ -216,6 +217,8 @@ class Trial:
         start = self.clock()
         try:
             result = fn(L, C, G, B)
+        except AssumptionBroken:
+            raise  # the call's assumption, not the candidate's failure: the dispatcher's
         except Exception as e:
             if not side:
                 raise

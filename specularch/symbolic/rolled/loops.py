@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from ...fx_lower.randomness import is_random_node
-from ...records import Unsupported
+from ...records import AssumptionBroken, Unsupported
 from . import (fast as rolled_fast, first as rolled_first, hoist as rolled_hoist,
                lists as rolled_lists)
 from .match import Match, Snapshot, append_only, set_slot
@@ -92,6 +92,7 @@ class RolledLoop:
         self.prepare = None       # per call: (n, invariants) -> the body's (fast.py)
         self.run_body = None      # or the body compiled (fx_lower/rolled/compiled.py)
         self.first = 1            # 0 where iteration 0 runs in the body too
+        self.assumption = None    # (where, site) of the entry's check of the body's assumptions
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
@@ -108,6 +109,8 @@ class RolledLoop:
             for out, value in zip(outs, results[k:k + o]):
                 out.append(value)
             if not all(bool(v) is e for v, e in zip(results[k + o:], self.expected)):
+                if self.assumption is not None:  # what follows must not run on partial lists
+                    raise AssumptionBroken(*self.assumption)
                 return (*carried, *outs, False)  # the entry runs the call eagerly instead
         return (*carried, *outs, True) if self.expected else (*carried, *outs)
 
@@ -464,7 +467,9 @@ class _Roll:
             report.faster += "; iteration 0 run by the body"
         if self.checks:  # the body's assumptions held in every iteration
             ok = self.graph.call_function(operator.getitem, (node, len(outputs) - len(self.checks)))
-            self.tracer.assertions.append((ok, True, self.loop.where, ("rolled_loop", *self.loop.site)))
+            site = ("rolled_loop", *self.loop.site)
+            self.tracer.assertions.append((ok, True, self.loop.where, site))
+            target.assumption = (self.loop.where, site)
         self.tracer.loops.append(report)
 
     def _input(self, node, env: dict, graph: torch.fx.Graph):
