@@ -6,7 +6,9 @@ and torch.compile, side by side in one process.
         [--rounds 7] [--steps 40] [--modes auto,fx,torchscript,inductor,torch.compile]
         [--what step|forward]
 
-The step is ``train_step.py``'s (Adam, unmodified), optimized whole (``--what step``) or only
+Models: ``train_step.py``'s MLP, LeNet and LSTM LM (``lstm``: its sequence length drawn from
+8-16 each step too, the Python loop over time rolled). The step is ``train_step.py``'s
+(Adam, unmodified), optimized whole (``--what step``) or only
 its model (``forward``: loss, backward and optimizer step eager around the optimized model,
 whose result needs autograd); each step draws its batch size from
 ``--sizes`` (uniform, one fixed sequence for every mode). ``torch.set_num_threads(1)``.
@@ -35,14 +37,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specularch  # noqa: E402
 from train_step import build, make_step  # noqa: E402
 
-SHAPES = {"mlp": lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
-          "lenet": lambda n: (torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,)))}
+def _tokens(n: int, rng: random.Random):
+    """The LSTM LM's batch: ``n`` sequences of a length drawn from 8-16 (time-major)."""
+    length = rng.randint(8, 16)
+    return torch.randint(0, 200, (length, n)), torch.randint(0, 200, (length * n,))
+
+
+SHAPES = {"mlp": lambda n, rng: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
+          "lenet": lambda n, rng: (torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))),
+          "lstm": _tokens}
 
 
 def _batches(model: str, sizes: tuple[int, int], count: int, seed: int) -> list:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    return [SHAPES[model](rng.randint(*sizes)) for _ in range(count)]
+    return [SHAPES[model](rng.randint(*sizes), rng) for _ in range(count)]
 
 
 def _forward_step(model, opt, wrap):
