@@ -541,6 +541,17 @@ def mse_train_step(model, opt, after=None):
     return train_step
 
 
+def ce_train_step(model, opt):
+    """The plain training step ``(x, labels) -> loss.item()`` (cross-entropy loss)."""
+    def train_step(x, labels):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), labels)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return train_step
+
+
 def lm_train_step(model, opt):
     """A language model's training step ``(tokens, targets) -> loss`` (cross-entropy over
     every position of the ``(batch, time, vocab)`` logits)."""

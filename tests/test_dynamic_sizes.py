@@ -18,6 +18,7 @@ from specularch.fx_lower.passes import example_inputs
 
 import test_tiering
 import test_tiering_stall
+from differential import ce_train_step
 
 candidates, counted_workers = test_tiering.candidates, test_tiering_stall.counted_workers  # fixtures
 
@@ -113,15 +114,7 @@ def _mlp_pair():
     twin = copy.deepcopy(model)
 
     def step_of(m):
-        opt = torch.optim.Adam(m.parameters(), lr=0.01)
-
-        def train_step(x, y):
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item()
-        return train_step
+        return ce_train_step(m, torch.optim.Adam(m.parameters(), lr=0.01))
     return model, twin, step_of(model), step_of(twin)
 
 
