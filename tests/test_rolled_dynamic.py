@@ -5,6 +5,7 @@ assumption that fails in a later iteration is an assumption failure, not a graph
 (what follows the loop never runs on a partial result)."""
 import copy
 import random
+import threading
 
 import pytest
 import torch
@@ -87,3 +88,49 @@ def test_chunking_along_a_dynamic_dimension_still_fixes_it():
             assert_same(fast(x), halves(x))
     e = specularch.explain(fast)
     assert len(e.graphs) >= 2 and e.fallbacks == [], str(e)  # one graph per size
+
+
+class TanhRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wx, self.wh, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, xs):
+        h = torch.zeros(xs.shape[1], 8)
+        for t in range(xs.shape[0]):
+            h = torch.tanh(self.wx(xs[t]) + self.wh(h))
+        return self.out(h)
+
+
+def test_a_tiered_body_never_compiles_in_a_call_of_the_program(monkeypatch):
+    """Tiered, batch and length varying: the TorchScript candidate's loop body compiles for
+    the shapes its warm-up meets, on the background thread; a trial call with other shapes
+    runs the fx body instead of compiling in the program's call (each compile of it took
+    seconds there, and its tracing patched nn.Module.__call__ under the program)."""
+    from specularch import tiering
+    from specularch.fx_lower.rolled import compiled
+    from specularch.tiering import policy
+    monkeypatch.setattr(policy, "CANDIDATES", ("torchscript",))
+    threads = []
+    original = compiled.CompiledBody._compile
+
+    def counted(self, args):
+        threads.append(threading.get_ident())
+        return original(self, args)
+    monkeypatch.setattr(compiled.CompiledBody, "_compile", counted)
+    torch.manual_seed(0)
+    model = TanhRNN()
+    twin = copy.deepcopy(model)
+    fast, eager = specularch.optimize(_step(model)), _step(twin)
+    rng = random.Random(1)
+    with specularch.config.patch(tier_min_hits=3, tier_min_seconds=1e-6, tier_trial_calls=2):
+        for _ in range(60):
+            length, batch = rng.randint(2, 6), rng.randint(2, 9)
+            xs, labels = torch.randn(length, batch, 4), torch.randint(0, 3, (batch,))
+            assert fast(xs, labels) == pytest.approx(eager(xs, labels), rel=1e-5)
+            assert tiering.wait(timeout=120)
+    (entry,) = fast.__specularch_state__.entries
+    assert entry.tier is not None and entry.tier.settled, entry.tier and entry.tier.lines()
+    assert threads and threading.get_ident() not in threads, threads
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import copy
 import operator
+import threading
 
 import torch
 import torch.fx
 
 from . import cells as rolled_cells
+from .._torch_compilers import compiling_in_background
 from ..randomness import is_identity_dropout, is_random_node
 
 _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
@@ -55,7 +57,9 @@ def _is_loop(node: torch.fx.Node) -> bool:
 
 def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
     """Give every rolled loop of ``gm`` a body compiled by ``backend`` on its first run
-    (``gm``'s loops must be its own: ``with_own_loops``)."""
+    (``gm``'s loops must be its own: ``with_own_loops``). Built by the tier compiler on its
+    background thread, a body compiles new input shapes only on that thread (its warm-up
+    runs), never in a call of the program: there other shapes run the ``fx`` body."""
     for node in gm.graph.nodes:
         loop = node.target
         if _is_loop(node):
@@ -95,6 +99,8 @@ class CompiledBody:
         self.tensor_inputs, self.layout = tensor_inputs, layout  # layout: per result, ("out", k) or ("check", k)
         self.backend, self.body = backend, body
         self.by_shapes: dict = {}
+        # the thread that may compile new shapes (None: any, the calling one; see compile_bodies)
+        self.compiles_on = threading.get_ident() if compiling_in_background() else None
 
     @classmethod
     def of(cls, body: torch.fx.GraphModule, backend: str):
@@ -172,6 +178,8 @@ class CompiledBody:
         key = tuple((a.shape, a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a
                     for a in args)
         entry = self.by_shapes.get(key)
+        if entry is None and self.compiles_on not in (None, threading.get_ident()):
+            return self.body.forward(t, *inputs)  # (no compile in the program's call)
         if entry is None:  # this iteration runs as fx, and tells the checks' values
             results = self.body.forward(t, *inputs)
             checks = [r for r, (kind, _) in zip(results, self.layout) if kind == "check"]
