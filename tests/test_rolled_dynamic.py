@@ -134,3 +134,35 @@ def test_a_tiered_body_never_compiles_in_a_call_of_the_program(monkeypatch):
     assert threads and threading.get_ident() not in threads, threads
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torchscript", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_pinned_body_compiles_once_for_every_batch_size(monkeypatch, backend):
+    """Pinned, batch and length varying: the body compiles for its first shapes,
+    then once for every size of what varied (size-checked, ``dynamic_sizes``), not once per
+    batch size; values and parameters within rounding of eager's."""
+    from specularch.fx_lower.rolled import compiled
+    compiles = []
+    original = compiled.CompiledBody._compile
+
+    def counted(self, args, dynamic=None):
+        compiles.append(dynamic)
+        return original(self, args, dynamic)
+    monkeypatch.setattr(compiled.CompiledBody, "_compile", counted)
+    torch.manual_seed(0)
+    model = TanhRNN()
+    twin = copy.deepcopy(model)
+    fast, eager = specularch.optimize(_step(model), backend=backend), _step(twin)
+    rng = random.Random(2)
+    for _ in range(30):
+        length, batch = rng.randint(2, 6), rng.randint(2, 12)
+        xs, labels = torch.randn(length, batch, 4), torch.randint(0, 3, (batch,))
+        assert fast(xs, labels) == pytest.approx(eager(xs, labels), rel=1e-5)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    # per kind of body inputs (the first iteration's h needs no grad, the others' do): its
+    # first shapes, then one compile for every batch size
+    assert len(compiles) <= 4 and sum(1 for d in compiles if d) >= 1, compiles
+    e = specularch.explain(fast)
+    assert len(e.graphs) == 1 and e.fallbacks == [], str(e)
+    assert "then once for every size that varies" in str(e), str(e)

@@ -12,8 +12,8 @@ In the order a call reaches them:
 * ``stack.py`` — such a loop run as one autograd node for all its iterations (``Stack``,
   ``_StackFn``);
 * ``compiled.py`` — the compiling backends on a graph with rolled loops: the graph runs as
-  ``fx``, each loop body compiled once per input shapes (``compile_bodies``,
-  ``with_own_loops``).
+  ``fx``, each loop body compiled for its first input shapes, then once for every size that
+  varies (``compile_bodies``, ``with_own_loops``).
 
 Capture (``symbolic/rolled/``) builds the loops and imports these modules; nothing here
 imports capture. A module of this package is imported under its name as a flat module,

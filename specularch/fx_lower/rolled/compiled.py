@@ -71,7 +71,8 @@ def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
                 loop.report.faster += f"; body not compiled by {backend}: {compiled}"
             else:
                 loop.run_body = compiled
-                loop.report.faster += f"; body compiled by {backend} (once per input shapes)"
+                loop.report.faster += (f"; body compiled by {backend} (for its first input shapes, then "
+                                        "once for every size that varies)")
 
 
 def _value_dependent(check: torch.fx.Node) -> bool:
@@ -99,6 +100,7 @@ class CompiledBody:
         self.tensor_inputs, self.layout = tensor_inputs, layout  # layout: per result, ("out", k) or ("check", k)
         self.backend, self.body = backend, body
         self.by_shapes: dict = {}
+        self.every_size: dict = {}  # per kind of shapes: compiled for every size, or False
         # the thread that may compile new shapes (None: any, the calling one; see compile_bodies)
         self.compiles_on = threading.get_ident() if compiling_in_background() else None
 
@@ -183,7 +185,7 @@ class CompiledBody:
         if entry is None:  # this iteration runs as fx, and tells the checks' values
             results = self.body.forward(t, *inputs)
             checks = [r for r, (kind, _) in zip(results, self.layout) if kind == "check"]
-            self.by_shapes[key] = (self._compile(args), checks)
+            self.by_shapes[key] = (self._for_every_size(key, args) or self._compile(args), checks)
             return results
         compiled, checks = entry
         outs = compiled(*args)
@@ -191,11 +193,38 @@ class CompiledBody:
 
     __call__ = forward
 
-    def _compile(self, args: list):
+    def _compile(self, args: list, dynamic: list | None = None):
         from ..backends import get_backend
         for n, a in zip([n for n in self.compute_gm.graph.nodes if n.op == "placeholder"], args):
             n.meta["example"] = a
+        self.compute_gm.meta["dynamic_inputs"] = dynamic or []
         return get_backend(self.backend).compile(self.compute_gm, list(args))
+
+    def _for_every_size(self, key: tuple, args: list):
+        """At a second shapes of one kind (ranks, dtypes and ``requires_grad`` the same: a
+        batch size that changed): the body compiled once for every size of the dimensions
+        that differ from the first shapes' of that kind (``dynamic_sizes``: checked per call,
+        other sizes run the body's ``fx`` code), kept for later shapes of that kind; None
+        for the first shapes of a kind, or where that compile failed."""
+        kind = _kind(key)
+        if kind in self.every_size:
+            return self.every_size[kind] or None
+        first = next((k for k in self.by_shapes if _kind(k) == kind), None)
+        if first is None:
+            return None
+        dynamic = [[i, [d for d, (m, n) in enumerate(zip(a[0], b[0])) if m != n]]
+                   for i, (a, b) in enumerate(zip(first, key)) if isinstance(a, tuple)]
+        try:
+            self.every_size[kind] = self._compile(args, [p for p in dynamic if p[1]])
+        except Exception:  # (this shape's own compile follows, as before)
+            self.every_size[kind] = False
+        return self.every_size[kind] or None
+
+
+def _kind(key: tuple) -> tuple:
+    """What of a body's input shapes a compile for every size keeps: ranks, dtypes,
+    ``requires_grad`` (and non-tensor inputs themselves)."""
+    return tuple((len(k[0]), *k[1:]) if isinstance(k, tuple) else k for k in key)
 
 
 def _ancestors(outs: list) -> set:
