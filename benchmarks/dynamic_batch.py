@@ -56,16 +56,9 @@ def _batches(model: str, sizes: tuple[int, int], count: int, seed: int) -> list:
 
 def _forward_step(model, opt, wrap):
     """The same step with only the model optimized (``wrap(model)``): its loss, backward and
-    optimizer step eager around it."""
-    forward, loss_fn = wrap(model), torch.nn.CrossEntropyLoss()
-
-    def train_step(x, y):
-        opt.zero_grad()
-        loss = loss_fn(forward(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return train_step, forward
+    optimizer step eager around it. The step, and what ``wrap`` returned."""
+    forward = wrap(model)
+    return make_step(forward, opt), forward
 
 
 def _modes(model: str, names: list[str], what: str) -> tuple[dict, dict]:

@@ -125,10 +125,12 @@ def aot_torchscript(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     from functorch.compile import aot_module_simplified, ts_compile
 
     def compile_one(graph: torch.fx.GraphModule, inputs: list):
-        for node in graph.graph.nodes:  # (TorchScript takes an unannotated input for a Tensor)
-            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.SymInt):
-                node.type = int
-        graph.recompile()
+        sizes = [node for node in graph.graph.nodes  # (TorchScript takes an unannotated
+                 if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.SymInt)]
+        for node in sizes:                          # input for a Tensor)
+            node.type = int
+        if sizes:
+            graph.recompile()
         return ts_compile(graph, inputs)
 
     def compile_with(inputs: list) -> Callable:
@@ -504,9 +506,7 @@ def load_inductor_artifact(path: str, meta: dict, fallback: Callable | None = No
 
     def run(*args):
         if converted:
-            args = list(args)
-            for i, device in zip(converted, devices):
-                args[i] = as_tensor_input(args[i], device)
+            args = _numbers_as_tensors(args, converted, devices)
         with torch.no_grad():
             return distinct_outputs(compiled(*args))
 
@@ -541,14 +541,21 @@ def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list)
     return run_scripted(scripted, meta, gm.forward)
 
 
+def _numbers_as_tensors(args, converted: list[int], devices: list[str]) -> list:
+    """A call's graph inputs with the Python numbers at ``converted`` made 0-d tensors on
+    ``devices``, as a flattened graph takes them."""
+    args = list(args)
+    for i, device in zip(converted, devices):
+        args[i] = as_tensor_input(args[i], device)
+    return args
+
+
 def _run_scripted(scripted, converted: list[int], devices: list[str]) -> Callable:
     """The flattened scripted graph called with the captured graph's inputs: Python numbers
     at ``converted`` made 0-d tensors on ``devices``."""
     def run(*args):
         if converted:
-            args = list(args)
-            for i, device in zip(converted, devices):
-                args[i] = as_tensor_input(args[i], device)
+            args = _numbers_as_tensors(args, converted, devices)
         with torch.enable_grad():
             return distinct_outputs(
                 scripted(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args]))

@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from . import _torch_script_ir
+from .dynamic_sizes import dynamic_inputs
 
 # Set by specularch/__init__.py (``configure``): config sits above fx_lower (it imports the
 # backend registry to check a backend name), so fx_lower does not import it.
@@ -123,7 +124,7 @@ def entry_key(gm: torch.fx.GraphModule, example_inputs: list, backend: str, path
     text, every input's metadata (not the sizes of dynamic dimensions, and of those inputs'
     strides only whether they are contiguous: compiled for every size), and the versions of
     torch and specularch."""
-    dynamic = {int(i): dims for i, dims in gm.meta.get("dynamic_inputs", ())}
+    dynamic = dynamic_inputs(gm)
     facts = {"format": FORMAT, "code": gm.code, "backend": backend, "path": path,
              "constants": _constants(gm),
              "inputs": [_placeholder_facts(v, dynamic.get(i, ())) for i, v in enumerate(example_inputs)],

@@ -184,7 +184,6 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     gm.meta["dynamic_inputs"] = [  # (position, dims) pairs: plain values, sent to the tiering worker
         [i, sorted(n.meta["value"].dyn_dims)] for i, n in enumerate(placeholders)
         if getattr(n.meta.get("value"), "dyn_dims", None)]
-    gm.meta["dynamic"] = gm.meta["scalar_inputs"] or gm.meta["dynamic_dims"]
     gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
                                    for n in placeholders)

@@ -86,13 +86,13 @@ class RolledLoop:
     __name__ = "rolled_loop"
 
     def __init__(self, body: torch.fx.GraphModule, carried: int, outputs: int, expected: tuple,
-                 report: LoopReport):
+                 report: LoopReport, assumption: tuple | None = None):
         self.body, self.carried, self.outputs, self.report = body, carried, outputs, report
         self.expected = expected  # what the body's assumptions (sizes, tensor branches) were
+        self.assumption = assumption  # (where, site) of the entry's check of them
         self.prepare = None       # per call: (n, invariants) -> the body's (fast.py)
         self.run_body = None      # or the body compiled (fx_lower/rolled/compiled.py)
         self.first = 1            # 0 where iteration 0 runs in the body too
-        self.assumption = None    # (where, site) of the entry's check of the body's assumptions
 
     def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
         self.report.trips.append(n)
@@ -109,9 +109,9 @@ class RolledLoop:
             for out, value in zip(outs, results[k:k + o]):
                 out.append(value)
             if not all(bool(v) is e for v, e in zip(results[k + o:], self.expected)):
-                if self.assumption is not None:  # what follows must not run on partial lists
-                    raise AssumptionBroken(*self.assumption)
-                return (*carried, *outs, False)  # the entry runs the call eagerly instead
+                # what follows the loop must not run on partial lists: the entry's failed
+                # assumption, raised (the flag below is True whenever the loop returns)
+                raise AssumptionBroken(*self.assumption)
         return (*carried, *outs, True) if self.expected else (*carried, *outs)
 
 
@@ -449,8 +449,10 @@ class _Roll:
                                  "through the loop's variables")
             self.graph.erase_node(node)
         self.graph.erase_node(self.index_node)
+        site = ("rolled_loop", *self.loop.site)
         target = RolledLoop(body, len(self.entries), len(self.per_iteration),
-                            tuple(expected for _, expected, _, _ in self.checks), report)
+                            tuple(expected for _, expected, _, _ in self.checks), report,
+                            (self.loop.where, site))
         target.first = self.first
         if not self.tracer.assumptions.exact_loops:
             target.prepare = rolled_fast.speed_up(body, self.invariants, report, self.first,
@@ -467,9 +469,7 @@ class _Roll:
             report.faster += "; iteration 0 run by the body"
         if self.checks:  # the body's assumptions held in every iteration
             ok = self.graph.call_function(operator.getitem, (node, len(outputs) - len(self.checks)))
-            site = ("rolled_loop", *self.loop.site)
             self.tracer.assertions.append((ok, True, self.loop.where, site))
-            target.assumption = (self.loop.where, site)
         self.tracer.loops.append(report)
 
     def _input(self, node, env: dict, graph: torch.fx.Graph):
