@@ -222,16 +222,21 @@ def test_long_loop_capture_gives_up_early_and_is_not_retried(monkeypatch):
         profiled, _ = _timed(fast, x)  # runs eagerly, timed for the budget
         eager = min(eager, profiled)
         first, out = _timed(fast, x)  # captures, gives up, runs eagerly
-        later = [_timed(fast, x) for _ in range(2)]
+        # Later calls run eagerly; timed next to eager calls of the same loop, so a busy
+        # machine (CI's other test process) slows both alike.
+        later, beside = [], []
+        for _ in range(3):
+            later.append(_timed(fast, x))
+            beside.append(_timed(_long_loop, x)[0])
     # Before the budget it ran to config.max_instructions: ~15x eager.
     assert first < 1.0 + 4 * eager, (first, eager)
-    assert min(t for t, _ in later) < 0.1 + 1.5 * eager, (later, eager)
+    assert min(t for t, _ in later) < 0.1 + 1.5 * min(beside), (later, beside)
     assert len(attempts) == 1
     for result in [out, *(r for _, r in later)]:
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
     e = specularch.explain(fast)
     assert [f.kind for f in e.fallbacks] == ["recursion_limit"], str(e)
-    assert "long loop" in e.fallbacks[0].explanation and e.fallbacks[0].count == 3, str(e)
+    assert "long loop" in e.fallbacks[0].explanation and e.fallbacks[0].count == 4, str(e)
     assert e.stats.captures == 0 and e.graphs == [], str(e)
 
 
