@@ -150,7 +150,7 @@ def _memory(t):
 def test_package_outputs_numbers_and_threads_match_the_graph(tmp_path, monkeypatch):
     """As fx's graph: an input returned is that object, a view of an input or of another
     output is a view of it (same memory, strides, offset); a value returned twice comes back
-    as two objects (``distinct_outputs``), with memory of their own."""
+    as two objects (``captured_outputs``), with memory of their own."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     examples = [torch.randn(3, 3), torch.nn.Parameter(torch.randn(3, 3)), 0.5, 2]
     meta = compilers.inductor_artifact(_traced(_edges, examples), examples,

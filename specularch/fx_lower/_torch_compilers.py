@@ -23,7 +23,7 @@ import torch.fx
 
 from . import _torch_aoti, _torch_shapes, compile_cache
 from .dynamic_sizes import checked, dynamic_inputs
-from .passes import as_tensor_input, scalar_inputs_as_tensors
+from .passes import as_tensor_input, number_outputs, number_outputs_as_tensors, scalar_inputs_as_tensors
 
 
 _BACKGROUND = threading.local()  # .active: this thread compiles beside the user's program
@@ -252,12 +252,14 @@ def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 class Flattened:
     """A captured graph flattened to ATen ops without autograd (see ``flatten``): ``graph``
     takes ``inputs`` (the example inputs with Python numbers at positions ``converted`` made
-    0-d tensors) and returns what the captured graph returns."""
+    0-d tensors) and returns what the captured graph returns, but the Python numbers at
+    positions ``numbers``, which it returns as 0-d tensors (``captured_outputs``)."""
 
     def __init__(self, graph: torch.fx.GraphModule, inputs: list, converted: list[int],
-                 dynamic: dict[int, list[int]] | None = None, fakes: list | None = None):
+                 dynamic: dict[int, list[int]] | None = None, fakes: list | None = None,
+                 numbers: list[int] | None = None):
         self.graph, self.inputs, self.converted = graph, inputs, converted
-        self.dynamic, self.fakes = dynamic or {}, fakes
+        self.dynamic, self.fakes, self.numbers = dynamic or {}, fakes, numbers or []
 
     def meta(self) -> dict:
         """What the compiled form's caller needs: positions of converted numbers and their
@@ -265,6 +267,8 @@ class Flattened:
         it) assumed of them (``dynamic_sizes``)."""
         meta = {"converted": self.converted,
                 "devices": [str(self.inputs[i].device) for i in self.converted]}
+        if self.numbers:
+            meta["number_outputs"] = self.numbers
         if self.dynamic:
             placeholders = [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder"]
             meta["size_guards"] = _torch_shapes.size_guards(placeholders, self.dynamic)
@@ -295,6 +299,11 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     inputs = list(example_inputs)
     for i in converted:
         inputs[i] = as_tensor_input(inputs[i], scalar_device)
+    numbers = number_outputs(gm) if gm.meta.get("non_tensor_outputs") else []
+    if numbers is None:
+        raise TypeError("the graph returns a value that is neither a tensor nor a number")
+    if numbers:
+        number_outputs_as_tensors(gm, numbers)
     fakes = _torch_shapes.symbolic_inputs(inputs, dynamic) if dynamic else None
     with torch.enable_grad(), _generic_rnn_kernels(gm):
         if dynamic:
@@ -303,7 +312,7 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
             flat = make_fx(gm, tracing_mode=tracing_mode)(*inputs)
     flat.meta["constructed_by"] = "specularch.fx_lower._torch_compilers.flatten (make_fx)"
     _same_output_dtypes(gm, flat)
-    return Flattened(flat, inputs, converted, dynamic, fakes)
+    return Flattened(flat, inputs, converted, dynamic, fakes, numbers)
 
 
 _RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})  # torch.lstm is torch._VF.lstm
@@ -341,12 +350,16 @@ def _same_output_dtypes(gm: torch.fx.GraphModule, flat: torch.fx.GraphModule) ->
             raise TypeError(f"flattening changed output {i}'s dtype from {a.dtype} to {b.dtype}")
 
 
-def distinct_outputs(outputs) -> list:
-    """A captured graph returns every value once (each output is its own object; the commit
-    makes each one a separate ``.grad``, state tensor, ...), but a compiler may return one
-    tensor for two equal outputs (TorchScript does for the gradients of an LSTM's two bias
-    vectors): repeated objects are copied."""
+def captured_outputs(outputs, numbers: list[int] = ()) -> list:
+    """A compiled flattened graph's outputs as the captured graph returns them: the Python
+    numbers at ``numbers`` (returned as 0-d tensors, ``Flattened``) made numbers again, and
+    every value once (each output is its own object; the commit makes each one a separate
+    ``.grad``, state tensor, ...), where a compiler may return one tensor for two equal
+    outputs (TorchScript does for the gradients of an LSTM's two bias vectors): repeated
+    objects are copied."""
     outputs, seen = list(outputs), set()
+    for i in numbers:
+        outputs[i] = outputs[i].item()
     for i, out in enumerate(outputs):
         if isinstance(out, torch.Tensor):
             if id(out) in seen:
@@ -357,13 +370,13 @@ def distinct_outputs(outputs) -> list:
 
 
 def _without_autograd(flat: Flattened, compiled: Callable) -> Callable:
-    converted = flat.converted
+    converted, numbers = flat.converted, flat.numbers
 
     def run(*args):
         if converted:
             args = flat.arguments(args)
         with torch.no_grad():
-            return distinct_outputs(compiled(*args))
+            return captured_outputs(compiled(*args), numbers)
 
     return run
 
@@ -502,13 +515,13 @@ def load_inductor_artifact(path: str, meta: dict, fallback: Callable | None = No
         with _no_leaked_pointer():
             compiled = CompiledArtifact.load(path=path, format="binary")
         note = f"standalone_compile artefact (AOTInductor: {meta.get('aoti_failed', '?')})"
-    converted, devices = meta["converted"], meta["devices"]
+    converted, devices, numbers = meta["converted"], meta["devices"], meta.get("number_outputs", [])
 
     def run(*args):
         if converted:
             args = _numbers_as_tensors(args, converted, devices)
         with torch.no_grad():
-            return distinct_outputs(compiled(*args))
+            return captured_outputs(compiled(*args), numbers)
 
     run.artefact_note = note
     if meta.get("format") == AOTI:
@@ -522,7 +535,8 @@ def load_inductor_artifact(path: str, meta: dict, fallback: Callable | None = No
 def run_scripted(scripted, meta: dict, fallback: Callable | None = None) -> Callable:
     """A flattened scripted graph as the captured graph's compiled form (``fallback``: see
     ``load_inductor_artifact``)."""
-    return checked(_run_scripted(scripted, meta["converted"], meta["devices"]), meta, fallback)
+    return checked(_run_scripted(scripted, meta["converted"], meta["devices"],
+                                 meta.get("number_outputs", [])), meta, fallback)
 
 
 def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -550,15 +564,16 @@ def _numbers_as_tensors(args, converted: list[int], devices: list[str]) -> list:
     return args
 
 
-def _run_scripted(scripted, converted: list[int], devices: list[str]) -> Callable:
+def _run_scripted(scripted, converted: list[int], devices: list[str],
+                  numbers: list[int]) -> Callable:
     """The flattened scripted graph called with the captured graph's inputs: Python numbers
-    at ``converted`` made 0-d tensors on ``devices``."""
+    at ``converted`` made 0-d tensors on ``devices``; ``numbers``: see ``captured_outputs``."""
     def run(*args):
         if converted:
             args = _numbers_as_tensors(args, converted, devices)
         with torch.enable_grad():
-            return distinct_outputs(
-                scripted(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args]))
+            return captured_outputs(
+                scripted(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args]), numbers)
 
     return run
 

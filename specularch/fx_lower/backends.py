@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from . import _torch_fx_sources as fx_sources
+from .passes import number_outputs
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ def _only_in_arithmetic(placeholder: torch.fx.Node) -> bool:
             if user.op == "call_function" and getattr(user.target, "__module__", "") in ("_operator", "operator"):
                 if not isinstance(user.meta.get("example"), torch.Tensor):
                     pending.append(user)  # still a Python number: follow it
-            elif not (user.op == "call_method" and user.target in _SCALAR_SAFE_METHODS):
+            elif not (user.op == "call_method" and user.target in _SCALAR_SAFE_METHODS
+                      or user.op == "output"):  # returned: a 0-d tensor, ``number_outputs``
                 return False
     return True
 
@@ -196,7 +198,12 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
     # ran (a speculated branch); compiled or not, the graph computes the same values, and
     # when the check fails they are dropped and the original runs.
     if gm.meta.get("non_tensor_outputs"):
-        return "it returns Python numbers computed inside the graph"
+        # A flattened graph returns them as 0-d tensors (``passes.number_outputs_as_tensors``).
+        if number_outputs(gm) is None:
+            return "it returns a value that is neither a tensor nor a Python number"
+        if not flattened(gm):
+            return ("it returns Python numbers computed inside the graph and results that need "
+                    "autograd")
     if gm.meta.get("scalar_inputs") and not specialises and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
     if flattened(gm) and gm.meta.get("outputs_require_grad"):
@@ -303,7 +310,7 @@ register_backend("auto", _fx,
 register_backend("torchscript", _torchscript, supports=_torchscript_supports,
                  help="TorchScript: forward graphs through AOT autograd (functorch), forward and "
                       "backward each scripted; whole training steps flattened to one ATen graph "
-                      "and scripted (frozen). Static shapes only.")
+                      "and scripted (frozen). Dynamic sizes compiled once for every size.")
 register_backend("inductor", _inductor, supports=_inductor_supports,
                  help="Inductor (torch._inductor.compile_fx): fused C++/Triton kernels; slow to compile. "
                       "Whole training steps and dynamic graphs are flattened to ATen first.")

@@ -77,7 +77,7 @@ def compile_cudagraph(gm: torch.fx.GraphModule, example_inputs: list,
                       recorder: Callable = CudaGraphRecorder) -> Callable:
     """``recorder(fn)`` captures ``fn``; another recorder (e.g. one that re-runs ``fn`` and
     copies into the same output buffers) exercises the buffer handling without a GPU."""
-    from ._torch_compilers import flatten
+    from ._torch_compilers import captured_outputs, flatten
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
     flat = flatten(gm, example_inputs, tracing_mode="fake", scalar_device=device)
     static = [t.detach().clone() for t in flat.inputs]
@@ -98,6 +98,6 @@ def compile_cudagraph(gm: torch.fx.GraphModule, example_inputs: list,
                 else:
                     buffer.copy_(value)
             recording.replay()
-            return tuple(o.clone() for o in recording.outputs)
+            return captured_outputs([o.clone() for o in recording.outputs], flat.numbers)
 
     return run

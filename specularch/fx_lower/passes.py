@@ -83,6 +83,61 @@ def _as_dtype_of(graph: torch.fx.Graph, number: torch.fx.Node, user: torch.fx.No
         return graph.call_method("to", (number, dtype))
 
 
+# Python numbers a graph may return, as the 0-d tensors a flattened graph returns them in;
+# ``.item()`` of such a tensor gives back a number of the same type.
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
+def number_outputs(gm: torch.fx.GraphModule) -> list[int] | None:
+    """Positions of the graph's outputs that are Python numbers (a dynamic batch size the
+    program returns, arithmetic on a number input), or None where some output is neither a
+    tensor nor such a number (a compiled graph returns tensors only)."""
+    positions = []
+    for i, value in enumerate(_outputs(gm)):
+        example = value.meta.get("example") if isinstance(value, torch.fx.Node) else value
+        if isinstance(example, torch.Tensor):
+            continue
+        if type(example) not in _NUMBER_DTYPES or not isinstance(value, torch.fx.Node):
+            return None
+        positions.append(i)
+    return positions
+
+
+def number_outputs_as_tensors(gm: torch.fx.GraphModule, positions: list[int]) -> None:
+    """Makes the outputs at ``positions`` (``number_outputs``) 0-d tensors, in place: a
+    symbolic size ``s`` becomes ``scalar_tensor(s)`` (int64, float64 or bool, as the number's
+    type), a number input made a tensor (``scalar_inputs_as_tensors``) stays one. The caller
+    turns them back with ``.item()``."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    values = list(_outputs(gm))
+    with gm.graph.inserting_before(output):
+        for i in positions:
+            dtype = _NUMBER_DTYPES[type(values[i].meta["example"])]
+            values[i] = gm.graph.call_function(number_as_tensor, (values[i], dtype))
+    output.args = (type(output.args[0])(values) if isinstance(output.args[0], (tuple, list))
+                   else values[0],)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def number_as_tensor(value, dtype: torch.dtype) -> torch.Tensor:
+    """A number output as a 0-d tensor of ``dtype`` (traced by ``make_fx``: a symbolic size
+    becomes ``aten.scalar_tensor``). A number input's arithmetic already is a 0-d tensor;
+    one of another dtype (int64 ``n / 3`` gives float32 where Python gives a float64) raises
+    rather than return another number than eager."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != dtype:
+            raise TypeError(f"a number output computed as a {value.dtype} tensor, not {dtype}")
+        return value
+    return torch.scalar_tensor(value, dtype=dtype)
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list:
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    values = output.args[0]
+    return list(values) if isinstance(values, (tuple, list)) else [values]
+
+
 def as_tensor_input(value, device=None) -> torch.Tensor:
     """A Python-number graph input as the 0-d tensor ``scalar_inputs_as_tensors`` expects."""
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64,

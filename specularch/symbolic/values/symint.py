@@ -42,6 +42,12 @@ class SymV(Value):
     tracer: Any
     label: str = ""       # the same expression as the user would write it
 
+    def __post_init__(self):
+        # The capture-time value, as every graph node's ``meta["example"]`` (a backend reads a
+        # number output's type from it: ``fx_lower/passes.number_outputs``).
+        if isinstance(self.node, torch.fx.Node):
+            self.node.meta.setdefault("example", self.value)
+
     def concrete(self):
         """The value, for use in Python: specialises (guards or asserts) on it."""
         specialize(self.tracer, self)
