@@ -15,6 +15,7 @@ from specularch.api import _state_of
 from specularch.fx_lower import _torch_compilers, _torch_shapes, compile_cache
 from specularch.fx_lower.dynamic_sizes import SizeChecked, checked
 from specularch.fx_lower.passes import example_inputs
+from specularch.guards.guard import same_value
 
 import test_tiering
 import test_tiering_stall
@@ -83,6 +84,77 @@ def test_a_dynamic_dimension_traced_at_size_one_is_refused():
     check = _torch_shapes.size_check(ok["size_guards"])
     assert check(tuple(_rows(7, 7))) and check(tuple(_rows(7, 6)))
     assert not check(tuple(_rows(1, 7))) and not check((torch.randn(3, 7).t(), torch.randn(7, 3)))
+
+
+def _halves(x, y):
+    with torch.no_grad():
+        return (x * 2).sum(1) + y.sum(1), x[:, :2] - 1
+
+
+def _sliced(batch, width=6):
+    """Rows of a wider table without its last column (``data[3:, :-1]``): not contiguous."""
+    gen = torch.Generator().manual_seed(batch)
+    data = torch.randn(batch + 3, width + 1, generator=gen)
+    return [data[3:, :-1], torch.randn(batch, 2, generator=gen)]
+
+
+def test_a_sliced_input_with_dynamic_sizes_is_compiled_with_its_strides_checked():
+    """A non-contiguous input (a slice) is traced with torch's strides for it, and the ones
+    it took as numbers are checked: a contiguous input of those sizes runs ``fx``."""
+    calls = [_sliced(4), _sliced(5), _sliced(9), _sliced(7)]
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_halves, "torchscript", calls)
+    graph_fn = _entry(opt).graph_fn
+    assert isinstance(graph_fn, SizeChecked) and graph_fn.misses == 0, graph_fn
+    assert "L['t0'].stride()[1] == 1" in graph_fn.expression, graph_fn.expression
+    assert "L['t0'].is_contiguous()" not in graph_fn.expression, graph_fn.expression
+    x, y = _sliced(6)
+    torch.testing.assert_close(graph_fn(x, y), _halves(x, y))
+    wider = _sliced(6, width=9)[0][:, :6]  # rows 10 apart: its row stride was a symbol
+    torch.testing.assert_close(graph_fn(wider, y), _halves(wider, y))
+    assert graph_fn.misses == 0
+    every_other = torch.randn(6, 12)[:, ::2]  # columns 2 apart: traced as 1
+    torch.testing.assert_close(graph_fn(every_other, y), _halves(every_other, y))
+    assert graph_fn.misses == 1
+    contiguous = x.contiguous()
+    torch.testing.assert_close(graph_fn(contiguous, y), _halves(contiguous, y))
+
+
+def _with_size_check(gm, as_python_bool: bool):
+    """``gm`` returning also ``same_value(x.size(0), 5)`` (an in-graph check of a size the
+    program used in Python), or its ``bool()``, which a trace can only take as a number."""
+    graph = gm.graph
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    placeholder = next(n for n in graph.nodes if n.op == "placeholder")
+    with graph.inserting_before(output):
+        size = graph.call_method("size", (placeholder, 0))
+        check = graph.call_function(same_value, (size, 5))
+        if as_python_bool:
+            check = graph.call_function(bool, (check,))
+    size.meta["example"], check.meta["example"] = 5, True
+    output.args = (tuple(output.args[0]) + (check,),)
+    gm.recompile()
+    gm.meta["non_tensor_outputs"] = True
+    return gm
+
+
+@pytest.mark.parametrize("as_python_bool", [False, True])
+def test_an_in_graph_check_of_a_dynamic_size_is_compiled(as_python_bool):
+    """The check is a symbolic boolean in the trace, computed for every size; where the trace
+    had to take it as a Python bool it fixed the size to the number, and the compiled form
+    runs for that size only (``fx`` for the others, whose check then says False)."""
+    with specularch.config.patch(profile_calls=0):
+        opt = _optimized(_pair_sums, "fx", [_rows(4, 4), _rows(5, 5)])
+    gm = _with_size_check(copy.deepcopy(_entry(opt).capture.graph_module), as_python_bool)
+    flat = _torch_compilers.flatten(gm, _rows(5, 5))
+    meta = flat.meta()
+    assert ("L['t0'].size()[0] == 5" in meta["size_guards"]) is as_python_bool, meta
+    run = _torch_compilers.run_scripted(_torch_compilers.script_aten_graph(flat.graph), meta, gm.forward)
+    for sizes in ((5, 5), (6, 6), (5, 3)):
+        out, expected = run(*_rows(*sizes)), gm(*_rows(*sizes))
+        assert out[-1] is expected[-1] is (sizes[0] == 5)
+        torch.testing.assert_close(list(out[:-1]), list(expected[:-1]))
+    assert run.misses == (1 if as_python_bool else 0)  # (6, 6); the second input's size is free
 
 
 def test_a_compiled_form_for_dynamic_sizes_needs_its_fallback():

@@ -154,7 +154,8 @@ def _aot_dynamic(gm: torch.fx.GraphModule, example_inputs: list,
     with _torch_shapes.traced_with(fakes), \
             functorch_config.patch(force_non_lazy_backward_lowering=True):
         compiled = compile_with(fakes)
-    meta = {"size_guards": _torch_shapes.size_guards(fakes, dynamic)}
+    meta = {"size_guards": _torch_shapes.size_guards(
+        fakes, dynamic, _torch_shapes.contiguous_inputs(example_inputs, dynamic))}
     return checked(compiled, meta, fallback)
 
 
@@ -271,7 +272,8 @@ class Flattened:
             meta["number_outputs"] = self.numbers
         if self.dynamic:
             placeholders = [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder"]
-            meta["size_guards"] = _torch_shapes.size_guards(placeholders, self.dynamic)
+            meta["size_guards"] = _torch_shapes.size_guards(
+                placeholders, self.dynamic, _torch_shapes.contiguous_inputs(self.inputs, self.dynamic))
         return meta
 
     def arguments(self, args) -> list:
@@ -490,6 +492,9 @@ def _aoti_refusal(gm: torch.fx.GraphModule, flat: Flattened) -> str | None:
     devices = {t.device.type for t in flat.inputs if isinstance(t, torch.Tensor)}
     if devices - {"cpu"}:
         return f"used for CPU graphs only, not on {', '.join(sorted(devices - {'cpu'}))}"
+    strided = set(flat.dynamic) - _torch_shapes.contiguous_inputs(flat.inputs, flat.dynamic)
+    if strided:  # export's ``Dim.AUTO`` would decide their strides without our check
+        return f"graph input(s) {sorted(strided)} with dynamic sizes are not contiguous"
     updated = _torch_aoti.updated_inputs(flat.graph)
     if updated:
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

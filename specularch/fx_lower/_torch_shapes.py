@@ -25,8 +25,9 @@ class NotSymbolic(ValueError):
 
 def symbolic_inputs(inputs: list, dynamic: dict[int, list[int]]) -> list:
     """Fake tensors for ``inputs`` in one fresh shape environment: the dimensions
-    ``dynamic[i]`` of input ``i`` symbolic, every other size, stride and input static
-    (numbers stay numbers)."""
+    ``dynamic[i]`` of input ``i`` symbolic, every other size and input static (numbers stay
+    numbers). A contiguous input's strides follow from its sizes; a non-contiguous one's (a
+    slice ``data[3:, :-1]``) are what torch makes of them: numbers, or symbols of their own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
@@ -37,33 +38,49 @@ def symbolic_inputs(inputs: list, dynamic: dict[int, list[int]]) -> list:
             out.append(value)
             continue
         dims = set(dynamic.get(i, ()))
-        if dims and not value.is_contiguous():
-            raise NotSymbolic(f"graph input {i} has dynamic sizes but is not contiguous")
         sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
         out.append(mode.from_tensor(value,
                                     symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
     return out
 
 
-def size_guards(placeholders: list, dynamic: dict[int, list[int]]) -> str:
+def contiguous_inputs(inputs: list, dynamic: dict[int, list[int]]) -> set[int]:
+    """Which inputs with dynamic sizes are contiguous (``size_guards``' ``contiguous``)."""
+    return {i for i in dynamic if inputs[i].is_contiguous()}
+
+
+def size_guards(placeholders: list, dynamic: dict[int, list[int]], contiguous: set[int]) -> str:
     """What the trace of a graph whose placeholders' values are ``placeholders`` (fake
     tensors made by ``symbolic_inputs``, then traced and compiled) assumed of its dynamic
     sizes, as a Python expression over ``L['t<i>']`` (input ``i``): the shape environment's
-    guards on symbols, and contiguity of each input with a dynamic size (their strides were
-    traced as a contiguous tensor's). Raises ``NotSymbolic`` where a dynamic dimension was
-    traced as a number."""
-    for i, dims in dynamic.items():
+    guards on symbols; contiguity of each input with a dynamic size that was contiguous
+    (``contiguous``: their strides were traced as a contiguous tensor's), each stride the
+    trace took as a number for the others. A size or stride the trace itself fixed to a
+    number (the graph checks a size against one: ``x.size(0) == 35``) adds that equality:
+    torch's expression leaves out what it calls static. Raises ``NotSymbolic`` where a
+    dynamic dimension was never a symbol (an example size of 0 or 1)."""
+    terms = [f"L['t{i}'].is_contiguous()" for i in sorted(dynamic) if i in contiguous]
+    for i, dims in sorted(dynamic.items()):
         value = placeholders[i]
         for d in dims:
-            if not isinstance(value.shape[d], torch.SymInt) or \
-                    not value.shape[d].node.expr.free_symbols:
+            size = value.shape[d]
+            if not isinstance(size, torch.SymInt):
                 raise NotSymbolic(f"dimension {d} of graph input {i} was traced as the number "
-                                  f"{int(value.shape[d])} (sizes 0 and 1 are specialised on)")
-    terms = [f"L['t{i}'].is_contiguous()" for i in sorted(dynamic)]
+                                  f"{int(size)} (sizes 0 and 1 are specialised on)")
+            if _fixed(size):
+                terms.append(f"L['t{i}'].size()[{d}] == {int(size)}")
+        if i not in contiguous:
+            terms += [f"L['t{i}'].stride()[{k}] == {int(stride)}"
+                      for k, stride in enumerate(value.stride()) if _fixed(stride)]
     expression = _shape_env(placeholders).produce_guards_expression(placeholders, ignore_static=True)
     if expression:
         terms.append(f"({expression})")
     return " and ".join(terms)
+
+
+def _fixed(number) -> bool:
+    """A size or stride the trace holds as a number (never a symbol, or one it specialised)."""
+    return not isinstance(number, torch.SymInt) or not number.node.expr.free_symbols
 
 
 def _shape_env(placeholders: list):

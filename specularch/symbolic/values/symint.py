@@ -66,6 +66,7 @@ def specialize(tracer, v: SymV) -> None:
                                     where=tracer.where()))
     else:
         check = tracer.graph.call_function(same_value, (v.node, v.value))  # -0.0 is not 0.0
+        check.meta["example"] = True
         tracer.assertions.append((check, True, tracer.where(), ("specialize", id(v.node))))
 
 
@@ -108,6 +109,7 @@ def compare(tracer, op, a: Value, b: Value) -> ConstV:
                                     label=f"({la} {sym} {lb})", where=tracer.where()))
     else:
         check = tracer.graph.call_function(op, (na, nb))
+        check.meta["example"] = outcome
         tracer.assertions.append((check, outcome, tracer.where(), ("compare", id(check))))
     return ConstV(outcome)
 
