@@ -120,7 +120,8 @@ def explain_state(state, verbose: bool = False) -> Explanation:
     from .templates.report import template_lines
     graphs = [GraphReport(e.capture.code, e.capture.guards.readable(),
                           [str(s) for s in e.capture.input_sources], e.backend, e.hits,
-                          e.capture.seconds, e.compile_seconds, e.note,
+                          e.capture.seconds, e.compile_seconds,
+                          "; ".join(filter(None, [e.note, getattr(e.graph_fn, "note", "")])),
                           list(getattr(e.capture, "loops", ())),
                           e.tier.lines() if e.tier is not None else [], e.tier,
                           cached=from_cache(e.graph_fn), guard_us=e.capture.guards.micros,

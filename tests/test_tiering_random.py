@@ -178,3 +178,92 @@ def test_compiling_the_flattened_form_draws_nothing():
     before = torch.get_rng_state()
     compile_in_background(get_backend("torchscript"), gm, examples)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# ---- pinned backends: the first calls checked (same_draws.FirstCallsChecked) -----------------
+
+def _dropout_forward(model):
+    def forward(x):
+        return model(x)
+    return forward
+
+
+def _pinned_pair(backend):
+    torch.manual_seed(0)
+    model = _dropout_mlp()
+    twin = copy.deepcopy(model)
+    return _dropout_forward(twin), specularch.optimize(_dropout_forward(model), backend=backend)
+
+
+def _forward_steps(eager, opt, calls):
+    for i in range(calls):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+        torch.manual_seed(100 + i)
+        expected, eager_state = eager(x), torch.get_rng_state()
+        torch.manual_seed(100 + i)
+        got = opt(x)
+        assert torch.equal(torch.get_rng_state(), eager_state), i
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_pinned_backend_drawing_other_numbers_is_dropped_for_fx(test_backend):  # noqa: F811
+    """A compiled form that draws one number more than the graph (as AOT autograd's
+    ``nn.LSTM`` with dropout between layers draws fewer) is caught on its first call: that
+    call's result and generator state are ``fx``'s, and so are every later call's."""
+    def extra_draw(gm, example_inputs):
+        def run(*args):
+            torch.rand(1)
+            return gm.forward(*args)
+        return run
+    test_backend("extra_draw", extra_draw)
+    eager, opt = _pinned_pair("extra_draw")
+    _forward_steps(eager, opt, 8)
+    (graph,) = specularch.explain(opt).graphs
+    assert graph.backend == "extra_draw", graph
+    assert "backend 'extra_draw' dropped: its random numbers are not eager's" in graph.note, graph
+
+
+def test_a_pinned_backend_drawing_eagers_numbers_is_kept(test_backend):  # noqa: F811
+    calls = []
+
+    def same_draws(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+        return run
+    test_backend("same_draws", same_draws)
+    eager, opt = _pinned_pair("same_draws")
+    _forward_steps(eager, opt, 8)
+    (graph,) = specularch.explain(opt).graphs
+    assert graph.note == "" and len(calls) == graph.hits, (graph, len(calls))
+
+
+class _DroppedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.drop = nn.Embedding(20, 8), nn.Dropout(0.2)
+        self.lstm = nn.LSTM(8, 8, 2, dropout=0.3)
+
+    def forward(self, tokens, hidden):
+        out, hidden = self.lstm(self.drop(self.embed(tokens)), hidden)
+        return self.drop(out), hidden
+
+
+def test_torchscripts_lstm_with_dropout_between_layers_runs_fx():
+    """AOT autograd's forward of a two-layer ``nn.LSTM(dropout=...)`` holds the dropouts
+    before and after it but not the one between its layers: pinned TorchScript draws fewer
+    numbers than eager, so that graph runs ``fx`` after its first call, with eager's numbers."""
+    torch.manual_seed(0)
+    lstm = _DroppedLSTM()
+    twin = copy.deepcopy(lstm)
+    eager, opt = twin, specularch.optimize(lstm, backend="torchscript")
+    for i in range(6):
+        x = torch.randint(0, 20, (5, 3), generator=torch.Generator().manual_seed(i))
+        hidden = (torch.zeros(2, 3, 8), torch.zeros(2, 3, 8))
+        torch.manual_seed(i)
+        expected, state = eager(x, hidden), torch.get_rng_state()
+        torch.manual_seed(i)
+        torch.testing.assert_close(opt(x, hidden), expected, rtol=1e-4, atol=1e-6)
+        assert torch.equal(torch.get_rng_state(), state), i
+    (graph,) = specularch.explain(opt).graphs
+    assert "backend 'torchscript' dropped" in graph.note, graph

@@ -272,7 +272,12 @@ def _backend_compile(state: CodeState, gm, backend_name: str | None, note: str):
         backend = get_backend("fx")
     examples = example_inputs(gm)
     try:
-        return backend.compile(gm, examples), backend.name, note
+        compiled = backend.compile(gm, examples)
+        if backend.name not in ("fx", "auto") and graph_uses_randomness(gm):
+            from ..tiering.same_draws import FirstCallsChecked
+            compiled = FirstCallsChecked(compiled, get_backend("fx").compile(gm, examples),
+                                         backend.name)
+        return compiled, backend.name, note
     except Exception as e:
         if backend.name == "fx":
             raise

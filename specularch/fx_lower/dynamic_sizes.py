@@ -73,6 +73,7 @@ def describe(graph_fn: Callable, inputs: list[str]) -> str:
 
 
 def _size_checked(graph_fn: Callable) -> list[SizeChecked]:
+    graph_fn = getattr(graph_fn, "wrapped", graph_fn)  # same_draws.FirstCallsChecked
     if isinstance(graph_fn, SizeChecked):
         return [graph_fn]
     per_value = getattr(graph_fn, "compiled", None)  # specialise.PerValue: compiles by value
