@@ -206,36 +206,31 @@ def _forward_steps(eager, opt, calls):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
-def test_a_pinned_backend_drawing_other_numbers_is_dropped_for_fx(test_backend):  # noqa: F811
+@pytest.mark.parametrize("draws_more", [True, False])
+def test_a_pinned_backend_drawing_other_numbers_is_dropped_for_fx(test_backend, draws_more):  # noqa: F811
     """A compiled form that draws one number more than the graph (as AOT autograd's
     ``nn.LSTM`` with dropout between layers draws fewer) is caught on its first call: that
-    call's result and generator state are ``fx``'s, and so are every later call's."""
-    def extra_draw(gm, example_inputs):
-        def run(*args):
-            torch.rand(1)
-            return gm.forward(*args)
-        return run
-    test_backend("extra_draw", extra_draw)
-    eager, opt = _pinned_pair("extra_draw")
-    _forward_steps(eager, opt, 8)
-    (graph,) = specularch.explain(opt).graphs
-    assert graph.backend == "extra_draw", graph
-    assert "backend 'extra_draw' dropped: its random numbers are not eager's" in graph.note, graph
-
-
-def test_a_pinned_backend_drawing_eagers_numbers_is_kept(test_backend):  # noqa: F811
+    call's result and generator state are ``fx``'s, and so are every later call's. One that
+    draws eager's numbers runs on every call."""
     calls = []
 
-    def same_draws(gm, example_inputs):
+    def compile_fn(gm, example_inputs):
         def run(*args):
             calls.append(1)
+            if draws_more:
+                torch.rand(1)
             return gm.forward(*args)
         return run
-    test_backend("same_draws", same_draws)
-    eager, opt = _pinned_pair("same_draws")
+    test_backend("drawing", compile_fn)
+    eager, opt = _pinned_pair("drawing")
     _forward_steps(eager, opt, 8)
     (graph,) = specularch.explain(opt).graphs
-    assert graph.note == "" and len(calls) == graph.hits, (graph, len(calls))
+    assert graph.backend == "drawing", graph
+    if draws_more:
+        assert "backend 'drawing' dropped: its random numbers are not eager's" in graph.note, graph
+        assert len(calls) == 1
+    else:
+        assert graph.note == "" and len(calls) == graph.hits, (graph, len(calls))
 
 
 class _DroppedLSTM(nn.Module):
