@@ -71,19 +71,35 @@ def test_sizes_the_trace_did_not_hold_for_run_the_fx_code():
     assert graph_fn.misses == 2
 
 
-def test_a_dynamic_dimension_traced_at_size_one_is_refused():
+def test_a_graph_captured_at_size_one_is_traced_at_two():
+    """Tracing specialises on sizes 0 and 1: a graph whose example has a dynamic size of one
+    (a batch of one, a first token) is traced with that size 2 (``_torch_shapes.hinted``), so
+    it is compiled for every size but 0 and 1, which run ``fx``."""
     with specularch.config.patch(profile_calls=0):
         opt = _optimized(_pair_sums, "fx", [_rows(4, 4), _rows(5, 5)])
     gm = _entry(opt).capture.graph_module
     assert gm.meta["dynamic_inputs"] == [[0, [0]], [1, [0]]]
     flat = _torch_compilers.flatten(gm, _rows(1, 1))
-    with pytest.raises(_torch_shapes.NotSymbolic, match="dimension 0 of graph input 0 was traced "
-                                                        "as the number 1"):
-        flat.meta()
-    ok = _torch_compilers.flatten(gm, _rows(2, 2)).meta()
+    assert [tuple(t.shape) for t in flat.inputs] == [(2, 3), (2, 3)]
+    ok = flat.meta()
     check = _torch_shapes.size_check(ok["size_guards"])
     assert check(tuple(_rows(7, 7))) and check(tuple(_rows(7, 6)))
     assert not check(tuple(_rows(1, 7))) and not check((torch.randn(3, 7).t(), torch.randn(7, 3)))
+    run = _torch_compilers.run_scripted(_torch_compilers.script_aten_graph(flat.graph), ok, gm.forward)
+    for sizes in ((1, 1), (6, 3), (1, 4)):
+        torch.testing.assert_close(run(*_rows(*sizes)), list(gm(*_rows(*sizes))))
+    assert run.misses == 2
+
+
+def test_a_graph_captured_at_a_batch_of_one_is_compiled_for_the_others():
+    """Sizes varied while profiling, then the capturing call has a batch of one: the pinned
+    backend compiles the graph (traced at two); the batch of one ran, and runs, ``fx``."""
+    calls = [_rows(3, 3), _rows(5, 5), _rows(7, 7), _rows(1, 1), _rows(4, 4), _rows(6, 6), _rows(1, 1)]
+    with specularch.config.patch(profile_calls=3):
+        opt = _optimized(_pair_sums, "torchscript", calls)
+    (graph,) = specularch.explain(opt).graphs
+    assert graph.backend == "torchscript" and graph.note == "", graph
+    assert graph.sizes.endswith("; 2 call(s) outside ran fx"), graph.sizes  # both (1, 1)
 
 
 def _halves(x, y):

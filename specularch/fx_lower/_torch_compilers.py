@@ -150,6 +150,7 @@ def _aot_dynamic(gm: torch.fx.GraphModule, example_inputs: list,
     if not dynamic:
         return None
     fallback = gm.forward  # (before Inductor's passes rewrite ``gm``)
+    example_inputs = _torch_shapes.hinted(example_inputs, dynamic)
     fakes = _torch_shapes.symbolic_inputs(example_inputs, dynamic)
     with _torch_shapes.traced_with(fakes), \
             functorch_config.patch(force_non_lazy_backward_lowering=True):
@@ -301,6 +302,8 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     inputs = list(example_inputs)
     for i in converted:
         inputs[i] = as_tensor_input(inputs[i], scalar_device)
+    if dynamic:
+        inputs = _torch_shapes.hinted(inputs, dynamic)
     numbers = number_outputs(gm) if gm.meta.get("non_tensor_outputs") else []
     if numbers is None:
         raise TypeError("the graph returns a value that is neither a tensor nor a number")

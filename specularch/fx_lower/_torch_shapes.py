@@ -23,6 +23,23 @@ class NotSymbolic(ValueError):
     tracing specialises on)."""
 
 
+def hinted(inputs: list, dynamic: dict[int, list[int]]) -> list:
+    """``inputs`` where each tensor with a dynamic dimension of size 0 or 1 is replaced by
+    zeros with those dimensions 2 (contiguous, same dtype, device and ``requires_grad``):
+    tracing specialises on sizes 0 and 1, so a graph captured at a batch of one (a server's
+    first request, a generated sequence's first token) would otherwise never be compiled
+    for its other sizes. Fake tracing reads no values; the size check then leaves sizes 0
+    and 1 to ``fx``, and a graph that cannot run at 2 fails its compile as before."""
+    out = list(inputs)
+    for i, dims in dynamic.items():
+        value = out[i]
+        if isinstance(value, torch.Tensor) and any(value.shape[d] < 2 for d in dims):
+            shape = [2 if d in dims and n < 2 else n for d, n in enumerate(value.shape)]
+            out[i] = torch.zeros(shape, dtype=value.dtype, device=value.device,
+                                 requires_grad=value.requires_grad)
+    return out
+
+
 def symbolic_inputs(inputs: list, dynamic: dict[int, list[int]]) -> list:
     """Fake tensors for ``inputs`` in one fresh shape environment: the dimensions
     ``dynamic[i]`` of input ``i`` symbolic, every other size and input static (numbers stay

@@ -26,7 +26,6 @@ import torch.fx
 
 from . import cells as rolled_cells
 from .._torch_compilers import compiling_in_background
-from .._torch_shapes import NotSymbolic
 from ..randomness import is_identity_dropout, is_random_node
 
 _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
@@ -215,10 +214,8 @@ class CompiledBody:
             return None
         dynamic = [[i, [d for d, (m, n) in enumerate(zip(a[0], b[0])) if m != n]]
                    for i, (a, b) in enumerate(zip(first, key)) if isinstance(a, tuple)]
-        try:
+        try:  # (a varying size of 0 or 1 here is traced as 2: ``_torch_shapes.hinted``)
             self.every_size[kind] = self._compile(args, [p for p in dynamic if p[1]])
-        except NotSymbolic:  # a varying size traced at 0 or 1: try again at the next shapes
-            return None
         except Exception:  # (this shape's own compile follows, as before)
             self.every_size[kind] = False
         return self.every_size[kind] or None
