@@ -48,18 +48,21 @@ def _hammer(call, threads: int, calls: int) -> None:
 
 @pytest.mark.parametrize("threads", [2, 4])
 def test_threads_sharing_a_stateful_module_lose_no_write(threads):
+    """The optimized module's writes are committed under a lock: none is lost. (Eager itself
+    can lose some: ``self.count += 1`` stores through ``nn.Module.__setattr__``, a Python call
+    where another thread may run between the read and the store: a full local run once
+    counted 300 of 600.)"""
     x = torch.randn(4, 16)
-    for optimized in (False, True):
-        m = Counter()
-        f = specularch.optimize(m) if optimized else m
-        with torch.no_grad():
-            for _ in range(8):  # profile, capture, relax the counter: graph hits from here
-                f(x)
-        for _ in range(4):  # several runs: a lost update shows up in most, not all
-            m.count, m.log[:] = 0, []
-            _hammer(lambda: f(x), threads, 150)
-            assert m.count == threads * 150 and len(m.log) == threads * 150, (optimized, m.count)
-            assert sorted(m.log) == list(range(1, threads * 150 + 1))
+    m = Counter()
+    f = specularch.optimize(m)
+    with torch.no_grad():
+        for _ in range(8):  # profile, capture, relax the counter: graph hits from here
+            f(x)
+    for _ in range(4):  # several runs: a lost update shows up in most, not all
+        m.count, m.log[:] = 0, []
+        _hammer(lambda: f(x), threads, 150)
+        assert m.count == threads * 150 and len(m.log) == threads * 150, m.count
+        assert sorted(m.log) == list(range(1, threads * 150 + 1))
     stats = specularch.explain(m).stats
     assert stats.fallback_calls == 0 and stats.graph_hits >= 4 * threads * 150, str(stats)
 
