@@ -106,3 +106,26 @@ def test_converted_script_trains_like_the_original_on_two_processes(tmp_path, sc
     assert single.keys() == dist.keys()
     for key in single:
         torch.testing.assert_close(dist[key], single[key], rtol=1e-5, atol=1e-6)
+
+
+def test_run_launches_from_a_folder_of_its_own_importing_beside_the_original(tmp_path, monkeypatch):
+    """``--run`` without ``-o``: the converted script is written to a fresh folder (not the
+    shared temp folder, whose stray modules would shadow its imports), the original's folder
+    is first on ``PYTHONPATH`` (a module beside it imports as in the original), and the
+    folder is removed afterwards."""
+    from specularch.ddp_convert import __main__ as cli
+    (tmp_path / "helpers.py").write_text("SCALE = 2\n")
+    script = tmp_path / "train.py"
+    script.write_text(EXAMPLE.read_text().replace("import torch\n", "import torch\nimport helpers\n", 1))
+    seen = {}
+
+    def call(command, env):
+        seen["script"], seen["path"] = pathlib.Path(command[-1]), env["PYTHONPATH"]
+        seen["folder"] = sorted(p.name for p in seen["script"].parent.iterdir())
+        return 0
+    monkeypatch.setattr(cli.subprocess, "call", call)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert cli.main([str(script), "--run", "2"]) == 0
+    assert seen["folder"] == ["train_distributed.py"], seen
+    assert seen["path"] == os.pathsep.join([str(tmp_path), "/elsewhere"]), seen
+    assert not seen["script"].parent.exists()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,10 +35,14 @@ def main(argv=None) -> int:
         return 2
     for line, rule, what in reports:
         print(f"{options.script}:{line}: [{rule}] {what}", file=sys.stderr)
-    output = options.output
+    output, folder = options.output, None
     if output is None and options.run:
-        handle, output = tempfile.mkstemp(suffix="_distributed.py")
-        os.close(handle)
+        # A folder of its own: the folder of the script run is the first place its imports
+        # are looked for, and the system temp folder may hold anything (a stray ``nt.py``
+        # there made torch's own import fail).
+        folder = tempfile.mkdtemp(prefix="specularch_ddp_")
+        name = os.path.splitext(os.path.basename(options.script))[0]
+        output = os.path.join(folder, f"{name}_distributed.py")
     if output is None:
         sys.stdout.write(converted)
         return 0
@@ -48,7 +53,19 @@ def main(argv=None) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={options.run}", output, *script_args]
     print("running: " + " ".join(command), file=sys.stderr)
-    return subprocess.call(command)
+    try:
+        return subprocess.call(command, env=_importing_beside(options.script))
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _importing_beside(script: str) -> dict:
+    """The environment for the converted script: the original's folder first on
+    ``PYTHONPATH``, so its imports of modules beside it work as in the original."""
+    here = os.path.dirname(os.path.abspath(script))
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([here, path]) if path else here)
 
 
 if __name__ == "__main__":
