@@ -4,11 +4,12 @@ and torch.compile, side by side in one process.
 
     python benchmarks/dynamic_batch.py [--models mlp,lenet] [--sizes 8-64] [--warmup 60]
         [--rounds 7] [--steps 40] [--modes auto,fx,torchscript,inductor,torch.compile]
-        [--what step|forward]
+        [--what step|forward|counted]
 
 Models: ``train_step.py``'s MLP, LeNet and LSTM LM (``lstm``: its sequence length drawn from
 8-16 each step too, the Python loop over time rolled). The step is ``train_step.py``'s
-(Adam, unmodified), optimized whole (``--what step``) or only
+(Adam, unmodified), optimized whole (``--what step``; ``counted``: the step returns the
+batch's summed loss and row count, ``loss.item() * x.size(0), x.size(0)``) or only
 its model (``forward``: loss, backward and optimizer step eager around the optimized model,
 whose result needs autograd); each step draws its batch size from
 ``--sizes`` (uniform, one fixed sequence for every mode). ``torch.set_num_threads(1)``.
@@ -63,7 +64,8 @@ def _forward_step(model, opt, wrap):
 
 def _modes(model: str, names: list[str], what: str) -> tuple[dict, dict]:
     """The steps to time, by mode, and what each mode optimized (for ``explain()``)."""
-    modes, optimized = {"eager": make_step(*build(model))}, {}
+    counted = what == "counted"
+    modes, optimized = {"eager": make_step(*build(model), counted=counted)}, {}
     for name in names:
         if name == "torch.compile":
             wrap = torch.compile
@@ -71,8 +73,8 @@ def _modes(model: str, names: list[str], what: str) -> tuple[dict, dict]:
             def wrap(fn, backend=name):
                 return specularch.optimize(fn, backend=backend)
             name = f"specularch {name}"
-        if what == "step":
-            modes[name] = wrap(make_step(*build(model)))
+        if what in ("step", "counted"):
+            modes[name] = wrap(make_step(*build(model), counted=counted))
             optimized[name] = modes[name]
         else:
             modes[name], optimized[name] = _forward_step(*build(model), wrap)
@@ -134,8 +136,9 @@ def bench(model: str, args) -> None:
     first = _warm_up(modes, warm, args.warmup)
     timed = _batches(model, sizes, args.steps, seed=2)
     med = _timed(modes, timed, args.rounds)
-    print(f"[{model}] Adam step ({'whole step' if args.what == 'step' else 'model only'} "
-          f"optimized), batch size drawn from {sizes[0]}-{sizes[1]} each step, "
+    what = {"step": "whole step optimized", "forward": "model only optimized",
+            "counted": "whole step optimized, returning its summed loss and row count"}
+    print(f"[{model}] Adam step ({what[args.what]}), batch size drawn from {sizes[0]}-{sizes[1]} each step, "
           f"torch {torch.__version__}, threads={torch.get_num_threads()}, "
           f"{args.rounds} rounds x {args.steps} steps, median round")
     print("| mode | µs/step | vs eager | first 16 steps | graphs |")
@@ -156,8 +159,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--modes", default="auto,fx,torchscript,inductor,torch.compile")
-    parser.add_argument("--what", choices=("step", "forward"), default="step",
-                        help="optimize the whole training step, or only the model (forward)")
+    parser.add_argument("--what", choices=("step", "forward", "counted"), default="step",
+                        help="optimize the whole training step, the step returning its summed "
+                             "loss and row count (counted), or only the model (forward)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(prefix="dynamic-batch-")

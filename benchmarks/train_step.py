@@ -81,7 +81,10 @@ def build(name: str):
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def make_step(model, opt):
+def make_step(model, opt, counted: bool = False):
+    """The training step ``(x, y) -> loss.item()``; ``counted``: it returns the batch's summed
+    loss and its row count instead (``loss.item() * x.size(0), x.size(0)``, the running loss
+    of PyTorch's tutorials)."""
     loss_fn = nn.CrossEntropyLoss()
 
     def train_step(x, y):
@@ -89,6 +92,8 @@ def make_step(model, opt):
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+        if counted:
+            return loss.item() * x.size(0), x.size(0)
         return loss.item()
     return train_step
 
