@@ -106,7 +106,8 @@ def test_a_tiered_body_never_compiles_in_a_call_of_the_program(monkeypatch):
     """Tiered, batch and length varying: the TorchScript candidate's loop body compiles for
     the shapes its warm-up meets, on the background thread; a trial call with other shapes
     runs the fx body instead of compiling in the program's call (each compile of it took
-    seconds there, and its tracing patched nn.Module.__call__ under the program)."""
+    seconds there, and its tracing patched nn.Module.__call__ under the program), and asks
+    the background thread for a compile for every size of what varied."""
     from specularch import tiering
     from specularch.fx_lower.rolled import compiled
     from specularch.tiering import policy
@@ -114,9 +115,9 @@ def test_a_tiered_body_never_compiles_in_a_call_of_the_program(monkeypatch):
     threads = []
     original = compiled.CompiledBody._compile
 
-    def counted(self, args):
-        threads.append(threading.get_ident())
-        return original(self, args)
+    def counted(self, args, dynamic=None):
+        threads.append((threading.get_ident(), bool(dynamic)))
+        return original(self, args, dynamic)
     monkeypatch.setattr(compiled.CompiledBody, "_compile", counted)
     torch.manual_seed(0)
     model = TanhRNN()
@@ -131,7 +132,8 @@ def test_a_tiered_body_never_compiles_in_a_call_of_the_program(monkeypatch):
             assert tiering.wait(timeout=120)
     (entry,) = fast.__specularch_state__.entries
     assert entry.tier is not None and entry.tier.settled, entry.tier and entry.tier.lines()
-    assert threads and threading.get_ident() not in threads, threads
+    assert threads and threading.get_ident() not in {t for t, _ in threads}, threads
+    assert any(every_size for _, every_size in threads), threads
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
@@ -166,3 +168,33 @@ def test_a_pinned_body_compiles_once_for_every_batch_size(monkeypatch, backend):
     e = specularch.explain(fast)
     assert len(e.graphs) == 1 and e.fallbacks == [], str(e)
     assert "then once for every size that varies" in str(e), str(e)
+
+
+def test_a_tiered_bodys_compile_leaves_the_programs_random_numbers_alone(monkeypatch):
+    """The background thread compiling a rolled loop's body (its warm-up) while the program
+    draws random numbers: the generator is not put back to where it was when that compile
+    began (it was, by the compile wrapper of the program's own compiles), so the program
+    draws eager's numbers throughout."""
+    from specularch import tiering
+    from specularch.tiering import policy
+    monkeypatch.setattr(policy, "CANDIDATES", ("torchscript",))
+    torch.manual_seed(0)
+    model = TanhRNN()
+    twin = copy.deepcopy(model)
+    fast, eager = specularch.optimize(_step(model)), _step(twin)
+    batches = [(torch.randn(length, batch, 4), torch.randint(0, 3, (batch,)))
+               for length, batch in [(3, 5), (4, 5), (5, 7), (3, 8)] * 60]
+
+    def draws(step):
+        torch.manual_seed(1)
+        out = []
+        for xs, labels in batches:
+            step(xs, labels)
+            out.append(torch.rand(1).item())  # the program's own draw, between steps
+        return out
+    with specularch.config.patch(tier_min_hits=3, tier_min_seconds=1e-6, tier_trial_calls=2):
+        got = draws(fast)
+        assert tiering.wait(timeout=120)
+    (entry,) = fast.__specularch_state__.entries
+    assert entry.tier is not None and entry.tier.events, entry.tier and entry.tier.lines()
+    assert got == draws(eager)

@@ -31,7 +31,7 @@ _PATCHER_INSTALLED = threading.Lock()
 
 
 @contextlib.contextmanager
-def background_tracing():
+def background_tracing(later: Callable[[Callable[[], None]], None] | None = None):
     """Compiling on a thread beside the user's program. ``torch.fx``'s tracer (which
     ``make_fx``, AOT autograd and Inductor run) patches ``nn.Module.__call__`` and
     ``__getattr__`` process-wide while it traces, so the user's thread would meanwhile call
@@ -48,19 +48,27 @@ def background_tracing():
     Graphs that draw random numbers come here only flattened (fake tensors, never run), so
     tracing them draws none (``tiering/policy.py``).
     Also keeps ``script_aten_graph`` off the process-wide warning filters
-    (``warnings.catch_warnings`` is not thread-safe)."""
+    (``warnings.catch_warnings`` is not thread-safe). ``later(job)`` runs ``job()`` on the
+    background thread afterwards (``compile_later``: what a compiled form built here may ask
+    of that thread once it meets what it was not compiled for)."""
     _install_thread_aware_patcher()
     _install_thread_aware_rng_restore()
-    _BACKGROUND.active = True
+    _BACKGROUND.active, _BACKGROUND.later = True, later
     try:
         yield
     finally:
-        _BACKGROUND.active = False
+        _BACKGROUND.active, _BACKGROUND.later = False, None
 
 
 def compiling_in_background() -> bool:
     """This thread compiles beside the user's program (``background_tracing``)."""
     return getattr(_BACKGROUND, "active", False)
+
+
+def compile_later() -> Callable[[Callable[[], None]], None] | None:
+    """While compiling in the background: how to run a compile job on that thread later
+    (``job()`` must enter ``background_tracing`` itself), or None."""
+    return getattr(_BACKGROUND, "later", None)
 
 
 def compile_threads_from_environment() -> None:

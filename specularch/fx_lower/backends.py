@@ -71,17 +71,20 @@ def _drawing_nothing(compile_fn: Callable) -> Callable:
     return compile
 
 
-def compile_in_background(backend: Backend, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+def compile_in_background(backend: Backend, gm: torch.fx.GraphModule, example_inputs: list,
+                          later: Callable | None = None) -> Callable:
     """``backend.compile`` for a thread other than the user's (``tiering/worker.py``): without
     ``_drawing_nothing``'s save and restore of the global random-number state, which would put
     back, in the middle of the user's program, a state from before draws it made meanwhile.
     So a graph that draws random numbers comes here only in a form whose compile never runs
     it (flattened, traced with fake tensors: ``tiering/policy.py``); other compilers may
-    run their graph while compiling, which draws nothing only when the graph draws nothing."""
+    run their graph while compiling, which draws nothing only when the graph draws nothing.
+    ``later(job)``: runs a compile job on the background thread afterwards (a rolled loop's
+    body meeting other sizes, ``rolled/compiled.py``)."""
     from ._torch_compilers import background_tracing
     since = fx_sources.mark()
     try:
-        with COMPILE_LOCK, background_tracing():
+        with COMPILE_LOCK, background_tracing(later):
             return backend.compile.__wrapped__(gm, example_inputs)
     finally:
         fx_sources.release_with(gm, since)

@@ -122,7 +122,7 @@ class Tier:
             if why_not is None:
                 graph_fn = process.compile_candidate(name, self.gm, examples, process.TIMEOUT)
             else:
-                graph_fn = compile_in_background(get_backend(name), self.gm, examples)
+                graph_fn = compile_in_background(get_backend(name), self.gm, examples, worker.submit)
             if compile_cache.from_cache(graph_fn):
                 where = "from the compile cache"
             if getattr(graph_fn, "artefact_note", ""):  # e.g. not the form it should be

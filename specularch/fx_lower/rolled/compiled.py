@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from . import cells as rolled_cells
-from .._torch_compilers import compiling_in_background
+from .._torch_compilers import background_tracing, compile_later, compiling_in_background
 from ..randomness import is_identity_dropout, is_random_node
 
 _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
@@ -58,8 +58,10 @@ def _is_loop(node: torch.fx.Node) -> bool:
 def compile_bodies(gm: torch.fx.GraphModule, backend: str) -> None:
     """Give every rolled loop of ``gm`` a body compiled by ``backend`` on its first run
     (``gm``'s loops must be its own: ``with_own_loops``). Built by the tier compiler on its
-    background thread, a body compiles new input shapes only on that thread (its warm-up
-    runs), never in a call of the program: there other shapes run the ``fx`` body."""
+    background thread, a body compiles only on that thread (its warm-up runs: their input
+    shapes), never in a call of the program: there other shapes run the ``fx`` body, and the
+    first other shapes of a kind ask that thread for a compile for every size of what varies,
+    which serves them once it is done."""
     for node in gm.graph.nodes:
         loop = node.target
         if _is_loop(node):
@@ -103,6 +105,8 @@ class CompiledBody:
         self.every_size: dict = {}  # per kind of shapes: compiled for every size, or False
         # the thread that may compile new shapes (None: any, the calling one; see compile_bodies)
         self.compiles_on = threading.get_ident() if compiling_in_background() else None
+        self.later = compile_later() if compiling_in_background() else None
+        self.asked: set = set()  # kinds whose compile for every size was asked of that thread
 
     @classmethod
     def of(cls, body: torch.fx.GraphModule, backend: str):
@@ -181,7 +185,7 @@ class CompiledBody:
                     for a in args)
         entry = self.by_shapes.get(key)
         if entry is None and self.compiles_on not in (None, threading.get_ident()):
-            return self.body.forward(t, *inputs)  # (no compile in the program's call)
+            return self._in_the_program(key, t, inputs, args)  # (no compile in its calls)
         if entry is None:  # this iteration runs as fx, and tells the checks' values
             results = self.body.forward(t, *inputs)
             checks = [r for r, (kind, _) in zip(results, self.layout) if kind == "check"]
@@ -193,12 +197,37 @@ class CompiledBody:
 
     __call__ = forward
 
+    def _in_the_program(self, key: tuple, t, inputs: tuple, args: list):
+        """A call of the program meeting input shapes a tier-built body has no compiled form
+        for: the ``fx`` body runs. Where the background thread compiled the body for every
+        size of their kind, that form serves these shapes from the next iteration on; else
+        the first such shapes of a kind ask that thread for it (on blank copies of the
+        inputs: only their shapes, dtypes and strides are read)."""
+        results = self.body.forward(t, *inputs)
+        kind = _kind(key)
+        every = self.every_size.get(kind)
+        if every:
+            checks = [r for r, (k, _) in zip(results, self.layout) if k == "check"]
+            self.by_shapes[key] = (every, checks)
+        elif kind not in self.every_size and kind not in self.asked and self.later is not None:
+            self.asked.add(kind)
+            blanks = [torch.zeros_like(a).requires_grad_(a.requires_grad)
+                      if isinstance(a, torch.Tensor) else a for a in args]
+            self.later(lambda: self._for_every_size(key, blanks))
+        return results
+
     def _compile(self, args: list, dynamic: list | None = None):
-        from ..backends import get_backend
+        from ..backends import BACKENDS, COMPILE_LOCK, get_backend
         for n, a in zip([n for n in self.compute_gm.graph.nodes if n.op == "placeholder"], args):
             n.meta["example"] = a
         self.compute_gm.meta["dynamic_inputs"] = dynamic or []
-        return get_backend(self.backend).compile(self.compute_gm, list(args))
+        if self.compiles_on != threading.get_ident():
+            return get_backend(self.backend).compile(self.compute_gm, list(args))
+        # On the tier compiler's thread (its warm-up, a compile it was asked for): beside the
+        # program, so without the random-number state put back after it (the program draws
+        # meanwhile) and with the tracer's process-wide patches skipped (``background_tracing``).
+        with COMPILE_LOCK, background_tracing(self.later):
+            return BACKENDS[self.backend].compile.__wrapped__(self.compute_gm, list(args))
 
     def _for_every_size(self, key: tuple, args: list):
         """At a second shapes of one kind (ranks, dtypes and ``requires_grad`` the same: a
