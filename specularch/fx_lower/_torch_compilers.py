@@ -302,7 +302,9 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     tensors (on ``scalar_device``), so their values are inputs, not constants. A graph with
     dynamic sizes (``dynamic_sizes.dynamic_inputs``) is traced with those dimensions, and
     only those, as symbols (``_torch_shapes``), whatever ``tracing_mode`` says: one compile
-    for every size, checked against what the trace assumed (``Flattened.meta``)."""
+    for every size, checked against what the trace assumed (``Flattened.meta``); an example
+    size of 0 or 1 there is traced as 2 (``_torch_shapes.hinted``). Python numbers the graph
+    returns are returned as 0-d tensors (``passes.number_outputs_as_tensors``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     dynamic = dynamic_inputs(gm)
