@@ -2,14 +2,12 @@
 "The default backend": ``benchmarks/mlp_forward.py``, ``benchmarks/train_step.py``,
 ``python -m specularch.bench``).
 
-CPU: ``fx``. On the team's 2-core VM (1 thread, torch 2.13.0) ``fx`` ran the training steps
-at 0.86-1.18x of eager and the MLP forward at 1.03x, with a first call of milliseconds, and
-takes every graph. ``torchscript`` (0.63-1.47x) and ``inductor`` (0.64-2.03x; 7-13 s per
-graph from an empty cache) each lose to ``fx`` on some workload (LeNet), refuse dynamic
-sizes, and pay off only after thousands of steps at one shape: a measured opt-in.
-
-CUDA: ``fx`` until measured (no GPU on the team's machines); see docs/benchmarks.md for what
-``cudagraphs`` and ``inductor`` are expected to give and how to measure them.
+On the team's 2-core VM (1 thread, torch 2.13.0) ``fx`` ran the training steps at
+0.86-1.18x of eager and the MLP forward at 1.03x, with a first call of milliseconds, and
+takes every graph; ``torchscript`` (0.63-1.47x) and ``inductor`` (0.64-2.03x; 7-13 s per
+graph from an empty cache) each lose to ``fx`` on some workload (LeNet) and pay off only
+after many steps. Nothing was measured on CUDA (no GPU on the team's machines; see
+docs/benchmarks.md for what ``cudagraphs`` and ``inductor`` are expected to give).
 
 Since no single backend wins everywhere, the default on both is ``auto`` (tiered,
 ``specularch/tiering/``): ``fx`` first, and per graph the compiling backend measured fastest
