@@ -3,7 +3,8 @@ step with dropout is compiled in the background (worker process, or the compile 
 kept, and every step's loss, the parameters and the global generator's state after each call
 equal eager's (the same random numbers); a candidate that draws other numbers than eager is
 caught on its first trial call and dropped, the graph staying bit-identical on ``fx``; graphs
-whose compile could draw beside the program stay refused."""
+whose compile could draw beside the program stay refused; a forward graph with dropout (its
+AOT autograd form) is compiled too."""
 import copy
 
 import pytest
@@ -132,7 +133,7 @@ def _other_mask(gm, inputs):
 def test_candidate_drawing_other_numbers_is_dropped(hot, monkeypatch, test_backend, compile_fn):  # noqa: F811
     test_backend("other_numbers", compile_fn)
     hot("other_numbers")
-    monkeypatch.setattr(policy, "FLATTENED_DRAW_NOTHING", ("other_numbers",))
+    monkeypatch.setattr(policy, "FAKE_TRACED", ("other_numbers",))
     monkeypatch.setattr(process, "ENABLED", False)
     eager, opt, model, twin = _pair()
     batches = _batches((8, 16), 4, 4)
@@ -146,19 +147,41 @@ def test_candidate_drawing_other_numbers_is_dropped(hot, monkeypatch, test_backe
         assert_same(q, p)
 
 
-def test_random_forward_graph_stays_refused(hot):
-    """A forward graph compiles through AOT autograd, whose compilers may run it on real
-    inputs (``ts_compile``): on the compile thread that would draw from the program's
-    generator."""
-    hot("torchscript", "inductor")
+def test_random_forward_graph_tiers_drawing_eagers_numbers(hot):
+    """A forward graph with dropout (the model optimized, loss and backward eager around it)
+    compiles through AOT autograd on the compile thread, traced with fake tensors: the
+    program's draws meanwhile stay eager's, and the kept candidate draws eager's numbers."""
+    hot("torchscript")
     torch.manual_seed(0)
     model = _dropout_mlp()
+    twin = copy.deepcopy(model)
     opt = specularch.optimize(model)
-    for _ in range(8):
-        model(torch.randn(8, 16)).sum().backward()
-    events = specularch.api._state_of(opt).entries[0].tier.events
-    assert [e.decision for e in events] == ["refused", "refused"]
-    assert all("random" in e.reason for e in events)
+    batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def compiling() -> bool:  # until the candidate was asked for and compiled
+        entries = specularch.api._state_of(opt).entries
+        tier = entries[0].tier if entries else None
+        return tier is None or tier.submitted_at is None or tiering.pending() > 0
+
+    def run(forward, steps=None):
+        """The program's own draws between steps: ``steps`` of them, or (``None``) as many
+        as the compile takes (at least 40)."""
+        torch.manual_seed(5)
+        draws = []
+        while (len(draws) < 40 or compiling()) if steps is None else len(draws) < steps:
+            forward(batches[len(draws) % 4]).square().mean().backward()
+            draws.append(torch.rand(1).item())
+            assert len(draws) < 50_000, "the candidate was never compiled"
+        return draws
+    got = run(opt)  # compiled meanwhile
+    assert got == run(twin, len(got))
+    assert tiering.wait(timeout=300)
+    model.zero_grad(), twin.zero_grad()
+    assert run(opt, 20) == run(twin, 20)  # kept: its trial's and later calls
+    (event,) = specularch.api._state_of(opt).entries[0].tier.events
+    assert (event.candidate, event.decision) == ("torchscript", "kept"), event
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_compiling_the_flattened_form_draws_nothing():
@@ -173,6 +196,23 @@ def test_compiling_the_flattened_form_draws_nothing():
         step(x, y)
     entry = max(specularch.api._state_of(step).entries, key=lambda e: e.hits)
     gm = entry.capture.graph_module
+    assert policy.candidates(gm) == [("torchscript", None), ("inductor", None), ("eager", None)]
+    examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
+    before = torch.get_rng_state()
+    compile_in_background(get_backend("torchscript"), gm, examples)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_compiling_the_aot_autograd_form_draws_nothing():
+    """The same premise for a forward graph: AOT autograd traces it with fake tensors and its
+    compilers get fake inputs (``ts_compile`` would run its graph on real ones)."""
+    from specularch.fx_lower.backends import compile_in_background
+    torch.manual_seed(0)
+    model = _dropout_mlp()
+    forward = specularch.optimize(_dropout_forward(model), backend="fx")
+    for i in range(6):
+        forward(torch.randn(8, 16)).sum().backward()
+    gm = specularch.api._state_of(forward).entries[0].capture.graph_module
     assert policy.candidates(gm) == [("torchscript", None), ("inductor", None), ("eager", None)]
     examples = [n.meta.get("example") for n in gm.graph.nodes if n.op == "placeholder"]
     before = torch.get_rng_state()

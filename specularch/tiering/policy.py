@@ -14,7 +14,6 @@ import torch
 
 from ..config import config
 from ..fx_lower import get_backend
-from ..fx_lower.backends import flattened
 from ..fx_lower.randomness import graph_uses_randomness
 from . import process
 from .eager_tier import EAGER
@@ -36,8 +35,9 @@ WARM_UP = 3     # a candidate's first calls, not timed (TorchScript's profiling 
 # A candidate whose first round's median is this many times the current tier's is rejected
 # then: each further call of it would slow the program down (Inductor on LeNet: 0.5x eager).
 HOPELESS = 1.5
-# Backends whose flattened compile (fake tensors, never run) draws no random numbers
-FLATTENED_DRAW_NOTHING = ("torchscript", "inductor")
+# Backends whose compile (flattened or through AOT autograd: fake tensors, never run) draws no
+# random numbers
+FAKE_TRACED = ("torchscript", "inductor")
 
 
 def clock() -> Callable[[], float]:
@@ -81,14 +81,16 @@ def _random_refusal(name: str, gm: torch.fx.GraphModule) -> str | None:
     ``name``, or None. The global generator is shared by every thread of the program: its
     compile must neither draw from it nor set its state (AOT autograd and Inductor save and
     restore it around tracing) while the program draws. In a worker process neither can
-    happen; on the compile thread the state is never set (``background_tracing``), and the
-    flattened form is traced with fake tensors and never run, so it draws nothing. AOT
-    autograd's forward and backward compilers (``ts_compile`` runs its graph on real
-    inputs) and rolled loops' bodies are not known to draw nothing. The compiled graph
-    itself must draw eager's numbers: checked in its trial (``same_draws.py``)."""
+    happen; on the compile thread the state is never set (``background_tracing``), and both
+    forms are traced with fake tensors and never run, so they draw nothing: the flattened
+    one, and AOT autograd's, whose forward and backward compilers get fake inputs (so
+    ``ts_compile`` does not run its graph; ``tests/test_tiering_random.py`` checks both).
+    Rolled loops' bodies are compiled on a warm-up run, which a graph that draws is not
+    given. The compiled graph itself must draw eager's numbers: checked in its trial
+    (``same_draws.py``)."""
     if process.ENABLED and process.route(name, gm) is None:
         return None
-    if name in FLATTENED_DRAW_NOTHING and flattened(gm) and not gm.meta.get("rolled_loops"):
+    if name in FAKE_TRACED and not gm.meta.get("rolled_loops"):
         return None
     return ("the graph draws random numbers, and compiling its form beside the running "
             "program could draw from the program's generator")
