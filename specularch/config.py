@@ -236,8 +236,9 @@ OPTIONS: dict[str, Option] = {
                "bucket is at most 1 MiB). Every rank must use the same value.",
                "SPECULARCH_BUCKET_MB", POSITIVE_MIB),
         Option("compile_cache_dir", "auto", "Directory of the persistent compile cache: "
-               "TorchScript graphs saved there and Inductor's own on-disk caches, so a second "
-               "run starts with the first run's compiled code; 'auto' is "
+               "TorchScript graphs saved there, Inductor's packages and own on-disk caches, and the "
+               "candidates tiering rejected, so a second run starts with the first run's "
+               "compiled code and skips its losers; 'auto' is "
                "$XDG_CACHE_HOME/specularch (default ~/.cache/specularch), 'off' disables it.",
                "SPECULARCH_CACHE_DIR", CACHE_DIR),
         Option("max_fallback_records", 32, "Distinct fallback records kept per code object.",

@@ -14,6 +14,9 @@ same program starts with the first run's compiled code instead of compiling agai
   ``<cache dir>/inductor-artifacts``): a later run loads it in milliseconds, with no worker
   and no tracing (and, for a package, without importing Inductor).
 
+The tiering's decisions live beside them (``tiering/remembered.py``, ``tier-decisions/``):
+a candidate rejected in one run is skipped in the next ones.
+
 ``config.compile_cache_dir`` chooses the directory (``off``: no cache). An entry that cannot
 be read (corrupt, truncated, written by another torch) is ignored with one log line and
 compiled again; the fresh artefact replaces it. Writes go to a temporary file renamed into
@@ -198,7 +201,7 @@ def write_script(path: str, module: torch.jit.ScriptModule, meta: dict, quiet: b
     buffer = io.BytesIO()
     with quiet_warnings(quiet):
         torch.jit.save(module, buffer, _extra_files=extra)
-    _write_atomically(path, buffer.getvalue())
+    write_atomically(path, buffer.getvalue())
 
 
 def save_script(key: str, module: torch.jit.ScriptModule, meta: dict, quiet: bool = True) -> None:
@@ -230,12 +233,12 @@ def save_artifact(key: str, path: str, meta: dict) -> None:
     try:
         with open(path, "rb") as f:
             data = f.read()
-        _write_atomically(_artifact_path(folder, key, meta), data)
+        write_atomically(_artifact_path(folder, key, meta), data)
         # The metadata last (an entry is complete once its .json exists), with the file's
         # checksum: the package loader does not check its zip's CRCs, and loads a damaged
         # library as it is (a flipped byte: loaded, no error).
         meta = {**meta, "sha256": hashlib.sha256(data).hexdigest()}
-        _write_atomically(os.path.join(folder, f"{key}.json"), json.dumps(meta).encode())
+        write_atomically(os.path.join(folder, f"{key}.json"), json.dumps(meta).encode())
     except Exception as e:
         _LOG.warning(f"compile cache: could not save an Inductor entry ({type(e).__name__}: {e})")
 
@@ -283,7 +286,7 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
 
 
-def _write_atomically(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:

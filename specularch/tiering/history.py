@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # Decisions, as explain() prints them.
 KEPT, REJECTED, FAILED, REFUSED, RAISED = "kept", "rejected", "compile failed", "refused", \
     "raised at run time"
+REMEMBERED = "rejected in an earlier run"  # skipped in this one (remembered.py)
 
 
 @dataclass

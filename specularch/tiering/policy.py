@@ -35,6 +35,9 @@ WARM_UP = 3     # a candidate's first calls, not timed (TorchScript's profiling 
 # A candidate whose first round's median is this many times the current tier's is rejected
 # then: each further call of it would slow the program down (Inductor on LeNet: 0.5x eager).
 HOPELESS = 1.5
+# A candidate rejected in a graph's trial is not compiled or timed again in the next this many
+# runs of the program (remembered.py, in the compile cache); then it is tried again.
+REMEMBER_RUNS = 3
 # Backends whose compile (flattened or through AOT autograd: fake tensors, never run) draws no
 # random numbers
 FAKE_TRACED = ("torchscript", "inductor")

@@ -125,22 +125,26 @@ def _cache_root() -> str | None:
     return os.path.dirname(folder) if folder else None
 
 
-def prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...] = BACKENDS) -> None:
+def prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...] = BACKENDS,
+             skipped: Callable[[], set[str]] = set) -> None:
     """Start the worker process now, on the background thread (starting a process is not for
     the program's step to wait on), so that the first candidate of ``gm`` finds it warm.
     Once. Not when every one of ``backends`` that would compile ``gm`` in a worker finds it
-    in the persistent compile cache (a second run): the worker, seconds of CPU and hundreds
+    in the persistent compile cache (a second run), or is ``skipped()`` (called on that
+    thread: the candidates an earlier run rejected): the worker, seconds of CPU and hundreds
     of MB, is then started by the first job that needs one."""
     global _prestarted
     if _prestarted or not ENABLED or not PRESTART:
         return
     _prestarted = True
-    worker.soon(lambda: _prestart(gm, backends))
+    worker.soon(lambda: _prestart(gm, backends, skipped))
 
 
-def _prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...]) -> None:
+def _prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...],
+              skipped: Callable[[], set[str]] = set) -> None:
     examples = example_inputs(gm)
-    needed = [b for b in backends if route(b, gm) is None
+    gone = skipped()
+    needed = [b for b in backends if b not in gone and route(b, gm) is None
               and not _in_cache(b, compile_cache.entry_key(gm, examples, b, "flattened"))]
     if needed:  # started as the first job will need it
         _worker(forkable(needed[0], torch.get_num_threads()))

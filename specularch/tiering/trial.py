@@ -15,6 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from .. import log
 from ..config import config
 from ..eager_run import EagerRun
 from ..entry_function import MISS
@@ -24,10 +27,10 @@ from ..fx_lower.backends import compile_in_background
 from ..fx_lower.passes import example_inputs
 from ..fx_lower.randomness import graph_uses_randomness
 from ..records import AssumptionBroken
-from . import policy, process, worker
+from . import policy, process, remembered, worker
 from .eager_tier import EAGER, RunTimer
 from .same_draws import Checked
-from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, TierEvent, TierHistory
+from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, REMEMBERED, TierEvent, TierHistory
 
 
 SAMPLE = 4  # calls per CPU-time reading while a graph is not yet hot
@@ -64,6 +67,11 @@ class Tier:
         self.trial: Trial | None = None
         self.lock = threading.Lock()
         self.trial_calls = config.tier_trial_calls  # read here: config.patch is per thread
+        # The program's torch thread count (per thread: the background one's differs), part
+        # of the key its trials' verdicts are remembered under (remembered.py)
+        self.threads = torch.get_num_threads()
+        self.key: str | None = None  # that key, found on the background thread,
+        self.earlier: dict[str, dict] | None = None  # and what was remembered under it
         entry.fn = self
 
     def __call__(self, L, C, G, B):
@@ -88,7 +96,7 @@ class Tier:
             if policy.hot(self.hits, seconds):
                 self._submit()
             elif seconds * 4 >= config.tier_min_seconds:  # a quarter of the way to hot
-                process.prestart(self.gm, policy.CANDIDATES)
+                process.prestart(self.gm, policy.CANDIDATES, lambda: set(self._earlier()))
         return result
 
     def _submit(self) -> None:
@@ -105,7 +113,10 @@ class Tier:
             self._next_trial()
 
     def _compile(self, name: str) -> None:
-        """On the worker thread: compile, build the entry function, queue it for a trial."""
+        """On the worker thread: compile, build the entry function, queue it for a trial
+        (unless an earlier run rejected it: ``_skipped``)."""
+        if self._skipped(name):
+            return
         start = time.perf_counter()
         if name == EAGER:  # nothing to compile: the guards' check function
             fn = self.eager()
@@ -147,6 +158,48 @@ class Tier:
                                         where, checked_fn))
             self._next_trial()
 
+    def _earlier(self) -> dict[str, dict]:
+        """(On the worker thread.) The rejections earlier runs left for this graph, read once."""
+        if self.earlier is None:
+            self.key = remembered.graph_key(self.gm, self.threads)
+            self.earlier = remembered.rejections(self.key)
+        return self.earlier
+
+    def _skipped(self, name: str) -> bool:
+        """(On the worker thread.) Whether an earlier run rejected ``name`` for this graph and
+        that is still remembered: then it is neither compiled nor timed in this run, one run
+        fewer is left to skip it, and the history says so."""
+        try:
+            earlier = self._earlier().get(name)
+            if earlier is None:
+                return False
+            left = earlier["runs_left"] - 1
+            remembered.remember(self.key, name, {**earlier, "runs_left": left} if left > 0 else None)
+        except Exception as e:  # (a job must not raise) nothing remembered: it is tried
+            log.emit("graphs", f"tiering: could not read earlier decisions: {type(e).__name__}: {e}")
+            return False
+        with self.lock:
+            self.compiling -= 1
+            self.history.add(TierEvent(
+                name, REMEMBERED, candidate_us=earlier["candidate_us"],
+                current_us=earlier["current_us"], against=earlier["against"],
+                reason=f"not tried in this run; tried again after {left} more" if left
+                else "not tried in this run; tried again in the next"))
+            self._next_trial()
+        return True
+
+    def _record(self, event: TierEvent) -> None:
+        """(On the worker thread.) Remember a rejection for the next runs; a kept candidate
+        clears one."""
+        try:
+            rejected = None if event.decision == KEPT else {
+                "candidate_us": event.candidate_us, "current_us": event.current_us,
+                "against": event.against, "runs_left": policy.REMEMBER_RUNS}
+            self._earlier()  # (the key)
+            remembered.remember(self.key, event.candidate, rejected)
+        except Exception as e:  # (a job must not raise) a decision not remembered: tried again
+            log.emit("graphs", f"tiering: could not remember {event}: {type(e).__name__}: {e}")
+
     def _next_trial(self) -> None:
         """(With ``lock`` held.) Time the next compiled candidate, else compile the next one,
         or, when none is left, put the current tier's entry function in place of this
@@ -171,6 +224,8 @@ class Tier:
             if self.trial is not trial:
                 return
             self.history.add(event)
+            if event.decision in (KEPT, REJECTED):
+                worker.submit(lambda: self._record(event))
             if event.decision == KEPT:
                 c, entry = trial.candidate, self.entry
                 self.fn = c.fn
