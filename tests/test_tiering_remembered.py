@@ -90,6 +90,18 @@ def test_a_rejection_is_skipped_in_the_next_runs_then_tried_again(
     assert json.loads(path.read_text())["rejected"]["slow_fx"]["runs_left"] == 2
 
 
+def test_a_rejection_against_another_tier_is_tried_again(slow_backend, cache_dir):
+    """Lost against TorchScript in an earlier run, but this run's graph is on fx: tried."""
+    _one_run()
+    (path,) = _files(cache_dir)
+    data = json.loads(path.read_text())
+    data["rejected"]["slow_fx"]["against"] = "torchscript"
+    path.write_text(json.dumps(data))
+    again, _ = _one_run()
+    assert again.decision == "rejected" and len(slow_backend) == 2
+    assert json.loads(path.read_text())["rejected"]["slow_fx"]["against"] == "fx"
+
+
 @pytest.mark.parametrize("text", ['{"format": 1, "rejected": {"slow_fx": {"runs_left": "many"}}}',
                                   '{"format": 1, "rejected": {"slow_f'])
 def test_an_unreadable_decisions_file_is_ignored_and_replaced(

@@ -166,13 +166,16 @@ class Tier:
         return self.earlier
 
     def _skipped(self, name: str) -> bool:
-        """(On the worker thread.) Whether an earlier run rejected ``name`` for this graph and
-        that is still remembered: then it is neither compiled nor timed in this run, one run
-        fewer is left to skip it, and the history says so."""
+        """(On the worker thread.) Whether an earlier run rejected ``name`` for this graph,
+        against the tier the graph is on now (one candidate at a time: the earlier ones are
+        decided), and that is still remembered: then it is neither compiled nor timed in this
+        run, one run fewer is left to skip it, and the history says so. One that lost against
+        another tier is tried (``eager`` rejected against TorchScript must be tried again
+        where this run stayed on ``fx``)."""
         try:
             earlier = self._earlier().get(name)
-            if earlier is None:
-                return False
+            if earlier is None or earlier["against"] != self.history.tier:
+                return False  # (lost against another tier than this run's: tried)
             left = earlier["runs_left"] - 1
             remembered.remember(self.key, name, {**earlier, "runs_left": left} if left > 0 else None)
         except Exception as e:  # (a job must not raise) nothing remembered: it is tried
