@@ -6,8 +6,9 @@ and torch.compile, side by side in one process.
         [--rounds 7] [--steps 40] [--modes auto,fx,torchscript,inductor,torch.compile]
         [--what step|forward|counted]
 
-Models: ``train_step.py``'s MLP, LeNet and LSTM LM (``lstm``: its sequence length drawn from
-8-16 each step too, the Python loop over time rolled). The step is ``train_step.py``'s
+Models: ``train_step.py``'s MLP (``mlp_dropout``: with dropout, a graph that draws random
+numbers), LeNet and LSTM LM (``lstm``: its sequence length drawn from 8-16 each step too, the
+Python loop over time rolled). The step is ``train_step.py``'s
 (Adam, unmodified), optimized whole (``--what step``; ``counted``: the step returns the
 batch's summed loss and row count, ``loss.item() * x.size(0), x.size(0)``) or only
 its model (``forward``: loss, backward and optimizer step eager around the optimized model,
@@ -45,6 +46,7 @@ def _tokens(n: int, rng: random.Random):
 
 
 SHAPES = {"mlp": lambda n, rng: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
+          "mlp_dropout": lambda n, rng: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
           "lenet": lambda n, rng: (torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))),
           "lstm": _tokens}
 

@@ -68,8 +68,15 @@ def _mlp():
                          nn.Linear(128, 10))
 
 
+def _mlp_dropout():
+    """The MLP with dropout after each hidden layer: a graph that draws random numbers."""
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 128),
+                         nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
+
+
 MODELS = {  # name -> (builder, make a batch (x, y))
     "mlp": (_mlp, lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))),
+    "mlp_dropout": (_mlp_dropout, lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))),
     "lenet": (LeNet, lambda: (torch.randn(50, 1, 28, 28), torch.randint(0, 10, (50,)))),
     "lstm": (LSTMLM, lambda: (torch.randint(0, 200, (12, 16)), torch.randint(0, 200, (12 * 16,)))),
 }
