@@ -139,10 +139,17 @@ def aot_torchscript(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             node.type = int
         if sizes:
             graph.recompile()
-        return ts_compile(graph, inputs)
+        # Outside AOT autograd's fake mode: freezing compares the graph's tensor constants
+        # (real tensors) with torch.equal, which the fake mode refuses as data-dependent
+        # (an nn.LSTM forward's graph: DataDependentOutputException: aten.equal.default).
+        # The inputs stay fake, so ts_compile does not run the graph.
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            return ts_compile(graph, inputs)
 
     def compile_with(inputs: list) -> Callable:
-        return aot_module_simplified(gm, inputs, fw_compiler=compile_one, bw_compiler=compile_one)
+        with _generic_rnn_kernels(gm):  # (oneDNN's rnn layer scripted: see there)
+            return aot_module_simplified(gm, inputs, fw_compiler=compile_one, bw_compiler=compile_one)
     return _aot_dynamic(gm, example_inputs, compile_with) or compile_with(example_inputs)
 
 
@@ -345,8 +352,20 @@ def _generic_rnn_kernels(gm: torch.fx.GraphModule):
     torch's choice of kernel."""
     if any(node.op == "call_function" and getattr(node.target, "__name__", None) in _RNN_FUNCTIONS
            for node in gm.graph.nodes):
-        return torch.backends.mkldnn.flags(enabled=False)
+        return _mkldnn_off()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _mkldnn_off():
+    """oneDNN off, and only that (``torch.backends.mkldnn.flags`` also sets its TF32 flag,
+    which warns on a CPU build of torch: a warning in the user's program)."""
+    before = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(before)
 
 
 def _same_output_dtypes(gm: torch.fx.GraphModule, flat: torch.fx.GraphModule) -> None:
