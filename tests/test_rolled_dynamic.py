@@ -4,7 +4,9 @@ number of tensors, ``lstm_cell``'s ``(h, c)``, no longer fixes its inputs' sizes
 assumption that fails in a later iteration is an assumption failure, not a graph error
 (what follows the loop never runs on a partial result)."""
 import copy
+import pathlib
 import random
+import sys
 import threading
 
 import pytest
@@ -15,21 +17,8 @@ import specularch
 
 from differential import assert_same, ce_train_step
 
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=30, hidden=16):
-        super().__init__()
-        self.embed, self.cell = nn.Embedding(vocab, hidden), nn.LSTMCell(hidden, hidden)
-        self.decoder = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens):
-        h = torch.zeros(tokens.shape[1], self.cell.hidden_size)
-        c = torch.zeros_like(h)
-        outputs = []
-        for t in range(tokens.shape[0]):
-            h, c = self.cell(self.embed(tokens[t]), (h, c))
-            outputs.append(self.decoder(h))
-        return torch.stack(outputs).flatten(0, 1)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from train_step import LSTMLM  # noqa: E402  (an LSTM cell run by a Python loop over time)
 
 
 def _step(model):
@@ -38,7 +27,7 @@ def _step(model):
 
 def test_an_lstm_lm_with_varying_batch_and_length_stays_one_graph():
     torch.manual_seed(0)
-    model = TinyLM()
+    model = LSTMLM(vocab=30, hidden=16)
     twin = copy.deepcopy(model)
     fast, eager = specularch.optimize(_step(model), backend="fx"), _step(twin)
     rng = random.Random(0)
