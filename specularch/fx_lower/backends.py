@@ -81,7 +81,7 @@ def compile_in_background(backend: Backend, gm: torch.fx.GraphModule, example_in
     run their graph while compiling, which draws nothing only when the graph draws nothing.
     ``later(job)``: runs a compile job on the background thread afterwards (a rolled loop's
     body meeting other sizes, ``rolled/compiled.py``)."""
-    from ._torch_compilers import background_tracing
+    from ._torch_background import background_tracing
     since = fx_sources.mark()
     try:
         with COMPILE_LOCK, background_tracing(later):
@@ -254,7 +254,7 @@ def _per_value(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> 
     function (``specialise.py``), or None when it has none. Compiled at first for the example
     values; later for new values in the call that brings them, unless this compile runs in
     the background (the tier compiler: no call may wait), where they run the ``fx`` code."""
-    from ._torch_compilers import compiling_in_background
+    from ._torch_background import compiling_in_background
     from .specialise import PerValue
     positions = specialised_numbers(gm) if gm.meta.get("scalar_inputs") else []
     if not positions:

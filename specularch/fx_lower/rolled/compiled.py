@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from . import cells as rolled_cells
-from .._torch_compilers import background_tracing, compile_later, compiling_in_background
+from .._torch_background import background_tracing, compile_later, compiling_in_background
 from ..randomness import is_identity_dropout, is_random_node
 
 _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
