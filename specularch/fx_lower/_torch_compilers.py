@@ -23,7 +23,8 @@ import torch.fx
 from . import _torch_aoti, _torch_shapes, compile_cache
 from ._torch_background import compiling_in_background
 from .dynamic_sizes import checked, dynamic_inputs
-from .passes import as_tensor_input, number_outputs, number_outputs_as_tensors, scalar_inputs_as_tensors
+from .passes import (as_tensor_input, graph_outputs, number_outputs, number_outputs_as_tensors,
+                     scalar_inputs_as_tensors)
 
 
 def compile_threads_from_environment() -> None:
@@ -288,16 +289,20 @@ def _same_output_dtypes(gm: torch.fx.GraphModule, flat: torch.fx.GraphModule) ->
     """Raises where the flattened graph returns another dtype than capture saw (a number
     input made a 0-d tensor that promoted a result, ``scalar_inputs_as_tensors``): values
     within rounding of eager's, in the wrong dtype, would be silently wrong."""
-    def outputs(graph: torch.fx.GraphModule, key: str) -> list:
-        (node,) = [n for n in graph.graph.nodes if n.op == "output"]
-        values = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
-        return [v.meta.get(key) if isinstance(v, torch.fx.Node) else v for v in values]
-    captured, traced = outputs(gm, "example"), outputs(flat, "val")
-    if len(captured) != len(traced):
-        return
-    for i, (a, b) in enumerate(zip(captured, traced)):
+    captured, traced = _output_values(gm, "example"), _output_values(flat, "val")
+    if len(captured) == len(traced):
+        _raise_on_changed_dtype(captured, traced, "flattening changed")
+
+
+def _output_values(gm: torch.fx.GraphModule, key: str) -> list:
+    """The values the graph returns, as its nodes' ``meta[key]`` (constants as they are)."""
+    return [v.meta.get(key) if isinstance(v, torch.fx.Node) else v for v in graph_outputs(gm)]
+
+
+def _raise_on_changed_dtype(captured: list, got: list, what: str) -> None:
+    for i, (a, b) in enumerate(zip(captured, got)):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
-            raise TypeError(f"flattening changed output {i}'s dtype from {a.dtype} to {b.dtype}")
+            raise TypeError(f"{what} output {i}'s dtype from {a.dtype} to {b.dtype}")
 
 
 def captured_outputs(outputs, numbers: list[int] = ()) -> list:
@@ -508,9 +513,35 @@ def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list)
     return run_scripted(scripted, meta, gm.forward)
 
 
-def _numbers_as_tensors(args, converted: list[int], devices: list[str]) -> list:
+def with_number_inputs(gm: torch.fx.GraphModule, example_inputs: list,
+                       compile_fn: Callable[[torch.fx.GraphModule, list], Callable]) -> Callable:
+    """A graph with Python-number inputs whose results need autograd (a ``forward(x, scale)``
+    optimized alone: not flattened) compiled by ``compile_fn`` (through AOT autograd) with
+    those numbers as 0-d tensor inputs (``passes.scalar_inputs_as_tensors``): their values are
+    inputs, not constants, so one compile serves every value, and each call makes them
+    tensors. Its first call checks that the results have capture's dtypes (a number made a
+    tensor must not promote one): raising there sends the graph to ``fx``, before anything
+    was committed."""
+    converted_gm, converted = scalar_inputs_as_tensors(gm)
+    devices = [None] * len(converted)
+    compiled = compile_fn(converted_gm, _numbers_as_tensors(example_inputs, converted, devices))
+    captured = _output_values(gm, "example")
+    unchecked = [True]
+
+    def run(*args):
+        out = compiled(*_numbers_as_tensors(args, converted, devices))
+        if unchecked[0]:
+            got = list(out) if isinstance(out, (list, tuple)) else [out]
+            _raise_on_changed_dtype(captured, got, "a number input made a tensor changed")
+            unchecked[0] = False
+        return out
+
+    return _tagged(run, compile_cache.from_cache(compiled))
+
+
+def _numbers_as_tensors(args, converted: list[int], devices: list) -> list:
     """A call's graph inputs with the Python numbers at ``converted`` made 0-d tensors on
-    ``devices``, as a flattened graph takes them."""
+    ``devices`` (None: the default device), as a flattened graph takes them."""
     args = list(args)
     for i, device in zip(converted, devices):
         args[i] = as_tensor_input(args[i], device)

@@ -116,11 +116,12 @@ def _fx(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 
 def flattened(gm: torch.fx.GraphModule) -> bool:
     """Graphs compiled as one ATen graph without autograd (``_torch_compilers.flatten``):
-    whole training steps (an in-graph ``autograd.grad``), graphs with Python-number inputs,
-    and graphs with dynamic sizes whose results need no autograd. (Others go through AOT
-    autograd, dynamic sizes included.)"""
-    return bool(gm.meta.get("scalar_inputs")) or _has_autograd(gm) or bool(
-        gm.meta.get("dynamic_dims") and not gm.meta.get("outputs_require_grad"))
+    whole training steps (an in-graph ``autograd.grad``), and graphs with Python-number inputs
+    or dynamic sizes whose results need no autograd. (Others go through AOT autograd, dynamic
+    sizes and number inputs included: ``_torch_compilers.with_number_inputs``.)"""
+    return _has_autograd(gm) or bool(
+        (gm.meta.get("scalar_inputs") or gm.meta.get("dynamic_dims"))
+        and not gm.meta.get("outputs_require_grad"))
 
 
 # Python-number graph inputs may flow only into arithmetic: a torch function that branched
@@ -212,8 +213,8 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
     if flattened(gm) and gm.meta.get("outputs_require_grad"):
         spent = spent_outputs(gm)
         if isinstance(spent, str):
-            return ("it is compiled without autograd (an in-graph backward or Python-number "
-                    f"inputs) but returns or stores tensors that need autograd ({spent})")
+            return ("it is compiled without autograd (it runs a backward inside) but returns "
+                    f"or stores tensors that need autograd ({spent})")
     return gradient_hooks(gm)
 
 
@@ -277,6 +278,9 @@ def _compiled_by(name: str, gm, example_inputs, without_autograd: Callable, with
         return per_value
     if flattened(gm):
         return _with_spent_history(gm, without_autograd(gm, example_inputs))
+    if gm.meta.get("scalar_inputs"):  # (whose results need autograd)
+        from ._torch_compilers import with_number_inputs
+        return with_number_inputs(gm, example_inputs, with_autograd)
     return with_autograd(gm, example_inputs)
 
 

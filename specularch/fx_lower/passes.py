@@ -93,7 +93,7 @@ def number_outputs(gm: torch.fx.GraphModule) -> list[int] | None:
     program returns, arithmetic on a number input), or None where some output is neither a
     tensor nor such a number (a compiled graph returns tensors only)."""
     positions = []
-    for i, value in enumerate(_outputs(gm)):
+    for i, value in enumerate(graph_outputs(gm)):
         example = value.meta.get("example") if isinstance(value, torch.fx.Node) else value
         if isinstance(example, torch.Tensor):
             continue
@@ -109,7 +109,7 @@ def number_outputs_as_tensors(gm: torch.fx.GraphModule, positions: list[int]) ->
     type), a number input made a tensor (``scalar_inputs_as_tensors``) stays one. The caller
     turns them back with ``.item()``."""
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    values = list(_outputs(gm))
+    values = list(graph_outputs(gm))
     with gm.graph.inserting_before(output):
         for i in positions:
             dtype = _NUMBER_DTYPES[type(values[i].meta["example"])]
@@ -132,7 +132,7 @@ def number_as_tensor(value, dtype: torch.dtype) -> torch.Tensor:
     return torch.scalar_tensor(value, dtype=dtype)
 
 
-def _outputs(gm: torch.fx.GraphModule) -> list:
+def graph_outputs(gm: torch.fx.GraphModule) -> list:
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     values = output.args[0]
     return list(values) if isinstance(values, (tuple, list)) else [values]
