@@ -51,6 +51,24 @@ def test_forward_with_number_inputs_is_compiled_once_for_every_value(backend, mo
     assert len(compiles) == 1  # every scale and shift after capture ran the same compile
 
 
+def test_with_a_varying_batch_too_one_compile_serves_every_size_and_value():
+    torch.manual_seed(0)
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    opt = specularch.optimize(model, backend="torchscript")
+    for i in range(10):
+        x = torch.randn(3 + i, 8)
+        (out, total), (e_out, e_total) = opt(x, 0.5 + i, 2), ref(x, 0.5 + i, 2)
+        torch.testing.assert_close(out, e_out, rtol=1e-5, atol=1e-6)
+        (out.sum() + total).backward()
+        (e_out.sum() + e_total).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    (graph,) = specularch.explain(opt).graphs
+    assert (graph.backend, graph.note) == ("torchscript", "")
+    assert graph.sizes.startswith("compiled for every size where") and "0 call(s) outside" in graph.sizes
+
+
 def test_a_compiled_form_that_changes_a_dtype_raises_on_its_first_call():
     """The guard against a number made a tensor promoting a result: the compiled form's first
     call compares its results' dtypes with capture's (raising sends the graph to fx)."""

@@ -536,6 +536,7 @@ def with_number_inputs(gm: torch.fx.GraphModule, example_inputs: list,
             unchecked[0] = False
         return out
 
+    run.wrapped = compiled  # (explain's sizes line: dynamic_sizes.describe)
     return _tagged(run, compile_cache.from_cache(compiled))
 
 
