@@ -135,7 +135,7 @@ class _Recurrent(nn.Module):
 @pytest.mark.slow
 def test_lstm_step_under_pinned_inductor_trains_like_eager(tmp_path):
     """An ``nn.LSTM`` training step compiled by Inductor (flattened: its recurrent layer traced
-    as its cells, ``_torch_compilers._generic_rnn_kernels``; oneDNN's kernel made every call of
+    as its cells, ``_torch_compilers._generic_lstms``; oneDNN's kernel made every call of
     the compiled step fail and it ran on ``fx``): losses, parameters, gradients and momentum
     buffers as eager's, within float rounding, and every graph run by Inductor."""
     torch.manual_seed(0)

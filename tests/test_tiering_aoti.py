@@ -290,6 +290,24 @@ def test_an_lstm_step_is_flattened_to_its_cells_not_the_onednn_kernel():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_tracing_an_lstm_never_switches_onednn_off_for_the_process(monkeypatch):
+    """The cells' ops come from rewriting the traced copy of the graph, not from oneDNN's
+    process-wide switch: a background compile must not change the kernel the program's own
+    LSTMs run meanwhile (flattened and AOT-autograd forms alike)."""
+    switched = []
+    monkeypatch.setattr(torch._C, "_set_mkldnn_enabled", lambda on: switched.append(on))
+    gm, examples = _lstm_step_graph()
+    flat = compilers.flatten(gm, examples, tracing_mode="fake")
+    assert not [n for n in flat.graph.graph.nodes if "rnn" in str(n.target)]
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6)
+    forward = specularch.optimize(lstm, backend="torchscript")
+    for _ in range(5):
+        out, _ = forward(torch.randn(3, 2, 4))
+    assert [g.backend for g in specularch.explain(forward).graphs] == ["torchscript"]
+    assert switched == []
+
+
 @pytest.mark.slow
 def test_the_lstm_steps_package_runs_and_matches_the_graph(tmp_path):
     """A real one: ``nn.LSTM``'s training step (the big LM's step stayed on fx because its

@@ -103,7 +103,7 @@ def test_run(path: str, inputs: list) -> None:
     tensors of the graph's layout), raising what it raises. A package can compile and then
     fail when it runs: the big LM's step (``nn.LSTM``) did in every call, while its flattened
     graph still had oneDNN's LSTM kernel ("Expected IntList but got None": the kernel's
-    backward workspace is made only in grad mode; ``_torch_compilers._generic_rnn_kernels``).
+    backward workspace is made only in grad mode; ``_torch_compilers._generic_lstms``).
     Such a graph gets the ``standalone_compile`` artefact
     instead. (It runs in the worker process: what it draws is not the program's.)"""
     with torch.no_grad():

@@ -13,6 +13,7 @@ specularch never needs unless that backend is chosen.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from typing import Callable
@@ -64,9 +65,10 @@ def aot_torchscript(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         with unset_fake_temporarily():
             return ts_compile(graph, inputs)
 
+    traced = _generic_lstms(gm)  # (oneDNN's rnn layer scripted raises: see there)
+
     def compile_with(inputs: list) -> Callable:
-        with _generic_rnn_kernels(gm):  # (oneDNN's rnn layer scripted: see there)
-            return aot_module_simplified(gm, inputs, fw_compiler=compile_one, bw_compiler=compile_one)
+        return aot_module_simplified(traced, inputs, fw_compiler=compile_one, bw_compiler=compile_one)
     return _aot_dynamic(gm, example_inputs, compile_with) or compile_with(example_inputs)
 
 
@@ -244,7 +246,8 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     if numbers:
         number_outputs_as_tensors(gm, numbers)
     fakes = _torch_shapes.symbolic_inputs(inputs, dynamic) if dynamic else None
-    with torch.enable_grad(), _generic_rnn_kernels(gm):
+    _generic_lstms(gm, in_place=True)  # (gm is scalar_inputs_as_tensors' copy)
+    with torch.enable_grad():
         if dynamic:
             flat = make_fx(gm, tracing_mode="symbolic")(*fakes)
         else:
@@ -254,35 +257,45 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     return Flattened(flat, inputs, converted, dynamic, fakes, numbers)
 
 
-_RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})  # torch.lstm is torch._VF.lstm
+def _generic_lstms(gm: torch.fx.GraphModule, in_place: bool = False) -> torch.fx.GraphModule:
+    """``gm`` (a copy, unless ``in_place``) with each ``nn.LSTM`` kernel call (``torch.lstm``,
+    its ``input`` overload) made a call of ``_generic_lstm``, so that a trace records the
+    layer as its cells' ops, not as oneDNN's ``aten.mkldnn_rnn_layer``: a kernel that makes
+    the workspace its backward needs only while grad mode is on. A flattened graph runs under
+    ``no_grad`` (so did Inductor's compiled forward): there it returned no workspace,
+    Inductor's compiled code failed its size check ("expected Tensor()"), an AOTInductor
+    package its backward call ("Expected IntList but got None"), and a scripted AOT forward
+    raised "strides() called on an undefined Tensor", so those graphs never ran compiled.
+    Only the traced copy changes: eager and ``fx`` keep torch's choice of kernel. (This was
+    oneDNN switched off while tracing: a process-wide flag, which the program's own LSTMs,
+    on its thread beside a background compile, then saw too. GRU and plain RNN layers have
+    no oneDNN kernel to avoid.)"""
+    def is_lstm(node: torch.fx.Node) -> bool:
+        return node.op == "call_function" and node.target is torch.lstm and len(node.args) == 9 \
+            and isinstance(node.args[1], (tuple, list)) and not node.kwargs
+    if not any(map(is_lstm, gm.graph.nodes)):
+        return gm
+    if not in_place:
+        gm = copy.deepcopy(gm)
+    for node in gm.graph.nodes:
+        if is_lstm(node):
+            node.target = _generic_lstm
+    gm.recompile()
+    return gm
 
 
-def _generic_rnn_kernels(gm: torch.fx.GraphModule):
-    """While tracing a graph that calls ``nn.LSTM``/``GRU``/``RNN``'s kernel: oneDNN off, so
-    the recurrent layer is traced as its cells' ops, not as ``aten.mkldnn_rnn_layer``, a
-    kernel that makes the workspace its backward needs only while grad mode is on. A
-    flattened graph runs under ``no_grad`` (so did Inductor's compiled forward): there it
-    returned no workspace, Inductor's compiled code failed its size check ("expected
-    Tensor()") and an AOTInductor package its backward call ("Expected IntList but got
-    None"), so the big LM's step never ran compiled (pinned ``inductor`` on a small
-    ``nn.LSTM`` step failed the same way). Only the tracing changes: eager and ``fx`` keep
-    torch's choice of kernel."""
-    if any(node.op == "call_function" and getattr(node.target, "__name__", None) in _RNN_FUNCTIONS
-           for node in gm.graph.nodes):
-        return _mkldnn_off()
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _mkldnn_off():
-    """oneDNN off, and only that (``torch.backends.mkldnn.flags`` also sets its TF32 flag,
-    which warns on a CPU build of torch: a warning in the user's program)."""
-    before = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(before)
+def _generic_lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                  batch_first):
+    """``torch.lstm(input, (h, c), params, ...)`` computed as torch's own decomposition of it
+    computes it where oneDNN is off (``torch._decomp.decompositions.lstm_impl``, each layer by
+    ``one_layer_lstm``)."""
+    from torch._decomp import decompositions as decomp
+    params = decomp.gather_params(params, has_biases, hx[0].size(2) != hx[1].size(2))
+    out, final = decomp._rnn_helper(input, list(zip(hx[0], hx[1])), params, has_biases,
+                                    num_layers, dropout, train, bidirectional, batch_first,
+                                    decomp.one_layer_lstm)
+    h, c = zip(*final)
+    return out, torch.stack(h, 0), torch.stack(c, 0)
 
 
 def _same_output_dtypes(gm: torch.fx.GraphModule, flat: torch.fx.GraphModule) -> None:
