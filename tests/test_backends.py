@@ -71,16 +71,18 @@ def test_backend_values_and_gradients(backend):
     assert e.graphs[0].backend == backend and e.graphs[0].note == "", str(e)
 
 
-def test_lstm_forward_through_aot_autograd_is_compiled_quietly(recwarn):
+@pytest.mark.parametrize("backend", ["torchscript", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_lstm_forward_through_aot_autograd_is_compiled_quietly(recwarn, backend):
     """An ``nn.LSTM`` optimized alone (its results need autograd: AOT autograd, then
-    TorchScript) compiles and matches eager within rounding: traced with oneDNN's layer it
-    failed to freeze (its constants compared under AOT's fake mode) and then, scripted, raised
-    "strides() called on an undefined Tensor"; both sent it to fx. Switching oneDNN off for
-    the trace must not warn in the program (``torch.backends.mkldnn.flags`` did)."""
+    TorchScript or Inductor) compiles and matches eager within rounding: traced with oneDNN's
+    layer, TorchScript's failed to freeze (its constants compared under AOT's fake mode) and
+    then, scripted, raised "strides() called on an undefined Tensor", Inductor's raised a
+    TypeError; each sent it to fx. Avoiding oneDNN's layer in the trace must not warn in the
+    program (``torch.backends.mkldnn.flags`` did)."""
     torch.manual_seed(0)
     model = nn.LSTM(8, 12, num_layers=2)
     ref = copy.deepcopy(model)
-    opt = specularch.optimize(model, backend="torchscript")
+    opt = specularch.optimize(model, backend=backend)
     for i in range(6):
         x = torch.randn(5, 3, 8)
         (out, (h, c)), (e_out, (e_h, e_c)) = opt(x), ref(x)
@@ -91,7 +93,7 @@ def test_lstm_forward_through_aot_autograd_is_compiled_quietly(recwarn):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     e = specularch.explain(opt)
-    assert [(g.backend, g.note) for g in e.graphs] == [("torchscript", "")], str(e)
+    assert [(g.backend, g.note) for g in e.graphs] == [(backend, "")], str(e)
     assert torch.backends.mkldnn.enabled
     assert not [w for w in recwarn if "oneDNN" in str(w.message)], [str(w.message) for w in recwarn]
 

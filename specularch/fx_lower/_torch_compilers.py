@@ -177,11 +177,12 @@ def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
     dynamic = bool(dynamic_inputs(gm))
+    traced = _generic_lstms(gm)  # (oneDNN's rnn layer compiled raises: see there)
     with inductor_config.patch(fallback_random=True), \
             functorch_config.patch(force_non_lazy_backward_lowering=True), _no_leaked_pointer(), \
             _inductor_caches(tracing=not dynamic) as hit:
-        compiled = _aot_dynamic(gm, example_inputs, lambda fakes: compile_fx(gm, fakes)) \
-            if dynamic else _compile_static(gm, example_inputs)
+        compiled = _aot_dynamic(gm, example_inputs, lambda fakes: compile_fx(traced, fakes)) \
+            if dynamic else _compile_static(traced, example_inputs)
         return _tagged(compiled, hit())
 
 
@@ -264,8 +265,10 @@ def _generic_lstms(gm: torch.fx.GraphModule, in_place: bool = False) -> torch.fx
     the workspace its backward needs only while grad mode is on. A flattened graph runs under
     ``no_grad`` (so did Inductor's compiled forward): there it returned no workspace,
     Inductor's compiled code failed its size check ("expected Tensor()"), an AOTInductor
-    package its backward call ("Expected IntList but got None"), and a scripted AOT forward
-    raised "strides() called on an undefined Tensor", so those graphs never ran compiled.
+    package its backward call ("Expected IntList but got None"), a scripted AOT forward
+    raised "strides() called on an undefined Tensor" and Inductor's AOT forward a TypeError,
+    so those graphs never ran compiled. Every tracing path takes it: ``flatten`` and both
+    AOT-autograd compilers (``aot_torchscript``, ``inductor``).
     Only the traced copy changes: eager and ``fx`` keep torch's choice of kernel. (This was
     oneDNN switched off while tracing: a process-wide flag, which the program's own LSTMs,
     on its thread beside a background compile, then saw too. GRU and plain RNN layers have
