@@ -4,7 +4,7 @@ and the pinned backends, for the MLP and LeNet of ``train_step.py``.
     python benchmarks/tiering.py [--seconds 60] [--models mlp,lenet] [--pinned fx,torchscript,inductor]
         [--switch-interval 0.0005] [--compile-in process|thread] [--worker fork|new]
         [--json PATH] [--trace]
-        [--cache-dir DIR]
+        [--cache-dir DIR] [--what step|forward]
 
 One thread (``torch.set_num_threads(1)``), unmodified Adam training steps, subnormal floats
 flushed to zero (``torch.set_flush_denormal(True)``, every mode): the tiered model has trained
@@ -22,6 +22,9 @@ so unflushed the final ratios compared training stages, not backends. Per model:
 * then eager, tiered and each pinned backend interleaved round by round (medians): the final
   ratio of tiered to eager and to the best pinned backend.
 
+``--what forward`` optimizes the model only (``specularch.optimize(model)``; the loss,
+``backward()`` and Adam stay eager): its graph's results need autograd, and its candidates
+travel to the worker as their forward and backward (``fx_lower/split.py``).
 ``--worker`` chooses how the worker process starts: forked from the program where that is safe
 (``fork``, the default; ``specularch.tiering.process.FORK``) or as a new interpreter (``new``).
 ``--compile-in`` chooses where candidates compile (``specularch.tiering.process.ENABLED``; default
@@ -75,10 +78,20 @@ def _p99(times):
     return statistics.quantiles(times, n=100)[-1] if len(times) > 100 else max(times)
 
 
-def tiered_run(name, batches, seconds, eager_s, trace=None):
-    """Every step of a fresh tiered step for ``seconds``."""
+def optimized_step(name, what, **options):
+    """A fresh training step of ``name`` with ``specularch.optimize(..., **options)`` applied to
+    the whole step (``what="step"``) or to the model only (``"forward"``: loss, ``backward()``
+    and Adam eager around it); and what ``explain`` reports on."""
     model, opt = build(name)
-    step = specularch.optimize(make_step(model, opt))
+    if what == "forward":
+        return make_step(specularch.optimize(model, **options), opt), model
+    step = specularch.optimize(make_step(model, opt), **options)
+    return step, step
+
+
+def tiered_run(name, batches, seconds, eager_s, trace=None, what="step"):
+    """Every step of a fresh tiered step for ``seconds``."""
+    step, explained = optimized_step(name, what)
     first = time.perf_counter()
     rows = []  # (seconds since the first call, step seconds, compiling?)
     while time.perf_counter() - first < seconds:
@@ -88,7 +101,7 @@ def tiered_run(name, batches, seconds, eager_s, trace=None):
         step(x, y)
         end = time.perf_counter()
         rows.append((start - first, end - start, compiling or worker.pending() > 0))
-    graphs = specularch.explain(step).graphs
+    graphs = specularch.explain(explained).graphs
     tiers = [g.tier for g in graphs if g.tier is not None]
     kept = [t.promoted_at - first for t in tiers if t.promoted_at is not None]
     while_compiling = [s for _, s, c in rows if c]
@@ -109,20 +122,20 @@ def tiered_run(name, batches, seconds, eager_s, trace=None):
         "ended_on": [g.backend for g in graphs],
         "worker_started": getattr(process._current, "started", None),  # (None: none needed)
         **({"slowest_steps": trace.slowest(rows, first, eager_s)} if trace else {}),
-    }
+    }, explained
 
 
 def _since(when, first):
     return None if when is None else when - first
 
 
-def _settle(step, batches, budget_s=300.0):
+def _settle(step, explained, batches, budget_s=300.0):
     """Steps until no compile is pending and every hot graph's candidates are decided: the
     interleaved rounds measure the tier each graph ends on, not a trial (a trial runs half
     its calls on the candidate, e.g. Inductor at 0.5x eager on LeNet). Returns the seconds."""
     start = time.perf_counter()
     while time.perf_counter() - start < budget_s:
-        tiers = [g.tier for g in specularch.explain(step).graphs if g.tier is not None]
+        tiers = [g.tier for g in specularch.explain(explained).graphs if g.tier is not None]
         if specularch.tiering.pending() == 0 and \
                 all(t.settled or t.submitted_at is None for t in tiers):
             break
@@ -148,17 +161,16 @@ def bench(name, args):
     eager = make_step(model, opt)
     eager_s, eager_slowest, eager_p99 = _eager_steps(eager, batches, 10)
     print(f"[{name}] eager step {eager_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
-    tiered, result = tiered_run(name, batches, args.seconds, eager_s,
-                                tiering_trace.Trace() if args.trace else None)
+    tiered, result, explained = tiered_run(name, batches, args.seconds, eager_s,
+                                           tiering_trace.Trace() if args.trace else None, args.what)
     result.update(slowest_eager_step_over_eager=eager_slowest, p99_eager_step_over_eager=eager_p99,
                   load_average=os.getloadavg())
     print(f"[{name}] tiered: {json.dumps(result, indent=1)}", file=sys.stderr, flush=True)
-    result["settle_s"] = _settle(tiered, batches)
-    result["tiers_at_the_end"] = [line for g in specularch.explain(tiered).graphs for line in g.tiers]
+    result["settle_s"] = _settle(tiered, explained, batches)
+    result["tiers_at_the_end"] = [line for g in specularch.explain(explained).graphs for line in g.tiers]
     modes = {"eager": eager, "tiered": tiered}
     for backend in args.pinned:
-        model, opt = build(name)
-        step = specularch.optimize(make_step(model, opt), backend=backend)
+        step, _ = optimized_step(name, args.what, backend=backend)
         start = time.perf_counter()
         for i in range(6):  # profiled calls, the capture and compile, the .grad-set graph
             step(*batches[i % len(batches)])
@@ -183,6 +195,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--what", choices=("step", "forward"), default="step")
     args = parser.parse_args()
     args.pinned = [b for b in args.pinned.split(",") if b]
     worker.SWITCH_INTERVAL = args.switch_interval

@@ -3,6 +3,8 @@ starts and ends with specularch's caches and records cleared and torch's RNG see
 import os
 import pathlib
 import sys
+import tempfile
+import types
 
 import pytest
 import torch
@@ -49,3 +51,15 @@ def recursion_limit():
     sys.setrecursionlimit(1000)
     yield 1000
     sys.setrecursionlimit(before)
+
+
+@pytest.fixture
+def hot_at_once(monkeypatch, tmp_path):
+    """Graphs hot after 3 calls; ``candidates`` as given; job folders under ``tmp_path``."""
+    from specularch import tiering
+    from specularch.tiering import policy, process
+    monkeypatch.setattr(process, "tempfile", types.SimpleNamespace(
+        mkdtemp=lambda prefix: tempfile.mkdtemp(prefix=prefix, dir=tmp_path)))
+    with specularch.config.patch(tier_min_hits=3, tier_min_seconds=1e-6, tier_trial_calls=2):
+        yield lambda *names: monkeypatch.setattr(policy, "CANDIDATES", names)
+    tiering.wait(timeout=120)

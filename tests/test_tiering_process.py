@@ -5,9 +5,7 @@ hangs or writes a corrupt artefact leaving the graph on ``fx`` with the reason; 
 waiting for the worker; graphs that cannot travel compiled on the thread, saying why."""
 import copy
 import sys
-import tempfile
 import time
-import types
 
 import pytest
 import torch
@@ -30,16 +28,6 @@ CORRUPT = [sys.executable, "-c", "import json, os, sys; f = sys.stdin.readline()
            "open(os.path.join(f, 'artefact'), 'wb').write(b'not a module'); "
            "json.dump({'meta': {'converted': [], 'devices': []}}, "
            "open(os.path.join(f, 'result.json'), 'w')); print(0, flush=True); sys.stdin.read()"]
-
-
-@pytest.fixture
-def hot_at_once(monkeypatch, tmp_path):
-    """Graphs hot after 3 calls; ``candidates`` as given; job folders under ``tmp_path``."""
-    monkeypatch.setattr(process, "tempfile", types.SimpleNamespace(
-        mkdtemp=lambda prefix: tempfile.mkdtemp(prefix=prefix, dir=tmp_path)))
-    with specularch.config.patch(tier_min_hits=3, tier_min_seconds=1e-6, tier_trial_calls=2):
-        yield lambda *names: monkeypatch.setattr(policy, "CANDIDATES", names)
-    tiering.wait(timeout=120)
 
 
 def _pair(make_model):
@@ -147,19 +135,31 @@ def test_graph_calling_a_user_function_is_not_sent():
     assert reason is not None and "mine" in reason
 
 
-def test_forward_graph_compiles_on_the_thread_saying_why(hot_at_once, monkeypatch):
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x, scale):
+        return self.fc(x) * scale
+
+
+def test_forward_graph_with_a_number_input_compiles_on_the_thread_saying_why(hot_at_once, monkeypatch):
+    """A forward graph whose results need autograd goes to the worker as its forward and
+    backward (tests/test_split_forward.py), but not with a Python-number input (AOT
+    autograd's wrappers take it)."""
     hot_at_once("torchscript")
     monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    opt = specularch.optimize(model)
+    model = _Scaled()
+    opt = specularch.optimize(copy.deepcopy(model))
     xs = [torch.randn(4, 8) for _ in range(3)]
-    for _ in range(20):
+    for i in range(20):
         for x in xs:
-            assert_same(model(x), opt(x), rtol=1e-5, atol=1e-6)
+            assert_same(model(x, 0.5 + i), opt(x, 0.5 + i), rtol=1e-5, atol=1e-6)
         tiering.wait(timeout=120)
     event = specularch.explain(opt).graphs[-1].tier.events[0]
-    assert event.compiled_in.startswith("thread: its AOT-autograd form")
+    assert event.compiled_in == "thread: its AOT-autograd form cannot be sent (it has Python-number inputs)"
 
 
 @pytest.mark.slow
@@ -262,3 +262,26 @@ def test_a_graph_of_many_nodes_round_trips():
     examples = [n.meta["example"] for n in gm.graph.nodes if n.op == "placeholder"]
     gm2, _ = job.unpack(job.pack(gm, examples))
     assert gm2.code == gm.code
+
+
+def test_inference_forward_compiles_in_the_worker_process(hot_at_once, monkeypatch):
+    """A forward graph whose results need no autograd (``torch.no_grad()``, an eval loop)
+    travels as one flattened graph, as a whole step does; before, it compiled through AOT
+    autograd on the thread beside the program's calls."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).eval()
+    opt = specularch.optimize(copy.deepcopy(model))
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    with torch.no_grad():
+        for _ in range(20):
+            for x in xs:
+                expected, got = model(x), opt(x)
+                assert_same(expected, got, rtol=1e-5, atol=1e-6)
+                assert not got.requires_grad
+            tiering.wait(timeout=120)
+    graph = specularch.explain(opt).graphs[-1]
+    (event,) = graph.tier.events
+    assert (event.decision, event.compiled_in) == ("kept", "worker process"), event
+    assert graph.backend == "torchscript"

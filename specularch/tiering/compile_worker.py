@@ -113,7 +113,9 @@ def compile_job(folder: str) -> int:
         meta = _compile(job, gm, examples, os.path.join(folder, "artefact"))
     except Exception as e:
         traceback.print_exc()
-        _result(folder, {"error": compile_cache.error_line(e)})
+        # A forward graph AOT autograd must wrap (fx_lower/_torch_joint.py): the program
+        # compiles it on its thread instead.
+        _result(folder, {"error": compile_cache.error_line(e), "not_split": type(e).__name__ == "NotSplit"})
         return 1
     seconds = time.perf_counter() - start
     print(f"compiled {job['backend']} in {seconds:.2f}s", flush=True)
@@ -123,6 +125,10 @@ def compile_job(folder: str) -> int:
 
 def _compile(job: dict, gm, examples: list, artefact: str) -> dict:
     from specularch.fx_lower import _torch_compilers as compilers, compile_cache
+    if job.get("split"):  # a forward graph: its forward and backward (fx_lower/split.py)
+        from specularch.fx_lower import split
+        return split.compile_parts(job["backend"], gm, examples, artefact, job["cache_key"],
+                                   job.get("threads"), job.get("aoti", False))
     if job["backend"] == "torchscript":
         scripted, meta = compilers.scripted_flattened(gm, examples)
         compile_cache.write_script(artefact, scripted, meta)

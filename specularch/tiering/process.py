@@ -10,9 +10,11 @@ specularch.tiering.compile_worker``) and waits for its answer (a wait on a pipe 
 GIL), then loads the artefact: a ``torch.jit.save``d frozen module (TorchScript) or an
 AOTInductor package (Inductor; a ``standalone_compile`` artefact where AOTInductor failed),
 each a few milliseconds to load. Both are kept
-in the persistent compile cache, so a second run loads them without a worker. Only graphs compiled as one flattened ATen graph travel
-(``route``); the others (forward graphs through AOT autograd, whose forward and backward
-are glued by Python, and rolled loops) are compiled on the thread as before.
+in the persistent compile cache, so a second run loads them without a worker. Graphs compiled
+as one flattened ATen graph travel, and forward graphs whose results need autograd as two
+(``fx_lower/split.py``: forward and backward, glued in the program); the others (``route``:
+rolled loops, forward graphs with number inputs or dynamic sizes, which go through AOT
+autograd's own wrappers) are compiled on the thread as before.
 
 A worker that crashes, runs past ``TIMEOUT`` or writes an artefact that
 cannot be loaded raises ``WorkerFailed``: the candidate is "compile failed", the graph stays
@@ -36,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from ..fx_lower import _torch_aoti as aoti, _torch_compilers as compilers, compile_cache
+from ..fx_lower import _torch_aoti as aoti, _torch_compilers as compilers, compile_cache, split
 from ..fx_lower.backends import flattened, specialised_numbers
 from ..fx_lower.passes import example_inputs
 from . import fork
@@ -66,12 +68,22 @@ class WorkerFailed(RuntimeError):
     """The worker process did not produce a usable artefact (its reason says why)."""
 
 
+class NotSplit(WorkerFailed):
+    """A forward graph the worker could not split (``fx_lower/_torch_joint.py``: it updates
+    an input in place, or returns an alias): it compiles through AOT autograd on the thread."""
+
+
 def route(backend: str, gm: torch.fx.GraphModule) -> str | None:
     """None when ``backend``'s compile of ``gm`` can run in a worker process, else why not."""
     if backend not in BACKENDS:
         return f"{backend} compiles in this process"
-    if gm.meta.get("rolled_loops") or not flattened(gm):
-        return "its AOT-autograd form (forward and backward glued by Python) cannot be sent"
+    if gm.meta.get("rolled_loops"):
+        return "its rolled loops' bodies are compiled in this process"
+    if _split(gm):
+        why = split.refusal(gm)
+        if why is not None:
+            return f"its AOT-autograd form cannot be sent ({why})"
+        return jobs.unsendable(gm)  # (sent to be split: its forward and backward come back)
     # What the backend wraps around the compiled graph in this process: used-up histories
     # (spent.py) and one compile per value of a number (specialise.py).
     if gm.meta.get("outputs_require_grad"):
@@ -81,12 +93,20 @@ def route(backend: str, gm: torch.fx.GraphModule) -> str | None:
     return jobs.unsendable(gm)
 
 
+def _split(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` travels as its forward and backward (``split.py``: a forward graph whose
+    results need autograd), else as one flattened graph (whole steps; graphs whose results
+    need no autograd: an inference forward is compiled as it is)."""
+    return not flattened(gm) and bool(gm.meta.get("outputs_require_grad"))
+
+
 def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, timeout: float) -> Callable:
     """``backend``'s compiled form of ``gm``, compiled by the worker process (raises
     ``WorkerFailed``), or loaded from the persistent compile cache, where an earlier run's
     worker left it. Call it on the background thread: it waits for the worker."""
-    key = compile_cache.entry_key(gm, examples, backend, "flattened")
-    cached = _cached(backend, key, gm.forward)
+    parts = _split(gm)
+    key = compile_cache.entry_key(gm, examples, backend, split.PATH if parts else "flattened")
+    cached = split.cached(backend, key) if parts else _cached(backend, key, gm.forward)
     if cached is not None:
         return compile_cache.mark_cached(cached)
     folder = tempfile.mkdtemp(prefix="specularch-compile-")
@@ -97,9 +117,11 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
         # can load one (no import of Inductor here).
         job = jobs.pack(gm, examples, backend=backend, cache_key=key, threads=torch.get_num_threads(),
                         aoti=aoti.loadable(), cache_dir=_cache_root(),
-                        inductor_dir_chosen=compile_cache.inductor_dir_chosen())
+                        inductor_dir_chosen=compile_cache.inductor_dir_chosen(), split=parts)
         torch.save(job, os.path.join(folder, "job.pt"))
         meta = _run(folder, timeout, forkable(backend, torch.get_num_threads()))
+        if parts:
+            return _load_parts(backend, os.path.join(folder, "artefact"), meta)
         return _load(backend, os.path.join(folder, "artefact"), meta, gm.forward)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -145,7 +167,7 @@ def _prestart(gm: torch.fx.GraphModule, backends: tuple[str, ...],
     examples = example_inputs(gm)
     gone = skipped()
     needed = [b for b in backends if b not in gone and route(b, gm) is None
-              and not _in_cache(b, compile_cache.entry_key(gm, examples, b, "flattened"))]
+              and not _in_cache(b, examples, gm)]
     if needed:  # started as the first job will need it
         _worker(forkable(needed[0], torch.get_num_threads()))
 
@@ -160,7 +182,10 @@ def forkable(backend: str, threads: int) -> bool:
     return backend != "inductor" or threads <= 1
 
 
-def _in_cache(backend: str, key: str) -> bool:
+def _in_cache(backend: str, examples: list, gm: torch.fx.GraphModule) -> bool:
+    if _split(gm):
+        return split.in_cache(backend, compile_cache.entry_key(gm, examples, backend, split.PATH))
+    key = compile_cache.entry_key(gm, examples, backend, "flattened")
     if backend == "torchscript":
         return compile_cache.has_script(key)
     return compile_cache.artifact(key) is not None
@@ -264,6 +289,8 @@ def _run(folder: str, timeout: float, may_fork: bool = True) -> dict:
         _retire(child)
         raise
     result = _result(folder)
+    if result.get("not_split"):  # (refused before anything was compiled)
+        raise NotSplit(result["error"].removeprefix("NotSplit: "))
     if "error" in result or code != 0:
         _retire(child)  # a compile that raised may have left the child's state half-done
     if "error" in result:
@@ -297,6 +324,14 @@ def _last_line(folder: str) -> str:
     except OSError:
         return ""
     return lines[-1] if lines else ""
+
+
+def _load_parts(backend: str, path: str, meta: dict) -> Callable:
+    try:
+        return split.load_parts(backend, path, meta)
+    except Exception as e:
+        raise WorkerFailed(f"the worker's artefacts could not be loaded "
+                           f"({compile_cache.error_line(e)})") from e
 
 
 def _load(backend: str, path: str, meta: dict, fallback: Callable) -> Callable:

@@ -130,9 +130,13 @@ class Tier:
         why_not = process.route(name, self.gm) if process.ENABLED else "process.ENABLED is off"
         where = "worker process" if why_not is None else f"thread: {why_not}"
         try:
+            graph_fn = None
             if why_not is None:
-                graph_fn = process.compile_candidate(name, self.gm, examples, process.TIMEOUT)
-            else:
+                try:
+                    graph_fn = process.compile_candidate(name, self.gm, examples, process.TIMEOUT)
+                except process.NotSplit as e:
+                    where = f"thread: its AOT-autograd form cannot be sent ({e})"
+            if graph_fn is None:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples, worker.submit)
             if compile_cache.from_cache(graph_fn):
                 where = "from the compile cache"

@@ -1,0 +1,136 @@
+"""Compat: a forward graph whose results need autograd, split into two graphs of ATen ops
+without autograd by AOT autograd's joint trace and partitioner: the *forward* (the graph's
+inputs in; its outputs, then what the backward reads) and the *backward* (what the forward
+saved, then the outputs' gradients in; the inputs' gradients out). Each compiles like a
+flattened graph, in the tiering worker too, and ``glue.py`` joins them as one autograd node,
+where AOT autograd's own run-time wrappers cost more than a small model's compiled code
+saves. torch has no public API for this; every use goes through here.
+
+Refused (``NotSplit``, with why) where AOT autograd's run-time wrappers do real work: inputs
+updated in place, outputs that alias an input or each other, sizes traced as symbols.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+
+class NotSplit(ValueError):
+    """The graph cannot be split without AOT autograd's run-time wrappers (why)."""
+
+
+class Split:
+    """``forward`` and ``backward`` (ATen graphs; each placeholder's ``meta["example"]`` a
+    zero-filled tensor of its layout) and ``meta`` (plain values, what ``glue.Glued`` needs):
+    ``outputs``, the graph's output count (the forward returns them, then the saved tensors);
+    ``differentiable``, the outputs that get a gradient (the backward's inputs after the saved
+    tensors, in this order, each with the strides in ``tangent_strides``); ``inputs``, the
+    graph's input count; ``gradients``, the inputs the backward returns a gradient for, in
+    its output order."""
+
+    def __init__(self, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, meta: dict):
+        self.forward, self.backward, self.meta = forward, backward, meta
+
+
+def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> Split:
+    """``gm`` (its outputs a flat tuple or list of tensors) split for ``example_inputs``
+    (tensors; their ``requires_grad`` says which get gradients). ``min_cut``: the
+    partitioner Inductor uses (the backward recomputes cheap ops instead of saving them),
+    else the one that keeps eager's split. Raises ``NotSplit``."""
+    from torch._functorch import aot_autograd, partitioners
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    if not all(isinstance(x, torch.Tensor) for x in example_inputs):
+        raise NotSplit("a graph input is not a tensor")
+    if not any(x.requires_grad for x in example_inputs):
+        raise NotSplit("no graph input requires grad")
+
+    gm, passthrough = _without_returned_inputs(gm)
+
+    def flat(*args):
+        out = gm(*args)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    with torch.enable_grad():
+        joint, meta, _, _ = aot_autograd._aot_export_function(
+            flat, tuple(example_inputs), trace_joint=True, dynamic_shapes=False)
+    if any(x.mutates_data or x.mutates_metadata for x in meta.input_info):
+        raise NotSplit("the graph updates an input in place")
+    if any(x.output_type != OutputType.non_alias for x in meta.output_info):
+        raise NotSplit("an output aliases an input or another output")
+    if meta.num_intermediate_bases or meta.is_rng_op_functionalized or \
+            any(type(m).__name__ == "SubclassCreationMeta" for m in meta.subclass_inp_meta):
+        raise NotSplit("AOT autograd would wrap it (intermediate bases, random-number state or subclasses)")
+    outputs = len(meta.output_info)
+    differentiable = [i for i, x in enumerate(meta.output_info) if x.requires_grad]
+    tangents = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    if len(tangents) != len(differentiable):
+        raise NotSplit(f"{len(tangents)} gradient inputs for {len(differentiable)} differentiable outputs")
+    partition = partitioners.min_cut_rematerialization_partition if min_cut else partitioners.default_partition
+    forward, backward = partition(joint, None, num_fwd_outputs=outputs)
+    gradients = _drop_none_outputs(backward)
+    for graph in (forward, backward):
+        _examples_from_fakes(graph)
+    saved = len(_outputs(forward)) - outputs
+    tangent_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"][saved:]
+    if len(tangent_inputs) != len(differentiable):
+        raise NotSplit("the backward's inputs are not the saved tensors and the gradients")
+    return Split(forward, backward, {
+        "outputs": outputs, "differentiable": differentiable, "inputs": len(example_inputs),
+        "gradients": gradients, "passthrough": passthrough,
+        "tangent_strides": [list(n.meta["example"].stride()) for n in tangent_inputs]})
+
+
+def _without_returned_inputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
+    """``gm`` without the outputs that are its inputs as they came in (BatchNorm's
+    ``num_batches_tracked``, which the commit then advances), and ``[output position, input
+    position]`` for each: the glue returns those inputs themselves, as ``fx`` does."""
+    import copy
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (list, tuple)):
+        return gm, []
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    passthrough = [[i, inputs.index(v)] for i, v in enumerate(values) if isinstance(v, torch.fx.Node) and v in inputs]
+    if not passthrough:
+        return gm, []
+    if len(passthrough) == len(values):
+        raise NotSplit("every output is an input")
+    gm = copy.deepcopy(gm)
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    dropped = {i for i, _ in passthrough}
+    output.args = (tuple(v for i, v in enumerate(output.args[0]) if i not in dropped),)
+    gm.recompile()
+    return gm, passthrough
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list:
+    return list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+
+
+def _drop_none_outputs(gm: torch.fx.GraphModule) -> list[int]:
+    """The backward returns a gradient or None per input: keep the gradients (a compiled
+    graph returns tensors only); returns their input positions."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    kept = [i for i, v in enumerate(values) if v is not None]
+    if any(not isinstance(values[i], torch.fx.Node) for i in kept):
+        raise NotSplit("the backward returns a constant gradient")
+    output.args = ([values[i] for i in kept],)
+    gm.recompile()
+    return kept
+
+
+def _examples_from_fakes(gm: torch.fx.GraphModule) -> None:
+    """Each placeholder's ``meta["example"]``: a zero-filled tensor of its fake value's
+    layout (what the flattened compilers trace with), without autograd."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        fake = node.meta.get("val")
+        if not isinstance(fake, torch.Tensor) or any(not isinstance(s, int) for s in (*fake.shape, *fake.stride())):
+            raise NotSplit(f"{node.name} is not a tensor of fixed size (saved: {type(fake).__name__})")
+        with unset_fake_temporarily():
+            node.meta["example"] = torch.empty_strided(
+                tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=fake.device).zero_()

@@ -1,0 +1,116 @@
+"""A forward graph whose results need autograd, compiled as two flattened graphs (its forward
+and backward, ``_torch_joint.split``) and glued in the program (``glue.Glued``): so the
+tiering worker process can compile it (each part is an artefact like a whole step's, a
+TorchScript module or an AOTInductor package) instead of a thread beside the program's steps,
+and the glue is thinner than AOT autograd's run-time wrappers.
+
+``compile_parts`` runs where the compile runs (the worker); ``load_parts`` and ``cached`` in
+the program. The persistent compile cache keeps the two parts under the graph's key with
+``.forward`` / ``.backward`` added; the forward's metadata holds the glue's.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import _torch_compilers as compilers, compile_cache
+from ._torch_joint import split
+from .passes import example_inputs
+
+PATH = "split"  # compile_cache.entry_key's path for these
+PARTS = ("forward", "backward")
+
+
+def refusal(gm: torch.fx.GraphModule) -> str | None:
+    """None when ``gm`` is a graph this compiles (a forward graph whose results need
+    autograd, with tensor inputs of fixed sizes), else why not. ``_torch_joint.split`` may
+    still refuse it (in the worker, ``NotSplit``: the candidate failed to compile, why said)."""
+    if not gm.meta.get("outputs_require_grad"):
+        return "its results need no autograd"
+    if gm.meta.get("scalar_inputs"):
+        return "it has Python-number inputs"
+    if gm.meta.get("dynamic_dims") or gm.meta.get("dynamic_inputs"):
+        return "it has dynamic sizes"
+    if gm.meta.get("rolled_loops"):
+        return "it has rolled loops"
+    return None
+
+
+def compile_parts(backend: str, gm: torch.fx.GraphModule, examples: list, artefact: str,
+                  cache_key: str | None, threads: int | None, aoti: bool) -> dict:
+    """Split ``gm``, compile both parts with ``backend`` into ``artefact`` + ``.forward`` /
+    ``.backward`` (and the persistent cache under ``cache_key``); returns the metadata
+    ``load_parts`` needs."""
+    parts = split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
+    metas = {}
+    for name, graph in zip(PARTS, (parts.forward, parts.backward)):
+        path, key = f"{artefact}.{name}", cache_key and f"{cache_key}.{name}"
+        graph_examples = example_inputs(graph)
+        if backend == "torchscript":
+            scripted, meta = compilers.scripted_flattened(graph, graph_examples)
+            if name == "forward":
+                meta["glue"] = parts.meta
+            compile_cache.write_script(path, scripted, meta)
+            if key:
+                compile_cache.save_script(key, scripted, meta)
+        elif backend == "inductor":
+            meta = compilers.inductor_artifact(graph, graph_examples, path, threads=threads, aoti=aoti)
+            if name == "forward":
+                meta["glue"] = parts.meta
+            if key:
+                compile_cache.save_artifact(key, path, meta)
+        else:
+            raise ValueError(f"no split compile for backend {backend!r}")
+        metas[name] = meta
+    return metas
+
+
+def load_parts(backend: str, artefact: str, metas: dict) -> Callable:
+    """What ``compile_parts`` wrote to ``artefact``, glued."""
+    from .glue import Glued
+    loaded = []
+    for name in PARTS:
+        path = f"{artefact}.{name}"
+        if backend == "torchscript":
+            loaded.append(compilers.run_scripted(*compile_cache.read_script(path, quiet=False)))
+        else:
+            loaded.append(compilers.load_inductor_artifact(path, metas[name]))
+    return Glued(*loaded, metas["forward"]["glue"])
+
+
+def cached(backend: str, key: str) -> Callable | None:
+    """The glued parts an earlier run saved under ``key``, or None (either part missing or
+    unreadable: logged by the cache)."""
+    from .glue import Glued
+    loaded, glue = [], None
+    for name in PARTS:
+        part_key = f"{key}.{name}"
+        if backend == "torchscript":
+            entry = compile_cache.load_script(part_key, quiet=False)
+            if entry is None:
+                return None
+            loaded.append(compilers.run_scripted(*entry))
+            meta = entry[1]
+        else:
+            entry = compile_cache.artifact(part_key)
+            if entry is None:
+                return None
+            try:
+                loaded.append(compilers.load_inductor_artifact(*entry))
+            except Exception as e:
+                compile_cache.ignore(entry[0], e)
+                return None
+            meta = entry[1]
+        glue = meta.get("glue", glue)
+    if not isinstance(glue, dict):
+        return None
+    return Glued(*loaded, glue)
+
+
+def in_cache(backend: str, key: str) -> bool:
+    names = [f"{key}.{name}" for name in PARTS]
+    if backend == "torchscript":
+        return all(compile_cache.has_script(n) for n in names)
+    return all(compile_cache.artifact(n) is not None for n in names)
+

@@ -1,0 +1,161 @@
+"""Forward graphs whose results need autograd, compiled as their forward and backward
+(``fx_lower/_torch_joint.py``, ``fx_lower/split.py``) and glued as one autograd node
+(``fx_lower/glue.py``), differential against eager: outputs, which outputs carry a gradient,
+every input's gradient; the refusals (inputs updated in place, aliased outputs); and in the
+tiered mode, such a graph compiled in the worker process (not on a thread beside the
+program's steps), one AOT autograd must wrap compiled on the thread saying why."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import specularch
+from specularch import tiering
+from specularch.fx_lower import _torch_joint as joint
+from specularch.fx_lower._torch_compilers import torchscript_without_autograd
+from specularch.fx_lower.glue import Glued
+from specularch.fx_lower.passes import example_inputs
+from specularch.tiering import policy
+
+from differential import assert_same
+
+pytestmark = pytest.mark.usefixtures("no_profiling")
+
+
+def _glued(fn, inputs, min_cut=False):
+    gm = torch.fx.symbolic_trace(fn)
+    parts = joint.split(gm, inputs, min_cut=min_cut)
+    compiled = [torchscript_without_autograd(g, example_inputs(g)) for g in (parts.forward, parts.backward)]
+    return Glued(*compiled, parts.meta)
+
+
+def _leaves(*shapes, grad=(True,)):
+    torch.manual_seed(0)
+    return [torch.randn(*s).requires_grad_(g) for s, g in zip(shapes, grad * len(shapes))]
+
+
+def _compare(fn, inputs, backward, min_cut=False):
+    """``fn`` and its glued form on copies of ``inputs``: outputs, requires_grad, gradients."""
+    glued = _glued(fn, inputs, min_cut)
+    copies = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    expected, got = fn(*inputs), glued(*copies)
+    assert len(expected) == len(got)
+    for a, b in zip(expected, got):
+        assert_same(a, b, rtol=1e-5, atol=1e-6)
+        assert a.requires_grad == b.requires_grad and a.dtype == b.dtype
+    backward(expected)
+    backward(got)
+    for x, y in zip(inputs, copies):
+        assert (x.grad is None) == (y.grad is None)
+        if x.grad is not None:
+            assert_same(x.grad, y.grad, rtol=1e-5, atol=1e-6)
+
+
+def _mlp(w1, b1, w2, b2, x):
+    return (F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2),)
+
+
+@pytest.mark.parametrize("min_cut", [False, True])
+def test_mlp_gradients_match_eager_through_an_expanded_gradient(min_cut):
+    inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16), grad=(True, True, True, True, False))
+    # sum().backward() hands the output an expanded gradient (strides 0): laid out as traced
+    _compare(_mlp, inputs, lambda out: out[0].sum().backward(), min_cut)
+
+
+def _several(w, x):
+    h = torch.tanh(x @ w)
+    return h, h.argmax(1), (x * 2).sum(1), h.sum(0), h.detach() * 3
+
+
+def test_outputs_without_gradient_and_unused_outputs_match_eager():
+    """An integer output, one from inputs that need no gradient, a detached one (none carries
+    a gradient), and a differentiable output the loss does not use (its gradient is zeros)."""
+    inputs = _leaves((6, 5), (4, 6), grad=(True, False))
+    _compare(_several, inputs, lambda out: (out[0] * 2).sum().backward())
+
+
+def test_backward_keeps_eager_in_place_check():
+    """A saved input changed in place before the backward raises as in eager."""
+    inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16), grad=(True, True, True, True, False))
+    glued = _glued(_mlp, inputs)
+    out = glued(*inputs)[0]
+    with torch.no_grad():
+        inputs[4].add_(1)  # x: saved for the first layer's weight gradient
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def _batch_norm(x, w, b, mean, var):
+    return (F.batch_norm(x, mean, var, w, b, training=True),)
+
+
+def _view_of_input(w, x):
+    return (x @ w, w.t())
+
+
+@pytest.mark.parametrize("fn, shapes, why", [
+    (_batch_norm, [(4, 3), (3,), (3,), (3,), (3,)], "updates an input in place"),
+    (_view_of_input, [(3, 3), (2, 3)], "aliases"),
+])
+def test_graphs_aot_autograd_must_wrap_are_refused(fn, shapes, why):
+    inputs = _leaves(*shapes, grad=(True, True, True, False, False)[:len(shapes)])
+    with pytest.raises(joint.NotSplit, match=why):
+        joint.split(torch.fx.symbolic_trace(fn), inputs, min_cut=False)
+
+
+def _train_both(make_model, batches, rounds, rtol):
+    torch.manual_seed(0)
+    model = make_model()
+    twin = make_model()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model)
+    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    for _ in range(rounds):
+        for x, y in batches:
+            for m, call, adam in ((twin, twin, adams[0]), (model, opt, adams[1])):
+                adam.zero_grad()
+                F.mse_loss(call(x), y).backward()
+                adam.step()
+            for (name, p), q in zip(twin.state_dict().items(), model.state_dict().values()):
+                assert_same(p, q, f"{name}", rtol=rtol, atol=rtol * 1e-2)
+        tiering.wait(timeout=120)
+    return opt
+
+
+def _small_mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def test_forward_graph_compiles_in_the_worker_process_as_forward_and_backward(hot_at_once, monkeypatch):
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)  # keep it
+    torch.manual_seed(1)
+    batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(3)]
+    opt = _train_both(_small_mlp, batches, 20, rtol=1e-4)
+    graph = specularch.explain(opt).graphs[-1]
+    (event,) = graph.tier.events
+    assert (event.candidate, event.decision, event.compiled_in) == ("torchscript", "kept", "worker process")
+    assert graph.backend == "torchscript"
+
+
+class _Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 2), nn.BatchNorm1d(2)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def test_batch_norm_forward_graph_compiles_in_the_worker_process(hot_at_once, monkeypatch):
+    """BatchNorm's graph returns its running statistics updated in place (on fresh copies),
+    and ``num_batches_tracked`` as it came in (the commit advances it): the glue returns that
+    input itself, the graph compiles in the worker, and the buffers follow eager's."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(1)
+    batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(3)]
+    opt = _train_both(_Normed, batches, 20, rtol=1e-4)
+    (event,) = specularch.explain(opt).graphs[-1].tier.events
+    assert (event.decision, event.compiled_in) == ("kept", "worker process"), event
+    assert opt.norm.num_batches_tracked.item() == 60  # (every buffer compared with eager's)
