@@ -126,16 +126,17 @@ def _small_mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
-def test_forward_graph_compiles_in_the_worker_process_as_forward_and_backward(hot_at_once, monkeypatch):
-    hot_at_once("torchscript")
+@pytest.mark.parametrize("backend", ["torchscript", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_forward_graph_compiles_in_the_worker_process_as_forward_and_backward(hot_at_once, monkeypatch, backend):
+    hot_at_once(backend)
     monkeypatch.setattr(policy, "faster", lambda candidate, current: True)  # keep it
     torch.manual_seed(1)
     batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(3)]
     opt = _train_both(_small_mlp, batches, 20, rtol=1e-4)
     graph = specularch.explain(opt).graphs[-1]
     (event,) = graph.tier.events
-    assert (event.candidate, event.decision, event.compiled_in) == ("torchscript", "kept", "worker process")
-    assert graph.backend == "torchscript"
+    assert (event.candidate, event.decision, event.compiled_in) == (backend, "kept", "worker process")
+    assert graph.backend == backend
 
 
 class _Normed(nn.Module):
@@ -159,3 +160,28 @@ def test_batch_norm_forward_graph_compiles_in_the_worker_process(hot_at_once, mo
     (event,) = specularch.explain(opt).graphs[-1].tier.events
     assert (event.decision, event.compiled_in) == ("kept", "worker process"), event
     assert opt.norm.num_batches_tracked.item() == 60  # (every buffer compared with eager's)
+
+
+def test_a_second_run_loads_both_parts_from_the_compile_cache(hot_at_once, monkeypatch, tmp_path):
+    """The worker saves the forward and the backward under the graph's key (``.forward``,
+    ``.backward``; the glue in the forward's metadata): a second run (specularch reset, same
+    cache) loads them without a worker, and trains as eager does."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(1)
+    batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(3)]
+    wheres = []
+    before = specularch.config.compile_cache_dir  # (for every thread: not config.patch)
+    specularch.config.compile_cache_dir = str(tmp_path / "cache")
+    try:
+        for _ in range(2):
+            specularch.reset()
+            opt = _train_both(_small_mlp, batches, 20, rtol=1e-4)
+            (event,) = specularch.explain(opt).graphs[-1].tier.events
+            assert event.decision == "kept", event
+            wheres.append(event.compiled_in)
+    finally:
+        specularch.config.compile_cache_dir = before
+    assert wheres == ["worker process", "from the compile cache"]
+    saved = sorted(p.name.split(".", 1)[1] for p in (tmp_path / "cache" / "torchscript").iterdir())
+    assert saved == ["backward.pt", "forward.pt"], saved

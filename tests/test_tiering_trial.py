@@ -80,8 +80,11 @@ def test_trial_times_cpu_work_not_preemption(low_thresholds, candidates, test_ba
 
 class _Tier:
     """What a ``Trial`` reads of its graph's tier, recording its decision."""
-    def __init__(self, k):
+    def __init__(self, k, gm_meta=None, fn=None):
         self.trial_calls, self.history, self.decided = k, types.SimpleNamespace(tier="fx"), []
+        self.gm = torch.fx.GraphModule({}, torch.fx.Graph())
+        self.gm.meta.update(gm_meta or {})
+        self.fn = fn
 
     def decide(self, trial, event):
         self.decided.append((len(trial.samples[1]), event))
@@ -108,3 +111,45 @@ def test_a_candidate_faster_within_the_margin_gets_more_rounds(candidate, rounds
     (calls, event), = tier.decided
     assert (calls // k, event.decision) == (rounds, decision), (calls, event)
     assert policy.ROUNDS == 3 and policy.MAX_ROUNDS == 9
+
+
+class _Costly(torch.autograd.Function):
+    """``x`` through, with ``forward`` and ``backward`` matrix products of work each."""
+    @staticmethod
+    def forward(ctx, x, forward, backward):
+        ctx.backward = backward
+        _work(forward)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _work(ctx.backward)
+        return grad, None, None
+
+
+def _work(products):
+    a = torch.ones(96, 96)
+    for _ in range(products):
+        a = (a @ a).clamp_(max=1.0)
+
+
+@pytest.mark.parametrize("with_backward, decision", [(True, "rejected"), (False, "kept")])
+def test_a_forward_graph_is_timed_with_its_backward(with_backward, decision):
+    """A candidate whose forward is faster but whose backward costs more than it saves (as
+    Inductor's split LeNet forward: its step 0.69x eager) is rejected once each call is timed
+    with the backward the program runs after it (``backward_timing.py``); a graph whose
+    results need no autograd is timed by its calls alone."""
+    x = torch.ones(4, requires_grad=with_backward)
+    tier = _Tier(3, {"outputs_require_grad": with_backward},
+                 fn=lambda L, C, G, B: _Costly.apply(x, 6, 1))
+    trial = Trial(tier, Candidate("inductor", lambda L, C, G, B: _Costly.apply(x, 1, 12), None, "", 0.0))
+    assert trial.with_backward == with_backward
+    tier.trial = trial
+    for _ in range(200):
+        if tier.decided:
+            break
+        out = trial.call(None, None, None, None)
+        if with_backward:
+            out.sum().backward()
+    (_, event), = tier.decided
+    assert event.decision == decision, event

@@ -10,3 +10,9 @@ import torch
 def graph_task_id() -> int:
     """The id of the engine run executing this backward (-1 outside one): unique per run."""
     return torch._C._current_graph_task_id()
+
+
+def at_end_of_backward(fn) -> None:
+    """Call ``fn()`` when the engine run executing this backward ends (call it from a hook
+    inside one): ``Variable._execution_engine.queue_callback``."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)

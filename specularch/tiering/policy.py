@@ -54,6 +54,13 @@ def clock() -> Callable[[], float]:
     return time.perf_counter
 
 
+def times_backward(gm: torch.fx.GraphModule) -> bool:
+    """Whether a trial of ``gm`` times each call with its backward (``backward_timing.py``):
+    a forward graph whose results need autograd, the backward left to the program."""
+    from ..fx_lower.backends import flattened
+    return bool(gm.meta.get("outputs_require_grad")) and not flattened(gm)
+
+
 def tiered(backend: str) -> bool:
     return backend == AUTO
 

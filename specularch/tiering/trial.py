@@ -28,6 +28,7 @@ from ..fx_lower.passes import example_inputs
 from ..fx_lower.randomness import graph_uses_randomness
 from ..records import AssumptionBroken
 from . import policy, process, remembered, worker
+from .backward_timing import BackwardTimer, grad_outputs
 from .eager_tier import EAGER, RunTimer
 from .same_draws import Checked
 from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, REMEMBERED, TierEvent, TierHistory
@@ -265,8 +266,14 @@ class Trial:
         # torch's thread count is per thread (a thread keeps the count of the moment it was
         # made): the program's later set_num_threads(1) is not the background thread's.
         self.clock = None
+        # Forward graphs whose results need autograd: each call timed with its backward
+        # (backward_timing.py), but where the eager tier is weighed (its run is timed alone).
+        self.with_backward = policy.times_backward(tier.gm) and candidate.backend != EAGER
+        self.pending: BackwardTimer | None = None  # the last call's, until its backward ran
 
     def call(self, L, C, G, B):
+        if self.pending is not None:
+            self._flush()
         n = self.calls
         self.calls = n + 1
         timed = n >= self.warm_up
@@ -297,9 +304,27 @@ class Trial:
         if timed and result is not MISS and not worker.pending():
             if type(result) is EagerRun:  # the eager tier: its run comes after this returns
                 result.timer = RunTimer(self.clock, elapsed, lambda s: self._add(side, s))
-            else:
+            elif not (self.with_backward and self._time_backward(side, elapsed, result)):
                 self._add(side, elapsed)
         return result
+
+    def _time_backward(self, side: int, elapsed: float, result) -> bool:
+        outputs = grad_outputs(result)
+        if not outputs:
+            return False
+        self.pending = BackwardTimer(self.clock, elapsed, side, self._backward_done)
+        self.pending.attach(outputs)
+        return True
+
+    def _backward_done(self, timer: BackwardTimer, seconds: float) -> None:
+        if self.pending is timer:
+            self.pending = None
+            self._add(timer.side, seconds)
+
+    def _flush(self) -> None:
+        """The last call's outputs got no backward before this call: its forward alone."""
+        timer, self.pending = self.pending, None
+        self._add(timer.side, timer.forward)
 
     def _add(self, side: int, seconds: float) -> None:
         self.samples[side].append(seconds)
