@@ -22,11 +22,11 @@ from differential import assert_same
 pytestmark = pytest.mark.usefixtures("no_profiling")
 
 
-def _glued(fn, inputs, min_cut=False):
+def _glued(fn, inputs, min_cut=False, replay=True):
     gm = torch.fx.symbolic_trace(fn)
     parts = joint.split(gm, inputs, min_cut=min_cut)
     compiled = [torchscript_without_autograd(g, example_inputs(g)) for g in (parts.forward, parts.backward)]
-    return Glued(*compiled, parts.meta)
+    return Glued(*compiled, parts.meta, gm.forward if replay else None)
 
 
 def _leaves(*shapes, grad=(True,)):
@@ -83,6 +83,30 @@ def test_backward_keeps_eager_in_place_check():
         inputs[4].add_(1)  # x: saved for the first layer's weight gradient
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def _penalty(fn, inputs):
+    """A gradient penalty: the output's gradient w.r.t. ``x`` (``create_graph``), squared,
+    differentiated w.r.t. the weights."""
+    out = fn(*inputs)[0]
+    (gx,) = torch.autograd.grad(out.sum(), [inputs[4]], create_graph=True)
+    (gx ** 2).sum().backward()
+
+
+def test_double_backward_runs_the_graph_again_and_matches_eager():
+    inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16))
+    glued = _glued(_mlp, inputs)
+    copies = [x.detach().clone().requires_grad_() for x in inputs]
+    _penalty(_mlp, inputs)
+    _penalty(glued, copies)
+    for x, y in zip(inputs, copies):
+        assert_same(x.grad, y.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_without_a_replay_says_what_to_do():
+    inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16))
+    with pytest.raises(RuntimeError, match='backend="fx"'):
+        _penalty(_glued(_mlp, inputs, replay=False), inputs)
 
 
 def _batch_norm(x, w, b, mean, var):
@@ -185,3 +209,30 @@ def test_a_second_run_loads_both_parts_from_the_compile_cache(hot_at_once, monke
     assert wheres == ["worker process", "from the compile cache"]
     saved = sorted(p.name.split(".", 1)[1] for p in (tmp_path / "cache" / "torchscript").iterdir())
     assert saved == ["backward.pt", "forward.pt"], saved
+
+
+def test_gradient_penalty_through_a_promoted_forward_matches_eager(hot_at_once, monkeypatch):
+    """``create_graph=True`` on a forward graph promoted to its glued form: the backward runs
+    the captured graph's fx code again (``split.replay_of``) and matches eager's double
+    backward."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(0)
+    model, twin = _small_mlp(), _small_mlp()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model)
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    for _ in range(15):
+        for x in xs:
+            for net in (twin, opt):
+                net.zero_grad()
+                x_ = x.clone().requires_grad_()
+                out = net(x_)
+                (gx,) = torch.autograd.grad(out.sum(), [x_], create_graph=True)
+                (out.pow(2).mean() + gx.pow(2).sum()).backward()
+            for p, q in zip(twin.parameters(), model.parameters()):
+                assert_same(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        tiering.wait(timeout=120)
+    graph = specularch.explain(opt).graphs[-1]
+    assert graph.backend == "torchscript" and graph.tier.events[0].compiled_in == "worker process"

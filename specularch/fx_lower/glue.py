@@ -10,15 +10,20 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 
 class Glued:
     """``forward`` and ``backward`` (compiled callables returning lists of tensors) joined
-    by ``meta`` (``Split.meta``); called with the graph's inputs, returns its outputs."""
+    by ``meta`` (``Split.meta``); called with the graph's inputs, returns its outputs.
+    ``replay``: the captured graph's ``fx`` code, for a backward under ``create_graph``
+    (double backward, a gradient penalty), whose gradients must themselves carry history:
+    the compiled backward's do not, so that backward runs the graph again with autograd
+    (on the call's inputs, checked unchanged) and differentiates it (``_replayed``). None
+    (a graph that draws random numbers: a second run would draw others) raises there."""
 
-    def __init__(self, forward: Callable, backward: Callable, meta: dict):
-        self.forward, self.backward = forward, backward
+    def __init__(self, forward: Callable, backward: Callable, meta: dict,
+                 replay: Callable | None = None):
+        self.forward, self.backward, self.replay = forward, backward, replay
         self.outputs = meta["outputs"]
         self.differentiable = list(meta["differentiable"])
         self.not_differentiable = [i for i in range(self.outputs) if i not in set(self.differentiable)]
@@ -28,6 +33,29 @@ class Glued:
         self.passthrough = [tuple(p) for p in meta.get("passthrough", ())]
         self.artefact_note = "; ".join(filter(None, (getattr(forward, "artefact_note", ""),
                                                      getattr(backward, "artefact_note", ""))))
+
+    def _replayed(self, ctx, grads: tuple) -> list:
+        """The inputs' gradients with history (``create_graph``), from the ``fx`` code run
+        again on the call's inputs."""
+        if self.replay is None:
+            raise RuntimeError(
+                "specularch: this graph's compiled form cannot be differentiated twice (its "
+                "graph draws random numbers, which a second run would draw differently); "
+                "optimize it with backend=\"fx\" (or exact=True) to use create_graph=True")
+        if any(a._version != v for a, v in zip(ctx.inputs, ctx.versions)):
+            raise RuntimeError("one of the variables needed for gradient computation has been "
+                               "modified by an inplace operation (a specularch graph's input, "
+                               "read again for create_graph=True)")
+        dropped = {i for i, _ in self.passthrough}
+        with torch.enable_grad():
+            every = self.replay(*ctx.inputs)
+            every = list(every) if isinstance(every, (list, tuple)) else [every]
+            outputs = [v for i, v in enumerate(every) if i not in dropped]
+            wanted = [ctx.inputs[i] for i in self.gradients]
+            got = torch.autograd.grad([outputs[i] for i in self.differentiable], wanted,
+                                      [grads[i] for i in self.differentiable],
+                                      create_graph=True, allow_unused=True)
+        return list(got)
 
     def __call__(self, *args):
         out = list(_Node.apply(self, *args))
@@ -55,13 +83,17 @@ class _Node(torch.autograd.Function):
         ctx.glued = glued
         ctx.save_for_backward(*results[glued.outputs:])
         ctx.mark_non_differentiable(*[outputs[i] for i in glued.not_differentiable])
+        # (for create_graph only: references, and the versions to check them against)
+        ctx.inputs, ctx.versions = args, [a._version for a in args]
         return tuple(outputs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
         glued = ctx.glued
-        got = glued.backward(*ctx.saved_tensors, *glued.tangents(grads))
+        if torch.is_grad_enabled():  # create_graph=True: gradients with history
+            got = glued._replayed(ctx, grads)
+        else:
+            got = glued.backward(*ctx.saved_tensors, *glued.tangents(grads))
         out = [None] * (1 + glued.inputs)
         for position, gradient in zip(glued.gradients, got):
             out[1 + position] = gradient

@@ -66,8 +66,15 @@ def compile_parts(backend: str, gm: torch.fx.GraphModule, examples: list, artefa
     return metas
 
 
-def load_parts(backend: str, artefact: str, metas: dict) -> Callable:
-    """What ``compile_parts`` wrote to ``artefact``, glued."""
+def replay_of(gm: torch.fx.GraphModule) -> Callable | None:
+    """What ``glue.Glued`` runs for a backward under ``create_graph``: the graph's ``fx``
+    code, unless it draws random numbers."""
+    from .randomness import graph_uses_randomness
+    return None if graph_uses_randomness(gm) else gm.forward
+
+
+def load_parts(backend: str, artefact: str, metas: dict, replay: Callable | None) -> Callable:
+    """What ``compile_parts`` wrote to ``artefact``, glued (``replay``: ``replay_of``)."""
     from .glue import Glued
     loaded = []
     for name in PARTS:
@@ -76,10 +83,10 @@ def load_parts(backend: str, artefact: str, metas: dict) -> Callable:
             loaded.append(compilers.run_scripted(*compile_cache.read_script(path, quiet=False)))
         else:
             loaded.append(compilers.load_inductor_artifact(path, metas[name]))
-    return Glued(*loaded, metas["forward"]["glue"])
+    return Glued(*loaded, metas["forward"]["glue"], replay)
 
 
-def cached(backend: str, key: str) -> Callable | None:
+def cached(backend: str, key: str, replay: Callable | None) -> Callable | None:
     """The glued parts an earlier run saved under ``key``, or None (either part missing or
     unreadable: logged by the cache)."""
     from .glue import Glued
@@ -105,7 +112,7 @@ def cached(backend: str, key: str) -> Callable | None:
         glue = meta.get("glue", glue)
     if not isinstance(glue, dict):
         return None
-    return Glued(*loaded, glue)
+    return Glued(*loaded, glue, replay)
 
 
 def in_cache(backend: str, key: str) -> bool:

@@ -106,7 +106,7 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
     worker left it. Call it on the background thread: it waits for the worker."""
     parts = _split(gm)
     key = compile_cache.entry_key(gm, examples, backend, split.PATH if parts else "flattened")
-    cached = split.cached(backend, key) if parts else _cached(backend, key, gm.forward)
+    cached = split.cached(backend, key, split.replay_of(gm)) if parts else _cached(backend, key, gm.forward)
     if cached is not None:
         return compile_cache.mark_cached(cached)
     folder = tempfile.mkdtemp(prefix="specularch-compile-")
@@ -121,7 +121,7 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
         torch.save(job, os.path.join(folder, "job.pt"))
         meta = _run(folder, timeout, forkable(backend, torch.get_num_threads()))
         if parts:
-            return _load_parts(backend, os.path.join(folder, "artefact"), meta)
+            return _load_parts(backend, os.path.join(folder, "artefact"), meta, split.replay_of(gm))
         return _load(backend, os.path.join(folder, "artefact"), meta, gm.forward)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -326,9 +326,9 @@ def _last_line(folder: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _load_parts(backend: str, path: str, meta: dict) -> Callable:
+def _load_parts(backend: str, path: str, meta: dict, replay: Callable | None) -> Callable:
     try:
-        return split.load_parts(backend, path, meta)
+        return split.load_parts(backend, path, meta, replay)
     except Exception as e:
         raise WorkerFailed(f"the worker's artefacts could not be loaded "
                            f"({compile_cache.error_line(e)})") from e
