@@ -106,7 +106,7 @@ class EagerRun:
     def __init__(self, record, target=None, cells=None, timer=None) -> None:
         self.record, self.target, self.cells = record, target, cells
         # The eager tier's runs (tiering/eager_tier.py): not a fallback, but the hook is on as
-        # for one, and ``timer.start()``/``timer.stop()`` bracket the run of the original.
+        # for one, and ``timer.start()``/``timer.stop(result)`` bracket the run of the original.
         self.timer = timer
         self._hook = None
 
@@ -134,7 +134,7 @@ class EagerRun:
 
     def done(self, result: Any) -> Any:
         if self.timer is not None:
-            self.timer.stop()  # a run that returned (one that raised is not timed)
+            self.timer.stop(result)  # a run that returned (one that raised is not timed)
         elif self.record is not None:
             log.warn_fallback(self.record)  # a call that returned (not one that raised)
         return result

@@ -233,3 +233,25 @@ def test_the_child_releases_nothing_the_programs_frames_hold(no_other_threads, t
     del held
     assert calls.read_text() == f"{os.getpid()}\n"
     folder.cleanup()
+
+
+def test_the_fork_happens_with_torchs_seeding_lock_held(monkeypatch):
+    """``torch.manual_seed`` takes ``torch.cuda._initialization_lock`` (CUDA or not), and
+    Inductor's compile in the worker takes it too: a fork while the program's main thread
+    seeded left the worker waiting on it forever. The forking thread holds it across
+    ``os.fork`` (``_torch_fork.py``), so a seeding main thread waits for the fork instead."""
+    import torch
+    held = []
+
+    class Forked(Exception):
+        pass
+
+    def fake_fork():
+        held.append(torch.cuda._initialization_lock.locked())
+        raise Forked
+    monkeypatch.setattr(fork.os, "fork", fake_fork)
+    with pytest.raises(Forked):
+        fork.start(0, 2, (), {})
+    assert held == [True]
+    assert not torch.cuda._initialization_lock.locked()  # released after the fork
+    torch.manual_seed(0)

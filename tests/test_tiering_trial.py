@@ -2,17 +2,22 @@
 than the current tier after its first round is rejected then (each further call of it would
 slow the program), every result bit-identical to eager's because ``fx`` ran every call that
 returned; the rejection is remembered."""
+import copy
 import threading
 import time
 import types
 
 import pytest
 import torch
+from torch import nn
 
 import specularch
 from specularch import tiering
 from specularch.tiering import policy
+from specularch.tiering.eager_tier import EAGER
 from specularch.tiering.trial import Candidate, Trial
+
+from differential import assert_same
 
 from test_tiering import (_batches, _fx, _graph, _mlp, _pair, _run, _settle,  # noqa: F401
                           candidates, low_thresholds, spin, test_backend)
@@ -153,3 +158,33 @@ def test_a_forward_graph_is_timed_with_its_backward(with_backward, decision):
             out.sum().backward()
     (_, event), = tier.decided
     assert event.decision == decision, event
+
+
+def test_the_eager_tier_is_timed_with_its_backward(hot_at_once, monkeypatch):
+    """The eager tier's run comes after the call returns (``RunTimer``): its result's backward
+    is timed as the graph's calls are, so both sides weigh forward and backward."""
+    hot_at_once(EAGER)
+    timed = []
+    original = Trial._time_backward
+
+    def spy(self, side, elapsed, result):
+        attached = original(self, side, elapsed, result)
+        timed.append((self.candidate.backend, side, attached))
+        return attached
+    monkeypatch.setattr(Trial, "_time_backward", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    twin = copy.deepcopy(model)
+    opt = specularch.optimize(model)
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    for _ in range(15):
+        for x in xs:
+            for net in (twin, opt):
+                net.zero_grad()
+                net(x).pow(2).sum().backward()
+            for p, q in zip(twin.parameters(), model.parameters()):
+                assert_same(p.grad, q.grad)  # (fx and the original: the same bits)
+        tiering.wait(timeout=120)
+    (event,) = specularch.explain(opt).graphs[-1].tier.events
+    assert event.candidate == EAGER and event.decision in ("kept", "rejected"), event
+    assert (EAGER, 1, True) in timed and (EAGER, 0, True) in timed, timed

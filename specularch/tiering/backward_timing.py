@@ -9,8 +9,8 @@ backward run (``_torch_autograd.at_end_of_backward``), on the same clock. What t
 does beyond the graph (the loss's own backward before it, gradients accumulated into
 parameters, layers before the graph) is the same on both sides of the trial. A call whose
 outputs get no backward before the graph is called again counts its forward alone
-(``Trial._flush``), as does every call where the trial weighs the eager tier (its run
-happens after the call returns: ``eager_tier.RunTimer``).
+(``Trial._flush``). The eager tier's run happens after the call returns: its timer
+(``eager_tier.RunTimer``) attaches the backward timing to the run's result.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class _Untimed:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, result=None) -> None:
         pass
 
 
@@ -54,21 +54,27 @@ class EagerChoice:
 
 
 class RunTimer:
-    """Times one eager run of a trial: ``start`` when the original starts, ``stop`` when it
-    returned; ``record(seconds)`` gets the run's time plus ``before`` (the guard check's)."""
+    """Times one eager run of a trial: ``start`` when the original starts, ``stop(result)``
+    when it returned; ``record(seconds)`` gets the run's time plus ``before`` (the guard
+    check's), unless ``backward(seconds, result)`` takes it (a forward graph's trial: the
+    run's backward is timed too, ``backward_timing.py``) and returns True."""
 
-    __slots__ = ("clock", "before", "record", "began")
+    __slots__ = ("clock", "before", "record", "began", "backward")
 
-    def __init__(self, clock: Callable[[], float], before: float, record: Callable[[float], None]):
-        self.clock, self.before, self.record = clock, before, record
+    def __init__(self, clock: Callable[[], float], before: float, record: Callable[[float], None],
+                 backward: Callable[[float, object], bool] | None = None):
+        self.clock, self.before, self.record, self.backward = clock, before, record, backward
         self.began = None
 
     def start(self) -> None:
         self.began = self.clock()
 
-    def stop(self) -> None:
-        if self.began is not None:
-            self.record(self.before + self.clock() - self.began)
+    def stop(self, result=None) -> None:
+        if self.began is None:
+            return
+        seconds = self.before + self.clock() - self.began
+        if self.backward is None or not self.backward(seconds, result):
+            self.record(seconds)
 
 
 def eager_choice(guards, target) -> EagerChoice:

@@ -17,7 +17,8 @@ Inductor package's test run for a program on several threads) goes to a new inte
 (``process.forkable``). Otherwise, or with
 ``process.FORK = False``, the worker is started as a new interpreter, as before. The main
 thread may be inside a torch op at that moment; its locks are its own (the allocator's are
-fork-safe: glibc takes them across ``fork``), and a child that hung anyway is killed at
+fork-safe: glibc takes them across ``fork``; so is the one of torch's Python locks it takes
+in a step that the child needs, ``_torch_fork.py``), and a child that hung anyway is killed at
 ``process.TIMEOUT`` like any hung worker: a lost candidate, never a wrong result.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from ..fx_lower import _torch_compilers as compilers
 from . import worker
+from ._torch_fork import torch_locks_held
 
 
 def refusal() -> str | None:
@@ -112,7 +114,8 @@ def start(niceness: int, log_fd: int, drop_env: tuple[str, ...], env: dict[str, 
     ``compile_worker.serve`` does in a new interpreter; what it prints outside a job goes to
     ``log_fd``. ``drop_env``: variables it must not keep; ``env``: ones it sets if unset."""
     to_child, to_us = os.pipe(), os.pipe()  # (read end, write end) each
-    pid = os.fork()
+    with torch_locks_held():  # (released in both processes as the block ends)
+        pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 1
         try:

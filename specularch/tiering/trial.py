@@ -267,8 +267,8 @@ class Trial:
         # made): the program's later set_num_threads(1) is not the background thread's.
         self.clock = None
         # Forward graphs whose results need autograd: each call timed with its backward
-        # (backward_timing.py), but where the eager tier is weighed (its run is timed alone).
-        self.with_backward = policy.times_backward(tier.gm) and candidate.backend != EAGER
+        # (backward_timing.py; the eager tier's run too, once it returned: RunTimer).
+        self.with_backward = policy.times_backward(tier.gm)
         self.pending: BackwardTimer | None = None  # the last call's, until its backward ran
 
     def call(self, L, C, G, B):
@@ -303,7 +303,9 @@ class Trial:
         # (not while another graph's candidate compiles: see Tier._next_trial)
         if timed and result is not MISS and not worker.pending():
             if type(result) is EagerRun:  # the eager tier: its run comes after this returns
-                result.timer = RunTimer(self.clock, elapsed, lambda s: self._add(side, s))
+                result.timer = RunTimer(self.clock, elapsed, lambda s: self._add(side, s),
+                                        (lambda s, out: self._time_backward(side, s, out))
+                                        if self.with_backward else None)
             elif not (self.with_backward and self._time_backward(side, elapsed, result)):
                 self._add(side, elapsed)
         return result
