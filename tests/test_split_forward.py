@@ -236,3 +236,14 @@ def test_gradient_penalty_through_a_promoted_forward_matches_eager(hot_at_once, 
         tiering.wait(timeout=120)
     graph = specularch.explain(opt).graphs[-1]
     assert graph.backend == "torchscript" and graph.tier.events[0].compiled_in == "worker process"
+
+
+def _decoder(w, b, x):
+    return (F.linear(x, w, b),)  # on a 3-d input: an ``_unsafe_view`` of the matmul's result
+
+
+def test_an_unsafe_view_output_is_split_and_matches_eager():
+    """AOT autograd calls ``linear``'s result on a 3-d input an alias (``unsafe_view_alias``)
+    and treats it as a plain output: so does the split (an LSTM LM's decoder was refused)."""
+    inputs = _leaves((5, 4), (5,), (3, 2, 4), grad=(True, True, False))
+    _compare(_decoder, inputs, lambda out: out[0].pow(2).sum().backward())
