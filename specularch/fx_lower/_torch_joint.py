@@ -56,9 +56,9 @@ def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> S
             flat, tuple(example_inputs), trace_joint=True, dynamic_shapes=False)
     if any(x.mutates_data or x.mutates_metadata for x in meta.input_info):
         raise NotSplit("the graph updates an input in place")
-    # (an ``_unsafe_view`` of an intermediate, e.g. ``linear`` on a 3-d input, and a custom
-    # autograd.Function's view are plain outputs to AOT autograd's wrappers as well)
-    plain = (OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
+    # (an ``_unsafe_view`` of an intermediate, e.g. ``linear`` on a 3-d input, is a plain
+    # output to AOT autograd's wrappers as well)
+    plain = (OutputType.non_alias, OutputType.unsafe_view_alias)
     if any(x.output_type not in plain for x in meta.output_info):
         raise NotSplit("an output aliases an input or another output")
     if meta.num_intermediate_bases or meta.is_rng_op_functionalized or \
