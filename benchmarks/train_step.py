@@ -74,11 +74,26 @@ def _mlp_dropout():
                          nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
 
 
+class SmallTransformer(nn.Module):
+    """Two ``nn.TransformerEncoderLayer(64, 4, 128)`` over a sequence, mean-pooled, a
+    classifier: a forward graph with 3-d linears (their results ``_unsafe_view`` aliases)."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
 MODELS = {  # name -> (builder, make a batch (x, y))
     "mlp": (_mlp, lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))),
     "mlp_dropout": (_mlp_dropout, lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))),
     "lenet": (LeNet, lambda: (torch.randn(50, 1, 28, 28), torch.randint(0, 10, (50,)))),
     "lstm": (LSTMLM, lambda: (torch.randint(0, 200, (12, 16)), torch.randint(0, 200, (12 * 16,)))),
+    "transformer": (SmallTransformer, lambda: (torch.randn(16, 32, 64), torch.randint(0, 10, (16,)))),
 }
 
 
