@@ -247,3 +247,27 @@ def test_an_unsafe_view_output_is_split_and_matches_eager():
     and treats it as a plain output: so does the split (an LSTM LM's decoder was refused)."""
     inputs = _leaves((5, 4), (5,), (3, 2, 4), grad=(True, True, False))
     _compare(_decoder, inputs, lambda out: out[0].pow(2).sum().backward())
+
+
+def test_a_pinned_backend_compiles_a_forward_graph_split_and_differentiates_it_twice():
+    """``backend="torchscript"`` pinned: the forward graph's parts compiled in the call and
+    glued (AOT autograd's form raised under ``create_graph``), matching eager's gradients
+    and double backward."""
+    from specularch.api import _state_of
+    torch.manual_seed(0)
+    model, twin = _small_mlp(), _small_mlp()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model, backend="torchscript")
+    torch.manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(4, 8)
+        for net in (twin, opt):
+            net.zero_grad()
+            x_ = x.clone().requires_grad_()
+            out = net(x_)
+            (gx,) = torch.autograd.grad(out.sum(), [x_], create_graph=True)
+            (out.pow(2).mean() + gx.pow(2).sum()).backward()
+        for p, q in zip(twin.parameters(), model.parameters()):
+            assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    (entry,) = _state_of(opt).entries
+    assert entry.backend == "torchscript" and isinstance(entry.graph_fn, Glued)

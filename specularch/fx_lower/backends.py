@@ -270,7 +270,8 @@ def _per_value(gm: torch.fx.GraphModule, example_inputs: list, backend: str) -> 
 def _compiled_by(name: str, gm, example_inputs, without_autograd: Callable, with_autograd: Callable):
     """What a compiling backend makes of ``gm``: rolled loops' bodies compiled, or one compile
     per value of the numbers that reach torch functions, or the graph flattened to ATen
-    without autograd (whole steps, dynamic graphs), else compiled through AOT autograd."""
+    without autograd (whole steps, dynamic graphs), or a forward graph's forward and backward
+    each flattened and glued (``split.py``), else compiled through AOT autograd."""
     if gm.meta.get("rolled_loops"):
         return _rolled_bodies(gm, example_inputs, name)
     per_value = _per_value(gm, example_inputs, name)
@@ -281,7 +282,8 @@ def _compiled_by(name: str, gm, example_inputs, without_autograd: Callable, with
     if gm.meta.get("scalar_inputs"):  # (whose results need autograd)
         from ._torch_compilers import with_number_inputs
         return with_number_inputs(gm, example_inputs, with_autograd)
-    return with_autograd(gm, example_inputs)
+    from .split import compile_here  # forward and backward compiled as flattened graphs, glued
+    return compile_here(name, gm, example_inputs, without_autograd) or with_autograd(gm, example_inputs)
 
 
 def _torchscript(gm, example_inputs):

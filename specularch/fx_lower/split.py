@@ -66,6 +66,24 @@ def compile_parts(backend: str, gm: torch.fx.GraphModule, examples: list, artefa
     return metas
 
 
+def compile_here(backend: str, gm: torch.fx.GraphModule, examples: list,
+                 without_autograd: Callable) -> Callable | None:
+    """For a pinned backend, in this process: ``gm`` split and each part compiled by
+    ``without_autograd`` (the backend's flattened compile), glued; None where ``refusal``
+    or the split refuses it (AOT autograd's own wrappers then)."""
+    from ._torch_joint import NotSplit
+    from .glue import Glued
+    if refusal(gm) is not None:
+        return None
+    try:
+        parts = split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
+    except NotSplit:
+        return None
+    compiled = [without_autograd(graph, example_inputs(graph)) for graph in (parts.forward, parts.backward)]
+    glued = Glued(*compiled, parts.meta, replay_of(gm))
+    return compile_cache.mark_cached(glued) if all(map(compile_cache.from_cache, compiled)) else glued
+
+
 def replay_of(gm: torch.fx.GraphModule) -> Callable | None:
     """What ``glue.Glued`` runs for a backward under ``create_graph``: the graph's ``fx``
     code, unless it draws random numbers."""
