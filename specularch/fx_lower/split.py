@@ -25,7 +25,8 @@ PARTS = ("forward", "backward")
 def refusal(gm: torch.fx.GraphModule) -> str | None:
     """None when ``gm`` is a graph this compiles (a forward graph whose results need
     autograd, with tensor inputs of fixed sizes), else why not. ``_torch_joint.split`` may
-    still refuse it (in the worker, ``NotSplit``: the candidate failed to compile, why said)."""
+    still refuse it (``NotSplit``: from the worker, the candidate then compiles through AOT
+    autograd on the background thread, ``tiering/process.NotSplit``)."""
     if not gm.meta.get("outputs_require_grad"):
         return "its results need no autograd"
     if gm.meta.get("scalar_inputs"):
