@@ -211,6 +211,19 @@ def test_a_second_run_loads_both_parts_from_the_compile_cache(hot_at_once, monke
     assert saved == ["backward.pt", "forward.pt"], saved
 
 
+def _penalised_both(twin, model, opt, x, rtol, atol):
+    """One loss with a gradient penalty (``create_graph``) on the eager ``twin`` and on
+    ``opt`` (the optimized ``model``); their parameters' gradients compared."""
+    for net in (twin, opt):
+        net.zero_grad()
+        x_ = x.clone().requires_grad_()
+        out = net(x_)
+        (gx,) = torch.autograd.grad(out.sum(), [x_], create_graph=True)
+        (out.pow(2).mean() + gx.pow(2).sum()).backward()
+    for p, q in zip(twin.parameters(), model.parameters()):
+        assert_same(p.grad, q.grad, rtol=rtol, atol=atol)
+
+
 def test_gradient_penalty_through_a_promoted_forward_matches_eager(hot_at_once, monkeypatch):
     """``create_graph=True`` on a forward graph promoted to its glued form: the backward runs
     the captured graph's fx code again (``split.replay_of``) and matches eager's double
@@ -225,14 +238,7 @@ def test_gradient_penalty_through_a_promoted_forward_matches_eager(hot_at_once, 
     xs = [torch.randn(4, 8) for _ in range(3)]
     for _ in range(15):
         for x in xs:
-            for net in (twin, opt):
-                net.zero_grad()
-                x_ = x.clone().requires_grad_()
-                out = net(x_)
-                (gx,) = torch.autograd.grad(out.sum(), [x_], create_graph=True)
-                (out.pow(2).mean() + gx.pow(2).sum()).backward()
-            for p, q in zip(twin.parameters(), model.parameters()):
-                assert_same(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+            _penalised_both(twin, model, opt, x, rtol=1e-4, atol=1e-6)
         tiering.wait(timeout=120)
     graph = specularch.explain(opt).graphs[-1]
     assert graph.backend == "torchscript" and graph.tier.events[0].compiled_in == "worker process"
@@ -260,14 +266,6 @@ def test_a_pinned_backend_compiles_a_forward_graph_split_and_differentiates_it_t
     opt = specularch.optimize(model, backend="torchscript")
     torch.manual_seed(1)
     for _ in range(4):
-        x = torch.randn(4, 8)
-        for net in (twin, opt):
-            net.zero_grad()
-            x_ = x.clone().requires_grad_()
-            out = net(x_)
-            (gx,) = torch.autograd.grad(out.sum(), [x_], create_graph=True)
-            (out.pow(2).mean() + gx.pow(2).sum()).backward()
-        for p, q in zip(twin.parameters(), model.parameters()):
-            assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        _penalised_both(twin, model, opt, torch.randn(4, 8), rtol=1e-5, atol=1e-7)
     (entry,) = _state_of(opt).entries
     assert entry.backend == "torchscript" and isinstance(entry.graph_fn, Glued)
