@@ -513,6 +513,31 @@ def run_scripted(scripted, meta: dict, fallback: Callable | None = None) -> Call
                                  meta.get("number_outputs", [])), meta, fallback)
 
 
+def load_cached(backend: str, key: str, fallback: Callable | None = None) -> tuple[Callable, dict] | None:
+    """``backend``'s compiled flattened graph an earlier run saved under ``key`` (a TorchScript
+    module or an Inductor artefact), callable as ``run_scripted`` / ``load_inductor_artifact``
+    make it (``fallback``: see there), and its metadata; None where none is saved or it
+    cannot be loaded (logged by the cache, and left for the next save to replace)."""
+    if backend == "torchscript":
+        loaded = compile_cache.load_script(key, quiet=False)
+        return None if loaded is None else (run_scripted(*loaded, fallback), loaded[1])
+    entry = compile_cache.artifact(key)
+    if entry is None:
+        return None
+    try:
+        return load_inductor_artifact(*entry, fallback), entry[1]
+    except Exception as e:
+        compile_cache.ignore(entry[0], e)
+        return None
+
+
+def has_cached(backend: str, key: str) -> bool:
+    """A compiled form of ``backend`` is saved under ``key`` (not loaded: ``load_cached``)."""
+    if backend == "torchscript":
+        return compile_cache.has_script(key)
+    return compile_cache.artifact(key) is not None
+
+
 def torchscript_without_autograd(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """``flatten`` (fake tensors: static shapes) compiled by TorchScript, or loaded from the
     compile cache where an earlier run saved it. It runs in grad mode, as it was traced (some

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .passes import graph_outputs
+
 
 class NotSplit(ValueError):
     """The graph cannot be split without AOT autograd's run-time wrappers (why)."""
@@ -74,7 +76,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> S
     gradients = _drop_none_outputs(backward)
     for graph in (forward, backward):
         _examples_from_fakes(graph)
-    saved = len(_outputs(forward)) - outputs
+    saved = len(graph_outputs(forward)) - outputs
     tangent_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"][saved:]
     if len(tangent_inputs) != len(differentiable):
         raise NotSplit("the backward's inputs are not the saved tensors and the gradients")
@@ -89,8 +91,7 @@ def _without_returned_inputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphMo
     ``num_batches_tracked``, which the commit then advances), and ``[output position, input
     position]`` for each: the glue returns those inputs themselves, as ``fx`` does."""
     import copy
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    values = output.args[0]
+    values = _output(gm).args[0]
     if not isinstance(values, (list, tuple)):
         return gm, []
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -100,21 +101,21 @@ def _without_returned_inputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphMo
     if len(passthrough) == len(values):
         raise NotSplit("every output is an input")
     gm = copy.deepcopy(gm)
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output = _output(gm)
     dropped = {i for i, _ in passthrough}
     output.args = (tuple(v for i, v in enumerate(output.args[0]) if i not in dropped),)
     gm.recompile()
     return gm, passthrough
 
 
-def _outputs(gm: torch.fx.GraphModule) -> list:
-    return list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+def _output(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
 def _drop_none_outputs(gm: torch.fx.GraphModule) -> list[int]:
     """The backward returns a gradient or None per input: keep the gradients (a compiled
     graph returns tensors only); returns their input positions."""
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output = _output(gm)
     values = list(output.args[0])
     kept = [i for i, v in enumerate(values) if v is not None]
     if any(not isinstance(values[i], torch.fx.Node) for i in kept):

@@ -124,6 +124,12 @@ def flattened(gm: torch.fx.GraphModule) -> bool:
         and not gm.meta.get("outputs_require_grad"))
 
 
+def autograd_forward(gm: torch.fx.GraphModule) -> bool:
+    """A forward graph whose results need autograd, the backward left to the program (not
+    ``flattened``): compiled through AOT autograd or split (``split.py``)."""
+    return bool(gm.meta.get("outputs_require_grad")) and not flattened(gm)
+
+
 # Python-number graph inputs may flow only into arithmetic: a torch function that branched
 # on one while being flattened would leave a specialisation we do not guard.
 _SCALAR_SAFE_METHODS = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "addcdiv_",

@@ -38,12 +38,17 @@ def refusal(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
+def _split(backend: str, gm: torch.fx.GraphModule, examples: list):
+    """``gm`` split with the partitioner ``backend``'s compile suits (Inductor: min-cut)."""
+    return split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
+
+
 def compile_parts(backend: str, gm: torch.fx.GraphModule, examples: list, artefact: str,
                   cache_key: str | None, threads: int | None, aoti: bool) -> dict:
     """Split ``gm``, compile both parts with ``backend`` into ``artefact`` + ``.forward`` /
     ``.backward`` (and the persistent cache under ``cache_key``); returns the metadata
     ``load_parts`` needs."""
-    parts = split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
+    parts = _split(backend, gm, examples)
     metas = {}
     for name, graph in zip(PARTS, (parts.forward, parts.backward)):
         path, key = f"{artefact}.{name}", cache_key and f"{cache_key}.{name}"
@@ -77,7 +82,7 @@ def compile_here(backend: str, gm: torch.fx.GraphModule, examples: list,
     if refusal(gm) is not None:
         return None
     try:
-        parts = split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
+        parts = _split(backend, gm, examples)
     except NotSplit:
         return None
     compiled = [without_autograd(graph, example_inputs(graph)) for graph in (parts.forward, parts.backward)]
@@ -109,34 +114,11 @@ def cached(backend: str, key: str, replay: Callable | None) -> Callable | None:
     """The glued parts an earlier run saved under ``key``, or None (either part missing or
     unreadable: logged by the cache)."""
     from .glue import Glued
-    loaded, glue = [], None
-    for name in PARTS:
-        part_key = f"{key}.{name}"
-        if backend == "torchscript":
-            entry = compile_cache.load_script(part_key, quiet=False)
-            if entry is None:
-                return None
-            loaded.append(compilers.run_scripted(*entry))
-            meta = entry[1]
-        else:
-            entry = compile_cache.artifact(part_key)
-            if entry is None:
-                return None
-            try:
-                loaded.append(compilers.load_inductor_artifact(*entry))
-            except Exception as e:
-                compile_cache.ignore(entry[0], e)
-                return None
-            meta = entry[1]
-        glue = meta.get("glue", glue)
-    if not isinstance(glue, dict):
+    loaded = [compilers.load_cached(backend, f"{key}.{name}") for name in PARTS]
+    if None in loaded or not isinstance(loaded[0][1].get("glue"), dict):
         return None
-    return Glued(*loaded, glue, replay)
+    return Glued(*(fn for fn, _ in loaded), loaded[0][1]["glue"], replay)
 
 
 def in_cache(backend: str, key: str) -> bool:
-    names = [f"{key}.{name}" for name in PARTS]
-    if backend == "torchscript":
-        return all(compile_cache.has_script(n) for n in names)
-    return all(compile_cache.artifact(n) is not None for n in names)
-
+    return all(compilers.has_cached(backend, f"{key}.{name}") for name in PARTS)

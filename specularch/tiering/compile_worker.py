@@ -115,7 +115,8 @@ def compile_job(folder: str) -> int:
         traceback.print_exc()
         # A forward graph AOT autograd must wrap (fx_lower/_torch_joint.py): the program
         # compiles it on its thread instead.
-        _result(folder, {"error": compile_cache.error_line(e), "not_split": type(e).__name__ == "NotSplit"})
+        from specularch.fx_lower._torch_joint import NotSplit
+        _result(folder, {"error": compile_cache.error_line(e), "not_split": isinstance(e, NotSplit)})
         return 1
     seconds = time.perf_counter() - start
     print(f"compiled {job['backend']} in {seconds:.2f}s", flush=True)

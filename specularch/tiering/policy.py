@@ -14,6 +14,7 @@ import torch
 
 from ..config import config
 from ..fx_lower import get_backend
+from ..fx_lower.backends import autograd_forward
 from ..fx_lower.randomness import graph_uses_randomness
 from . import process
 from .eager_tier import EAGER
@@ -57,8 +58,7 @@ def clock() -> Callable[[], float]:
 def times_backward(gm: torch.fx.GraphModule) -> bool:
     """Whether a trial of ``gm`` times each call with its backward (``backward_timing.py``):
     a forward graph whose results need autograd, the backward left to the program."""
-    from ..fx_lower.backends import flattened
-    return bool(gm.meta.get("outputs_require_grad")) and not flattened(gm)
+    return autograd_forward(gm)
 
 
 def tiered(backend: str) -> bool:

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from ..fx_lower import _torch_aoti as aoti, _torch_compilers as compilers, compile_cache, split
-from ..fx_lower.backends import flattened, specialised_numbers
+from ..fx_lower.backends import autograd_forward, specialised_numbers
 from ..fx_lower.passes import example_inputs
 from . import fork
 from . import job as jobs
@@ -97,7 +97,7 @@ def _split(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` travels as its forward and backward (``split.py``: a forward graph whose
     results need autograd), else as one flattened graph (whole steps; graphs whose results
     need no autograd: an inference forward is compiled as it is)."""
-    return not flattened(gm) and bool(gm.meta.get("outputs_require_grad"))
+    return autograd_forward(gm)
 
 
 def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, timeout: float) -> Callable:
@@ -129,17 +129,8 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
 
 def _cached(backend: str, key: str, fallback: Callable) -> Callable | None:
     """``fallback``: the graph's ``fx`` code, for sizes a dynamic graph was not compiled for."""
-    if backend == "torchscript":
-        loaded = compile_cache.load_script(key, quiet=False)  # (the background thread)
-        return None if loaded is None else compilers.run_scripted(*loaded, fallback)
-    entry = compile_cache.artifact(key)
-    if entry is None:
-        return None
-    try:
-        return compilers.load_inductor_artifact(*entry, fallback)
-    except Exception as e:
-        compile_cache.ignore(entry[0], e)
-        return None
+    loaded = compilers.load_cached(backend, key, fallback)  # (the background thread)
+    return None if loaded is None else loaded[0]
 
 
 def _cache_root() -> str | None:
@@ -185,10 +176,7 @@ def forkable(backend: str, threads: int) -> bool:
 def _in_cache(backend: str, examples: list, gm: torch.fx.GraphModule) -> bool:
     if _split(gm):
         return split.in_cache(backend, compile_cache.entry_key(gm, examples, backend, split.PATH))
-    key = compile_cache.entry_key(gm, examples, backend, "flattened")
-    if backend == "torchscript":
-        return compile_cache.has_script(key)
-    return compile_cache.artifact(key) is not None
+    return compilers.has_cached(backend, compile_cache.entry_key(gm, examples, backend, "flattened"))
 
 
 class _Worker:
