@@ -4,7 +4,7 @@ and the pinned backends, for the MLP and LeNet of ``train_step.py``.
     python benchmarks/tiering.py [--seconds 60] [--models mlp,lenet] [--pinned fx,torchscript,inductor]
         [--switch-interval 0.0005] [--compile-in process|thread] [--worker fork|new]
         [--json PATH] [--trace]
-        [--cache-dir DIR] [--what step|forward]
+        [--cache-dir DIR] [--what step|forward] [--short-every K]
 
 One thread (``torch.set_num_threads(1)``), unmodified Adam training steps, subnormal floats
 flushed to zero (``torch.set_flush_denormal(True)``, every mode): the tiered model has trained
@@ -25,6 +25,9 @@ so unflushed the final ratios compared training stages, not backends. Per model:
 ``--what forward`` optimizes the model only (``specularch.optimize(model)``; the loss,
 ``backward()`` and Adam stay eager): its graph's results need autograd, and its candidates
 travel to the worker as their forward and backward (``fx_lower/split.py``).
+``--short-every K`` makes every K-th batch a short one (a third of the rows), as a
+``DataLoader`` without ``drop_last`` gives at each epoch's end: the graph's batch dimension
+becomes dynamic (``guards/relax.py``).
 ``--worker`` chooses how the worker process starts: forked from the program where that is safe
 (``fork``, the default; ``specularch.tiering.process.FORK``) or as a new interpreter (``new``).
 ``--compile-in`` chooses where candidates compile (``specularch.tiering.process.ENABLED``; default
@@ -56,9 +59,16 @@ import tiering_trace  # noqa: E402
 from train_step import MODELS, build, make_step  # noqa: E402
 
 
-def _batches(name, count=4):
+def _batches(name, count=4, short_every=0):
+    """``count`` batches; with ``short_every`` K, K batches of which the last is a short one
+    (its first third of rows: a DataLoader's last batch of an epoch without ``drop_last``)."""
     torch.manual_seed(1)
-    return [MODELS[name][1]() for _ in range(count)]
+    if not short_every:
+        return [MODELS[name][1]() for _ in range(count)]
+    batches = [MODELS[name][1]() for _ in range(short_every)]
+    x, y = batches[-1]
+    batches[-1] = (x[:max(2, x.shape[0] // 3)], y[:max(2, y.shape[0] // 3)])
+    return batches
 
 
 def _eager_steps(step, batches, seconds):
@@ -156,7 +166,7 @@ def interleaved(modes, batches, rounds=5, steps=20):
 
 
 def bench(name, args):
-    batches = _batches(name)
+    batches = _batches(name, short_every=args.short_every)
     model, opt = build(name)
     eager = make_step(model, opt)
     eager_s, eager_slowest, eager_p99 = _eager_steps(eager, batches, 10)
@@ -196,6 +206,7 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--what", choices=("step", "forward"), default="step")
+    parser.add_argument("--short-every", type=int, default=0)
     args = parser.parse_args()
     args.pinned = [b for b in args.pinned.split(",") if b]
     worker.SWITCH_INTERVAL = args.switch_interval

@@ -27,15 +27,17 @@ def dynamic_inputs(gm: torch.fx.GraphModule) -> dict[int, list[int]]:
 class SizeChecked:
     """``compiled`` where the call's sizes satisfy ``expression`` (``_torch_shapes.size_guards``),
     else ``fallback`` (the captured graph's ``fx`` code). ``misses`` counts the calls that
-    ran the fallback."""
+    ran the fallback. ``scope`` and ``note`` say what ``compiled`` was compiled for: every size
+    of the graph's dynamic dimensions, or the sizes of most calls (``tiering/hot_sizes.py``)."""
 
-    def __init__(self, compiled: Callable, expression: str, fallback: Callable):
+    def __init__(self, compiled: Callable, expression: str, fallback: Callable,
+                 scope: str = "every size",
+                 note: str = "compiled for every size of its dynamic dimensions (explain's sizes line)"):
         self.compiled, self.expression, self.fallback = compiled, expression, fallback
+        self.scope = scope  # what it was compiled for (explain's sizes line)
         self._holds = _torch_shapes.size_check(expression)
         self.misses = 0
-        self.artefact_note = "; ".join(filter(None, [
-            getattr(compiled, "artefact_note", ""),
-            "compiled for every size of its dynamic dimensions (explain's sizes line)"]))
+        self.artefact_note = "; ".join(filter(None, [getattr(compiled, "artefact_note", ""), note]))
         if hasattr(compiled, "warm_calls"):
             self.warm_calls = compiled.warm_calls
 
@@ -69,7 +71,7 @@ def describe(graph_fn: Callable, inputs: list[str]) -> str:
     where = " | ".join(dict.fromkeys(_torch_shapes.named(f.expression, inputs) for f in forms))
     per_value = f" ({len(forms)} compiles, one per value of a number)" if len(forms) > 1 else ""
     misses = sum(f.misses for f in forms)
-    return f"compiled for every size where {where}{per_value}; {misses} call(s) outside ran fx"
+    return f"compiled for {forms[0].scope} where {where}{per_value}; {misses} call(s) outside ran fx"
 
 
 def _size_checked(graph_fn: Callable) -> list[SizeChecked]:

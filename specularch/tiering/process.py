@@ -13,8 +13,9 @@ each a few milliseconds to load. Both are kept
 in the persistent compile cache, so a second run loads them without a worker. Graphs compiled
 as one flattened ATen graph travel, and forward graphs whose results need autograd as two
 (``fx_lower/split.py``: forward and backward, glued in the program); the others (``route``:
-rolled loops, forward graphs with number inputs or dynamic sizes, which go through AOT
-autograd's own wrappers) are compiled on the thread as before.
+rolled loops, forward graphs with number inputs or with dynamic sizes but no size most of
+their calls have (``hot_sizes.py``), which go through AOT autograd's own wrappers) are
+compiled on the thread as before.
 
 A worker that crashes, runs past ``TIMEOUT`` or writes an artefact that
 cannot be loaded raises ``WorkerFailed``: the candidate is "compile failed", the graph stays
@@ -73,14 +74,16 @@ class NotSplit(WorkerFailed):
     an input in place, or returns an alias): it compiles through AOT autograd on the thread."""
 
 
-def route(backend: str, gm: torch.fx.GraphModule) -> str | None:
-    """None when ``backend``'s compile of ``gm`` can run in a worker process, else why not."""
+def route(backend: str, gm: torch.fx.GraphModule, fixed_sizes: bool = False) -> str | None:
+    """None when ``backend``'s compile of ``gm`` can run in a worker process, else why not.
+    ``fixed_sizes``: a forward graph with dynamic sizes, compiled for fixed ones
+    (``hot_sizes.py``)."""
     if backend not in BACKENDS:
         return f"{backend} compiles in this process"
     if gm.meta.get("rolled_loops"):
         return "its rolled loops' bodies are compiled in this process"
     if _split(gm):
-        why = split.refusal(gm)
+        why = split.refusal(gm, fixed_sizes)
         if why is not None:
             return f"its AOT-autograd form cannot be sent ({why})"
         return jobs.unsendable(gm)  # (sent to be split: its forward and backward come back)
@@ -100,12 +103,15 @@ def _split(gm: torch.fx.GraphModule) -> bool:
     return autograd_forward(gm)
 
 
-def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, timeout: float) -> Callable:
+def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, timeout: float,
+                      fixed_sizes: bool = False) -> Callable:
     """``backend``'s compiled form of ``gm``, compiled by the worker process (raises
     ``WorkerFailed``), or loaded from the persistent compile cache, where an earlier run's
-    worker left it. Call it on the background thread: it waits for the worker."""
+    worker left it. Call it on the background thread: it waits for the worker.
+    ``fixed_sizes``: ``gm`` has dynamic sizes and is compiled for those of ``examples``
+    (``hot_sizes.py``; the caller checks the sizes of each call)."""
     parts = _split(gm)
-    key = compile_cache.entry_key(gm, examples, backend, split.PATH if parts else "flattened")
+    key = compile_cache.entry_key(gm, examples, backend, _path(parts, examples if fixed_sizes else None))
     cached = split.cached(backend, key, split.replay_of(gm)) if parts else _cached(backend, key, gm.forward)
     if cached is not None:
         return compile_cache.mark_cached(cached)
@@ -125,6 +131,16 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
         return _load(backend, os.path.join(folder, "artefact"), meta, gm.forward)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _path(parts: bool, fixed: list | None = None) -> str:
+    """The compile cache's path of a graph's candidate (``compile_cache.entry_key``), which
+    names the sizes of ``fixed`` where a graph with dynamic sizes is compiled for them (the
+    key leaves its dynamic dimensions' sizes out)."""
+    path = split.PATH if parts else "flattened"
+    if fixed is None:
+        return path
+    return f"{path} for sizes {[list(x.shape) for x in fixed if isinstance(x, torch.Tensor)]}"
 
 
 def _cached(backend: str, key: str, fallback: Callable) -> Callable | None:
@@ -175,8 +191,8 @@ def forkable(backend: str, threads: int) -> bool:
 
 def _in_cache(backend: str, examples: list, gm: torch.fx.GraphModule) -> bool:
     if _split(gm):
-        return split.in_cache(backend, compile_cache.entry_key(gm, examples, backend, split.PATH))
-    return compilers.has_cached(backend, compile_cache.entry_key(gm, examples, backend, "flattened"))
+        return split.in_cache(backend, compile_cache.entry_key(gm, examples, backend, _path(True)))
+    return compilers.has_cached(backend, compile_cache.entry_key(gm, examples, backend, _path(False)))
 
 
 class _Worker:

@@ -27,10 +27,11 @@ from ..fx_lower.backends import compile_in_background
 from ..fx_lower.passes import example_inputs
 from ..fx_lower.randomness import graph_uses_randomness
 from ..records import AssumptionBroken
-from . import policy, process, remembered, worker
+from . import hot_sizes, policy, process, remembered, worker
 from .backward_timing import BackwardTimer, grad_outputs
 from .eager_tier import EAGER, RunTimer
 from .same_draws import Checked
+from .hot_sizes import SizeCount
 from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, REMEMBERED, TierEvent, TierHistory
 
 
@@ -73,6 +74,13 @@ class Tier:
         self.threads = torch.get_num_threads()
         self.key: str | None = None  # that key, found on the background thread,
         self.earlier: dict[str, dict] | None = None  # and what was remembered under it
+        # A forward graph with dynamic sizes: the sizes of its calls, counted until it is hot;
+        # then those of most calls, if any, which its candidates are compiled for (hot_sizes.py)
+        dynamic = hot_sizes.counted(gm)
+        self.sizes: SizeCount | tuple[int, ...] | None = None
+        if dynamic:
+            self.sizes = SizeCount(self.reference, dynamic)
+            self.fn = build(self.sizes)[0]
         entry.fn = self
 
     def __call__(self, L, C, G, B):
@@ -103,6 +111,9 @@ class Tier:
     def _submit(self) -> None:
         self.submitted = True
         self.history.submitted_at = time.perf_counter()
+        if isinstance(self.sizes, SizeCount):  # counted enough: fx's own entry again
+            self.sizes = self.sizes.dominant()
+            self.fn = self.build(self.reference)[0]
         with self.lock:
             for name, refusal in policy.candidates(self.gm):
                 if name == EAGER and self.eager is None:
@@ -128,15 +139,22 @@ class Tier:
                 self._next_trial()
             return
         examples = example_inputs(self.gm)
-        why_not = process.route(name, self.gm) if process.ENABLED else "process.ENABLED is off"
+        sizes = self.sizes if process.ENABLED else None  # (a tuple: hot_sizes.py)
+        why_not = process.route(name, self.gm, sizes is not None) if process.ENABLED else \
+            "process.ENABLED is off"
         where = "worker process" if why_not is None else f"thread: {why_not}"
         try:
             graph_fn = None
             if why_not is None:
+                fixed = examples if sizes is None else hot_sizes.examples(self.gm, sizes)
                 try:
-                    graph_fn = process.compile_candidate(name, self.gm, examples, process.TIMEOUT)
+                    graph_fn = process.compile_candidate(name, self.gm, fixed, process.TIMEOUT,
+                                                         fixed_sizes=sizes is not None)
                 except process.NotSplit as e:
                     where = f"thread: its AOT-autograd form cannot be sent ({e})"
+                else:
+                    if sizes is not None:  # (other sizes: fx)
+                        graph_fn, examples = hot_sizes.checked(graph_fn, self.gm, sizes), fixed
             if graph_fn is None:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples, worker.submit)
             if compile_cache.from_cache(graph_fn):

@@ -1,0 +1,113 @@
+"""A forward graph with dynamic sizes, compiled for the sizes most of its calls have.
+
+A training loop's batch dimension becomes dynamic at its first short batch (a ``DataLoader``'s
+last batch of an epoch, without ``drop_last``: ``guards/relax.py``), and from then on one
+graph runs every size. The worker process compiles a forward graph whose results need
+autograd as its forward and backward (``fx_lower/split.py``), traced for fixed sizes; a
+graph with dynamic sizes compiled instead through AOT autograd for every size, on the
+program's background thread, holding the GIL for seconds beside the program's steps.
+
+Yet most calls have one size. While a graph is not yet hot, its ``Tier`` counts the sizes
+of its dynamic dimensions on each call (``SizeCount``, wrapped around the ``fx`` code; gone
+once the graph is hot). Where one set of sizes is at least ``SHARE`` of those calls
+(``SizeCount.dominant``), each compiling candidate is the graph split and compiled in the
+worker for those sizes (``examples``), and checked before each call (``checked``): a call
+of other sizes (the short batch) runs the graph's ``fx`` code, which computes any size.
+Elsewhere (sizes that vary from call to call: a sequence model's lengths) the candidates
+compile for every size as before.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from ..fx_lower import compile_cache, split
+from ..fx_lower.backends import autograd_forward
+from ..fx_lower.dynamic_sizes import SizeChecked, dynamic_inputs
+from ..fx_lower.passes import example_inputs
+
+SHARE = 0.5  # the share of the counted calls one set of sizes needs to be compiled for
+
+
+class SizeCount:
+    """``graph_fn`` (the graph's ``fx`` code), counting the sizes of the dimensions
+    ``dynamic`` (``{input position: dimensions}``) of its calls' inputs."""
+
+    def __init__(self, graph_fn: Callable, dynamic: dict[int, list[int]]):
+        self.graph_fn = graph_fn
+        self.dims = _dims(dynamic)
+        self.counts: Counter = Counter()
+
+    def __call__(self, *args):
+        self.counts[tuple(args[i].shape[d] for i, d in self.dims)] += 1
+        return self.graph_fn(*args)
+
+    def dominant(self) -> tuple[int, ...] | None:
+        """The sizes (one per counted dimension, in ``dims`` order) of at least ``SHARE`` of
+        the counted calls, or None."""
+        total = sum(self.counts.values())
+        if not total:
+            return None
+        sizes, calls = self.counts.most_common(1)[0]
+        return sizes if calls >= SHARE * total else None
+
+
+def counted(gm: torch.fx.GraphModule) -> dict[int, list[int]] | None:
+    """The dynamic dimensions to count on ``gm``'s calls: those of a forward graph whose
+    results need autograd that the split takes but for its dynamic sizes (its dynamic inputs
+    contiguous tensors: a fixed-size compile of them is checked by size and contiguity
+    alone); None for any other graph."""
+    dynamic = dynamic_inputs(gm)
+    if not dynamic or not autograd_forward(gm) or split.refusal(gm, fixed_sizes=True) is not None:
+        return None
+    examples = example_inputs(gm)
+    if any(not isinstance(examples[i], torch.Tensor) or not examples[i].is_contiguous() for i in dynamic):
+        return None
+    return dynamic
+
+
+def examples(gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> list:
+    """``gm``'s example inputs with its dynamic dimensions of ``sizes`` (``SizeCount``'s
+    order): each dynamic input replaced by zeros of those sizes (contiguous, its dtype,
+    device and ``requires_grad``)."""
+    out = list(example_inputs(gm))
+    for i, shape in _shapes(gm, sizes).items():
+        value = out[i]
+        out[i] = torch.zeros(shape, dtype=value.dtype, device=value.device,
+                             requires_grad=value.requires_grad)
+    return out
+
+
+def expression(gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> str:
+    """What a call's inputs must be for ``gm``'s form compiled for ``sizes`` (a size-guard
+    expression over ``L['t<i>']``, ``fx_lower/dynamic_sizes``): each dynamic dimension of
+    its size, each dynamic input contiguous (as traced). The graph's own guards check the
+    rest of every input's layout."""
+    dynamic = dynamic_inputs(gm)
+    terms = [f"L['t{i}'].size()[{d}] == {n}" for (i, d), n in zip(_dims(dynamic), sizes)]
+    return " and ".join(terms + [f"L['t{i}'].is_contiguous()" for i in sorted(dynamic)])
+
+
+def checked(compiled: Callable, gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> Callable:
+    """``compiled`` (``gm`` compiled for ``sizes``) where a call's inputs have them, else
+    ``gm``'s ``fx`` code; keeps the compile cache's mark."""
+    out = SizeChecked(compiled, expression(gm, sizes), gm.forward,
+                      scope="the sizes of most calls", note="compiled for the sizes of most "
+                      "calls, others run fx (explain's sizes line)")
+    if compile_cache.from_cache(compiled):
+        compile_cache.mark_cached(out)
+    return out
+
+
+def _dims(dynamic: dict[int, list[int]]) -> list[tuple[int, int]]:
+    return [(i, d) for i, dims in sorted(dynamic.items()) for d in dims]
+
+
+def _shapes(gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> dict[int, list[int]]:
+    inputs = example_inputs(gm)
+    shapes = {i: list(inputs[i].shape) for i in dynamic_inputs(gm)}
+    for (i, d), n in zip(_dims(dynamic_inputs(gm)), sizes):
+        shapes[i][d] = n
+    return shapes

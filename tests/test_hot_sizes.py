@@ -1,0 +1,91 @@
+"""A forward graph whose batch dimension became dynamic (a short last batch), compiled in the
+worker process for the sizes most of its calls have (``tiering/hot_sizes.py``), other sizes
+running ``fx``: differential against an eager twin on every parameter after each step, and
+the graph's tier history; sizes with no majority compile for every size on the thread."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import specularch
+from specularch import tiering
+from specularch.tiering import policy
+from specularch.tiering.hot_sizes import SizeCount
+
+from differential import assert_same
+
+pytestmark = pytest.mark.usefixtures("no_profiling")
+
+
+def test_size_count_finds_the_sizes_of_most_calls():
+    seen = []
+    count = SizeCount(lambda *args: seen.append(args) or "out", {1: [0, 2]})
+    for n in (4, 4, 2, 4):
+        assert count(None, torch.zeros(n, 3, 5)) == "out"
+    assert len(seen) == 4 and count.dominant() == (4, 5)
+    count.counts.clear()
+    assert count.dominant() is None
+    for n in (2, 3, 4, 5):
+        count(None, torch.zeros(n, 3, 5))
+    assert count.dominant() is None  # (no size has half the calls)
+
+
+def _train_both(batches, rounds):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    twin = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model)
+    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    for _ in range(rounds):
+        for x, y in batches:
+            for call, adam in ((twin, adams[0]), (opt, adams[1])):
+                adam.zero_grad()
+                F.mse_loss(call(x), y).backward()
+                adam.step()
+            for (name, p), q in zip(twin.state_dict().items(), model.state_dict().values()):
+                assert_same(p, q, name, rtol=1e-4, atol=1e-6)
+        tiering.wait(timeout=120)
+    return opt
+
+
+def test_a_short_last_batch_compiles_for_the_full_batch_in_the_worker(hot_at_once, monkeypatch, tmp_path):
+    """Run twice on one compile cache: the second run loads the form compiled for batches
+    of 4 (its key names the sizes) without a worker."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)  # keep it
+    torch.manual_seed(1)
+    batches = [(torch.randn(n, 8), torch.randn(n, 2)) for n in (4, 4, 4, 2)]
+    wheres = []
+    before = specularch.config.compile_cache_dir  # (for every thread: not config.patch)
+    specularch.config.compile_cache_dir = str(tmp_path / "cache")
+    try:
+        for _ in range(2):
+            specularch.reset()
+            opt = _train_both(batches, 20)
+            graph = specularch.explain(opt).graphs[-1]
+            (event,) = graph.tier.events
+            assert (event.decision, graph.backend) == ("kept", "torchscript"), event
+            wheres.append(event.compiled_in)
+            assert graph.sizes.startswith(
+                "compiled for the sizes of most calls where "
+                "L['input'].size()[0] == 4 and L['input'].is_contiguous();"), graph.sizes
+            assert not graph.sizes.endswith(" 0 call(s) outside ran fx")  # (the short batches did)
+    finally:
+        specularch.config.compile_cache_dir = before
+    note = "; compiled for the sizes of most calls, others run fx (explain's sizes line)"
+    assert wheres == ["worker process" + note, "from the compile cache" + note], wheres
+
+
+def test_sizes_without_a_majority_compile_for_every_size_on_the_thread(hot_at_once, monkeypatch):
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(1)
+    batches = [(torch.randn(n, 8), torch.randn(n, 2)) for n in (4, 2, 3, 5, 6, 7)]
+    opt = _train_both(batches, 4)
+    graph = specularch.explain(opt).graphs[-1]
+    (event,) = graph.tier.events
+    assert event.decision == "kept", event
+    assert event.compiled_in.startswith(
+        "thread: its AOT-autograd form cannot be sent (it has dynamic sizes)"), event
+    assert graph.sizes.startswith("compiled for every size where"), graph.sizes
