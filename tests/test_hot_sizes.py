@@ -89,3 +89,37 @@ def test_sizes_without_a_majority_compile_for_every_size_on_the_thread(hot_at_on
     assert event.compiled_in.startswith(
         "thread: its AOT-autograd form cannot be sent (it has dynamic sizes)"), event
     assert graph.sizes.startswith("compiled for every size where"), graph.sizes
+
+
+def test_a_whole_step_with_a_short_last_batch_compiles_for_the_full_batch(hot_at_once, monkeypatch):
+    """A whole training step (flattened: loss, backward and Adam in the graph) whose batch
+    became dynamic: compiled in the worker for batches of 4, the short batch on fx, every
+    parameter as eager's after each step."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+
+    def step(model, adam, x, y):
+        adam.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        adam.step()
+        return loss.detach()
+
+    fast = specularch.optimize(step)
+    torch.manual_seed(1)
+    batches = [(torch.randn(n, 8), torch.randn(n, 2)) for n in (4, 4, 4, 2)]
+    for _ in range(20):
+        for x, y in batches:
+            assert_same(step(models[0], adams[0], x, y), fast(models[1], adams[1], x, y), rtol=1e-4)
+            for (name, p), q in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+                assert_same(p, q, name, rtol=1e-4, atol=1e-6)
+        tiering.wait(timeout=120)
+    graph = next(g for g in specularch.explain(fast).graphs if g.tier is not None and g.tier.events)
+    (event,) = graph.tier.events
+    assert (event.decision, graph.backend) == ("kept", "torchscript"), event
+    assert event.compiled_in.startswith("worker process; compiled for the sizes of most calls"), event
+    assert not graph.sizes.endswith(" 0 call(s) outside ran fx"), graph.sizes

@@ -1,20 +1,22 @@
-"""A forward graph with dynamic sizes, compiled for the sizes most of its calls have.
+"""A graph with dynamic sizes, compiled for the sizes most of its calls have.
 
 A training loop's batch dimension becomes dynamic at its first short batch (a ``DataLoader``'s
 last batch of an epoch, without ``drop_last``: ``guards/relax.py``), and from then on one
 graph runs every size. The worker process compiles a forward graph whose results need
-autograd as its forward and backward (``fx_lower/split.py``), traced for fixed sizes; a
-graph with dynamic sizes compiled instead through AOT autograd for every size, on the
-program's background thread, holding the GIL for seconds beside the program's steps.
+autograd as its forward and backward (``fx_lower/split.py``), traced for fixed sizes: one
+with dynamic sizes compiled instead through AOT autograd for every size, on the program's
+background thread, holding the GIL for seconds beside the program's steps (a transformer's
+forward: steps up to 113x eager's, docs/tiering.md). A flattened graph (a whole step)
+compiled in the worker for every size, symbolically.
 
 Yet most calls have one size. While a graph is not yet hot, its ``Tier`` counts the sizes
 of its dynamic dimensions on each call (``SizeCount``, wrapped around the ``fx`` code; gone
 once the graph is hot). Where one set of sizes is at least ``SHARE`` of those calls
-(``SizeCount.dominant``), each compiling candidate is the graph split and compiled in the
-worker for those sizes (``examples``), and checked before each call (``checked``): a call
-of other sizes (the short batch) runs the graph's ``fx`` code, which computes any size.
-Elsewhere (sizes that vary from call to call: a sequence model's lengths) the candidates
-compile for every size as before.
+(``SizeCount.dominant``), each candidate the worker compiles is compiled for those sizes
+(``examples``; the job says ``fixed_sizes``) and checked before each call (``checked``): a
+call of other sizes (the short batch) runs the graph's ``fx`` code, which computes any
+size. Elsewhere (sizes that vary from call to call: a sequence model's lengths) the
+candidates compile for every size as before.
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..fx_lower import compile_cache, split
-from ..fx_lower.backends import autograd_forward
+from ..fx_lower import compile_cache
 from ..fx_lower.dynamic_sizes import SizeChecked, dynamic_inputs
 from ..fx_lower.passes import example_inputs
 
@@ -55,12 +56,13 @@ class SizeCount:
 
 
 def counted(gm: torch.fx.GraphModule) -> dict[int, list[int]] | None:
-    """The dynamic dimensions to count on ``gm``'s calls: those of a forward graph whose
-    results need autograd that the split takes but for its dynamic sizes (its dynamic inputs
-    contiguous tensors: a fixed-size compile of them is checked by size and contiguity
-    alone); None for any other graph."""
+    """The dynamic dimensions to count on ``gm``'s calls: those of a graph with dynamic
+    sizes that a worker process compiles for fixed ones (``process.route``), whose dynamic
+    inputs are contiguous tensors (a fixed-size compile of them is then checked by size and
+    contiguity alone); None for any other graph."""
+    from . import process
     dynamic = dynamic_inputs(gm)
-    if not dynamic or not autograd_forward(gm) or split.refusal(gm, fixed_sizes=True) is not None:
+    if not dynamic or process.route(process.BACKENDS[0], gm, fixed_sizes=True) is not None:
         return None
     examples = example_inputs(gm)
     if any(not isinstance(examples[i], torch.Tensor) or not examples[i].is_contiguous() for i in dynamic):

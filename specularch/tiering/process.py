@@ -109,7 +109,7 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
     ``WorkerFailed``), or loaded from the persistent compile cache, where an earlier run's
     worker left it. Call it on the background thread: it waits for the worker.
     ``fixed_sizes``: ``gm`` has dynamic sizes and is compiled for those of ``examples``
-    (``hot_sizes.py``; the caller checks the sizes of each call)."""
+    (``hot_sizes.py``; the caller checks the sizes of each call, ``hot_sizes.checked``)."""
     parts = _split(gm)
     key = compile_cache.entry_key(gm, examples, backend, _path(parts, examples if fixed_sizes else None))
     cached = split.cached(backend, key, split.replay_of(gm)) if parts else _cached(backend, key, gm.forward)
@@ -124,6 +124,8 @@ def compile_candidate(backend: str, gm: torch.fx.GraphModule, examples: list, ti
         job = jobs.pack(gm, examples, backend=backend, cache_key=key, threads=torch.get_num_threads(),
                         aoti=aoti.loadable(), cache_dir=_cache_root(),
                         inductor_dir_chosen=compile_cache.inductor_dir_chosen(), split=parts)
+        if fixed_sizes:  # (dynamic_sizes.dynamic_inputs: none)
+            job["meta"]["fixed_sizes"] = True
         torch.save(job, os.path.join(folder, "job.pt"))
         meta = _run(folder, timeout, forkable(backend, torch.get_num_threads()))
         if parts:
