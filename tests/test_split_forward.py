@@ -269,3 +269,49 @@ def test_a_pinned_backend_compiles_a_forward_graph_split_and_differentiates_it_t
         _penalised_both(twin, model, opt, torch.randn(4, 8), rtol=1e-5, atol=1e-7)
     (entry,) = _state_of(opt).entries
     assert entry.backend == "torchscript" and isinstance(entry.graph_fn, Glued)
+
+
+class _Tempered(nn.Module):
+    """A forward taking a Python number that varies from call to call (a temperature): it
+    becomes a graph input (``guards/relax.py``) that only feeds arithmetic."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x, temperature):
+        return torch.tanh(self.fc(x)) / temperature
+
+
+def test_a_number_input_is_a_tensor_to_the_split_and_compiles_in_the_worker(hot_at_once, monkeypatch):
+    """The number becomes a 0-d tensor input of both parts (not a constant: each call's value
+    is used), so the graph compiles in the worker; parameters follow eager's, and a gradient
+    penalty (the replay, on the call's number) matches eager's."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(0)
+    model, twin = _Tempered(), _Tempered()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model)
+    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    for step in range(40):
+        temperature = 1.0 + 0.25 * (step % 5)
+        for call, adam in ((twin, adams[0]), (opt, adams[1])):
+            adam.zero_grad()
+            F.mse_loss(call(x, temperature), y).backward()
+            adam.step()
+        for p, q in zip(twin.parameters(), model.parameters()):
+            assert_same(p, q, rtol=1e-4, atol=1e-6)
+        tiering.wait(timeout=120)
+    graph = specularch.explain(opt).graphs[-1]
+    (event,) = graph.tier.events
+    assert (event.decision, event.compiled_in, graph.backend) == ("kept", "worker process", "torchscript"), event
+    for net in (twin, opt):
+        net.zero_grad()
+        x_ = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(net(x_, 1.75).sum(), [x_], create_graph=True)
+        gx.pow(2).sum().backward()
+    for p, q in zip(twin.parameters(), model.parameters()):
+        assert_same(p.grad, q.grad, rtol=1e-4, atol=1e-6)

@@ -135,23 +135,24 @@ def test_graph_calling_a_user_function_is_not_sent():
     assert reason is not None and "mine" in reason
 
 
-class _Scaled(nn.Module):
+class _Clamped(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 2)
 
     def forward(self, x, scale):
-        return self.fc(x) * scale
+        return self.fc(x).clamp(max=scale)
 
 
-def test_forward_graph_with_a_number_input_compiles_on_the_thread_saying_why(hot_at_once, monkeypatch):
+def test_forward_graph_with_a_number_compiled_per_value_compiles_on_the_thread_saying_why(hot_at_once, monkeypatch):
     """A forward graph whose results need autograd goes to the worker as its forward and
-    backward (tests/test_split_forward.py), but not with a Python-number input (AOT
-    autograd's wrappers take it)."""
+    backward (tests/test_split_forward.py), its number inputs as 0-d tensors; but not one
+    whose number reaches more than arithmetic (``clamp(max=)``: compiled per value of it,
+    ``fx_lower/specialise.py``, in this process)."""
     hot_at_once("torchscript")
     monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
     torch.manual_seed(0)
-    model = _Scaled()
+    model = _Clamped()
     opt = specularch.optimize(copy.deepcopy(model))
     xs = [torch.randn(4, 8) for _ in range(3)]
     for i in range(20):
@@ -159,7 +160,8 @@ def test_forward_graph_with_a_number_input_compiles_on_the_thread_saying_why(hot
             assert_same(model(x, 0.5 + i), opt(x, 0.5 + i), rtol=1e-5, atol=1e-6)
         tiering.wait(timeout=120)
     event = specularch.explain(opt).graphs[-1].tier.events[0]
-    assert event.compiled_in == "thread: its AOT-autograd form cannot be sent (it has Python-number inputs)"
+    assert event.compiled_in == "thread: its AOT-autograd form cannot be sent (it is compiled " \
+        "once per value of a number input, in this process)"
 
 
 @pytest.mark.slow

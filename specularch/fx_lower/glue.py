@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from .passes import as_tensor_input
+
 
 class Glued:
     """``forward`` and ``backward`` (compiled callables returning lists of tensors) joined
@@ -31,6 +33,7 @@ class Glued:
         self.gradients = list(meta["gradients"])
         self.strides = [tuple(s) for s in meta["tangent_strides"]]
         self.passthrough = [tuple(p) for p in meta.get("passthrough", ())]
+        self.converted = list(meta.get("converted", ()))  # number inputs, given as 0-d tensors
         self.artefact_note = "; ".join(filter(None, (getattr(forward, "artefact_note", ""),
                                                      getattr(backward, "artefact_note", ""))))
 
@@ -48,17 +51,22 @@ class Glued:
                                "read again for create_graph=True)")
         dropped = {i for i, _ in self.passthrough}
         with torch.enable_grad():
-            every = self.replay(*ctx.inputs)
+            every = self.replay(*ctx.given)
             every = list(every) if isinstance(every, (list, tuple)) else [every]
             outputs = [v for i, v in enumerate(every) if i not in dropped]
-            wanted = [ctx.inputs[i] for i in self.gradients]
+            wanted = [ctx.given[i] for i in self.gradients]
             got = torch.autograd.grad([outputs[i] for i in self.differentiable], wanted,
                                       [grads[i] for i in self.differentiable],
                                       create_graph=True, allow_unused=True)
         return list(got)
 
     def __call__(self, *args):
-        out = list(_Node.apply(self, *args))
+        given = args
+        if self.converted:
+            args = list(args)
+            for i in self.converted:
+                args[i] = as_tensor_input(args[i])
+        out = list(_Node.apply(self, given, *args))
         for output, given in self.passthrough:  # (in output order)
             out.insert(output, args[given])
         return out
@@ -77,14 +85,14 @@ class Glued:
 
 class _Node(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, glued: Glued, *args):
+    def forward(ctx, glued: Glued, given: tuple, *args):
         results = glued.forward(*args)
         outputs = results[:glued.outputs]
         ctx.glued = glued
         ctx.save_for_backward(*results[glued.outputs:])
         ctx.mark_non_differentiable(*[outputs[i] for i in glued.not_differentiable])
         # (for create_graph only: references, and the versions to check them against)
-        ctx.inputs, ctx.versions = args, [a._version for a in args]
+        ctx.inputs, ctx.versions, ctx.given = args, [a._version for a in args], given
         return tuple(outputs)
 
     @staticmethod
@@ -94,7 +102,7 @@ class _Node(torch.autograd.Function):
             got = glued._replayed(ctx, grads)
         else:
             got = glued.backward(*ctx.saved_tensors, *glued.tangents(grads))
-        out = [None] * (1 + glued.inputs)
+        out = [None] * (2 + glued.inputs)  # (none for glued, given)
         for position, gradient in zip(glued.gradients, got):
-            out[1 + position] = gradient
+            out[2 + position] = gradient
         return tuple(out)

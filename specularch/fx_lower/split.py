@@ -16,7 +16,8 @@ import torch
 
 from . import _torch_compilers as compilers, compile_cache
 from ._torch_joint import split
-from .passes import example_inputs
+from .backends import specialised_numbers
+from .passes import as_tensor_input, example_inputs, scalar_inputs_as_tensors
 
 PATH = "split"  # compile_cache.entry_key's path for these
 PARTS = ("forward", "backward")
@@ -24,15 +25,16 @@ PARTS = ("forward", "backward")
 
 def refusal(gm: torch.fx.GraphModule, fixed_sizes: bool = False) -> str | None:
     """None when ``gm`` is a graph this compiles (a forward graph whose results need
-    autograd, with tensor inputs of fixed sizes), else why not. ``_torch_joint.split`` may
+    autograd, its inputs tensors of fixed sizes and numbers that only feed arithmetic),
+    else why not. ``_torch_joint.split`` may
     still refuse it (``NotSplit``: from the worker, the candidate then compiles through AOT
     autograd on the background thread, ``tiering/process.NotSplit``). ``fixed_sizes``: a
     graph with dynamic sizes, to be compiled for fixed ones (``tiering/hot_sizes.py``: the
     examples it is split with have them), is not refused for them."""
     if not gm.meta.get("outputs_require_grad"):
         return "its results need no autograd"
-    if gm.meta.get("scalar_inputs"):
-        return "it has Python-number inputs"
+    if gm.meta.get("scalar_inputs") and specialised_numbers(gm):
+        return "it is compiled once per value of a number input, in this process"
     if not fixed_sizes and (gm.meta.get("dynamic_dims") or gm.meta.get("dynamic_inputs")):
         return "it has dynamic sizes"
     if gm.meta.get("rolled_loops"):
@@ -41,8 +43,17 @@ def refusal(gm: torch.fx.GraphModule, fixed_sizes: bool = False) -> str | None:
 
 
 def _split(backend: str, gm: torch.fx.GraphModule, examples: list):
-    """``gm`` split with the partitioner ``backend``'s compile suits (Inductor: min-cut)."""
-    return split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
+    """``gm`` split with the partitioner ``backend``'s compile suits (Inductor: min-cut).
+    Python-number inputs (which only feed arithmetic: ``refusal``) become 0-d tensor inputs
+    (``passes.scalar_inputs_as_tensors``), so their values are not compiled in; the glue
+    makes them so on each call (``Split.meta["converted"]``)."""
+    converted = []
+    if any(isinstance(v, (int, float)) for v in examples):
+        gm, converted = scalar_inputs_as_tensors(gm)
+        examples = [as_tensor_input(v) if i in converted else v for i, v in enumerate(examples)]
+    parts = split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
+    parts.meta["converted"] = converted
+    return parts
 
 
 def compile_parts(backend: str, gm: torch.fx.GraphModule, examples: list, artefact: str,
