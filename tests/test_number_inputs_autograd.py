@@ -1,8 +1,10 @@
 """Python-number inputs of a graph whose results need autograd (a model's ``forward(x, scale)``
-optimized alone, loss and ``backward()`` eager): compiled through AOT autograd with the numbers
-as 0-d tensor inputs, once for every value (``_torch_compilers.with_number_inputs``), instead of
-refused ("compiled without autograd but returns tensors that need autograd"). Differential
-against eager: outputs, the gradients of parameters and inputs, and what ran."""
+optimized alone, loss and ``backward()`` eager): compiled with the numbers as 0-d tensor
+inputs, once for every value: split into a forward and a backward (``fx_lower/split.py``), or
+through AOT autograd where the split does not take the graph (dynamic sizes too:
+``_torch_compilers.with_number_inputs``), instead of refused ("compiled without autograd but
+returns tensors that need autograd"). Differential against eager: outputs, the gradients of
+parameters and inputs, and what ran."""
 import copy
 
 import pytest
@@ -25,10 +27,12 @@ class Scaled(nn.Module):
 
 @pytest.mark.parametrize("backend", ["torchscript", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_forward_with_number_inputs_is_compiled_once_for_every_value(backend, monkeypatch):
+    """Split into a forward and a backward (``fx_lower/split.py``) with the numbers as 0-d
+    tensor inputs of both: one compile serves every value."""
+    from specularch.fx_lower import split
     compiles = []
-    original = _torch_compilers.with_number_inputs
-    monkeypatch.setattr(_torch_compilers, "with_number_inputs",
-                        lambda *a: compiles.append(a[0]) or original(*a))
+    original = split._split
+    monkeypatch.setattr(split, "_split", lambda *a: compiles.append(a[1]) or original(*a))
     torch.manual_seed(0)
     model = Scaled()
     ref = copy.deepcopy(model)

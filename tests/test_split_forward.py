@@ -315,3 +315,53 @@ def test_a_number_input_is_a_tensor_to_the_split_and_compiles_in_the_worker(hot_
         gx.pow(2).sum().backward()
     for p, q in zip(twin.parameters(), model.parameters()):
         assert_same(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+class _AliasOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc(x), x.t()  # (the second output a view of the input)
+
+
+def test_a_pinned_backend_says_when_the_split_refuses_a_forward_graph():
+    """Pinned, a forward graph the split refuses compiles through AOT autograd's wrappers,
+    and ``explain()`` says so and why; results and gradients still match eager."""
+    torch.manual_seed(0)
+    model, twin = _AliasOut(), _AliasOut()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model, backend="torchscript")
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        for net in (twin, opt):
+            net.zero_grad()
+            out, view = net(x)
+            (out.sum() + view.sum()).backward()
+        for p, q in zip(twin.parameters(), model.parameters()):
+            assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    graph = specularch.explain(opt).graphs[-1]
+    assert graph.backend == "torchscript"
+    assert "AOT autograd's form, not split: an output aliases an input or another output" in graph.note, graph
+
+
+def test_a_forward_part_returning_another_dtype_than_capture_is_refused():
+    """Where a number made a 0-d tensor would promote a result (values right, dtype not),
+    the split refuses the graph (it then compiles through AOT autograd, which checks the
+    dtypes on its first call)."""
+    from specularch.fx_lower.split import same_output_dtypes
+    inputs = _leaves((5, 4), (3, 4), grad=(True, False))
+    gm = torch.fx.symbolic_trace(_decoder_no_bias)
+    parts = joint.split(gm, inputs, min_cut=False)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    (result,) = output.args[0]
+    result.meta["example"] = torch.zeros(3, 5, dtype=torch.float32)
+    same_output_dtypes(gm, parts)  # (as captured: no error)
+    result.meta["example"] = torch.zeros(3, 5, dtype=torch.float64)
+    with pytest.raises(joint.NotSplit, match="changed output 0's dtype from torch.float64 to torch.float32"):
+        same_output_dtypes(gm, parts)
+
+
+def _decoder_no_bias(w, x):
+    return (F.linear(x, w),)

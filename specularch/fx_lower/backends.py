@@ -285,11 +285,28 @@ def _compiled_by(name: str, gm, example_inputs, without_autograd: Callable, with
         return per_value
     if flattened(gm):
         return _with_spent_history(gm, without_autograd(gm, example_inputs))
+    from .split import compile_here  # forward and backward compiled as flattened graphs, glued
+    glued, why = compile_here(name, gm, example_inputs, without_autograd)
+    if glued is not None:
+        return glued
     if gm.meta.get("scalar_inputs"):  # (whose results need autograd)
         from ._torch_compilers import with_number_inputs
-        return with_number_inputs(gm, example_inputs, with_autograd)
-    from .split import compile_here  # forward and backward compiled as flattened graphs, glued
-    return compile_here(name, gm, example_inputs, without_autograd) or with_autograd(gm, example_inputs)
+        compiled = with_number_inputs(gm, example_inputs, with_autograd)
+    else:
+        compiled = with_autograd(gm, example_inputs)
+    return compiled if why is None else _noted(compiled, f"AOT autograd's form, not split: {why}")
+
+
+def _noted(fn: Callable, note: str) -> Callable:
+    """``fn`` with ``note`` (``explain()`` shows a compiled graph's ``note``)."""
+    try:
+        fn.note = note
+        return fn
+    except (AttributeError, TypeError):  # an object that takes no attributes: wrap it
+        def noted(*args):
+            return fn(*args)
+        noted.note = note
+        return noted
 
 
 def _torchscript(gm, example_inputs):

@@ -47,13 +47,29 @@ def _split(backend: str, gm: torch.fx.GraphModule, examples: list):
     Python-number inputs (which only feed arithmetic: ``refusal``) become 0-d tensor inputs
     (``passes.scalar_inputs_as_tensors``), so their values are not compiled in; the glue
     makes them so on each call (``Split.meta["converted"]``)."""
-    converted = []
+    converted, captured = [], gm
     if any(isinstance(v, (int, float)) for v in examples):
         gm, converted = scalar_inputs_as_tensors(gm)
         examples = [as_tensor_input(v) if i in converted else v for i, v in enumerate(examples)]
     parts = split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
     parts.meta["converted"] = converted
+    if converted:
+        same_output_dtypes(captured, parts)
     return parts
+
+
+def same_output_dtypes(gm: torch.fx.GraphModule, parts) -> None:
+    """Raises ``NotSplit`` where the forward part returns another dtype than capture saw (a
+    number input made a 0-d tensor that promoted a result): values within rounding of
+    eager's, in the wrong dtype, would be silently wrong."""
+    from ._torch_joint import NotSplit
+    dropped = {i for i, _ in parts.meta["passthrough"]}
+    captured = [v for i, v in enumerate(compilers._output_values(gm, "example")) if i not in dropped]
+    traced = compilers._output_values(parts.forward, "val")[:parts.meta["outputs"]]
+    try:
+        compilers._raise_on_changed_dtype(captured, traced, "a number input made a tensor changed")
+    except TypeError as e:
+        raise NotSplit(str(e)) from None
 
 
 def compile_parts(backend: str, gm: torch.fx.GraphModule, examples: list, artefact: str,
@@ -86,21 +102,23 @@ def compile_parts(backend: str, gm: torch.fx.GraphModule, examples: list, artefa
 
 
 def compile_here(backend: str, gm: torch.fx.GraphModule, examples: list,
-                 without_autograd: Callable) -> Callable | None:
+                 without_autograd: Callable) -> tuple[Callable | None, str | None]:
     """For a pinned backend, in this process: ``gm`` split and each part compiled by
-    ``without_autograd`` (the backend's flattened compile), glued; None where ``refusal``
-    or the split refuses it (AOT autograd's own wrappers then)."""
+    ``without_autograd`` (the backend's flattened compile), glued, and None; or None where
+    ``refusal`` refuses it (rolled loops, dynamic sizes, numbers compiled per value), and
+    also why where the split itself did (AOT autograd's own wrappers then, and ``explain()``
+    says why: an input updated in place, an aliased output, which the program could change)."""
     from ._torch_joint import NotSplit
     from .glue import Glued
     if refusal(gm) is not None:
-        return None
+        return None, None
     try:
         parts = _split(backend, gm, examples)
-    except NotSplit:
-        return None
+    except NotSplit as e:
+        return None, str(e)
     compiled = [without_autograd(graph, example_inputs(graph)) for graph in (parts.forward, parts.backward)]
     glued = Glued(*compiled, parts.meta, replay_of(gm))
-    return compile_cache.mark_cached(glued) if all(map(compile_cache.from_cache, compiled)) else glued
+    return (compile_cache.mark_cached(glued) if all(map(compile_cache.from_cache, compiled)) else glued), None
 
 
 def replay_of(gm: torch.fx.GraphModule) -> Callable | None:
