@@ -54,7 +54,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specularch  # noqa: E402
-from specularch.tiering import _glibc_malloc, process, worker  # noqa: E402
+from specularch import _glibc_malloc  # noqa: E402
+from specularch.tiering import process, worker  # noqa: E402
 import tiering_trace  # noqa: E402
 from train_step import MODELS, build, make_step  # noqa: E402
 
@@ -131,7 +132,7 @@ def tiered_run(name, batches, seconds, eager_s, trace=None, what="step"):
         "tiers": [line for g in graphs for line in g.tiers],
         "ended_on": [g.backend for g in graphs],
         "worker_started": getattr(process._current, "started", None),  # (None: none needed)
-        "malloc": _glibc_malloc._done,  # (tiering/_glibc_malloc.py; None: no compiled trial)
+        "malloc": _glibc_malloc._done,  # (specularch/_glibc_malloc.py; None: no compiled trial)
         **({"slowest_steps": trace.slowest(rows, first, eager_s)} if trace else {}),
     }, explained
 

@@ -197,12 +197,12 @@ OPTIONS: dict[str, Option] = {
         Option("tier_trial_calls", 5, "With backend 'auto': calls per side and round when a "
                "compiled candidate is timed against the graph's current tier on live calls "
                "(3 rounds, interleaved; medians).", "SPECULARCH_TIER_TRIAL_CALLS", POSITIVE_INT),
-        Option("tier_tune_malloc", True, "With backend 'auto': before the first compiled "
-               "candidate is timed, fix glibc malloc's mmap and trim thresholds at the top of "
-               "glibc's own adaptive range (32 and 64 MiB), where its adaptation left compiled "
-               "code paging memory in on every call; not where the program set MALLOC_*_ "
-               "variables or preloaded another allocator (specularch/tiering/_glibc_malloc.py).",
-               "SPECULARCH_TIER_TUNE_MALLOC", FLAG),
+        Option("tune_malloc", True, "Before the first graph of a compiling backend runs (with "
+               "backend 'auto': before the first compiled candidate is timed), fix glibc "
+               "malloc's mmap and trim thresholds at the top of glibc's own adaptive range (32 "
+               "and 64 MiB), where its adaptation left compiled code paging memory in on every "
+               "call; not where the program set MALLOC_*_ variables or preloaded another "
+               "allocator (specularch/_glibc_malloc.py).", "SPECULARCH_TUNE_MALLOC", FLAG),
         Option("profile_calls", 3, "Calls of an optimized function that run eagerly while "
                "argument facts are recorded, before the first capture.", "SPECULARCH_PROFILE_CALLS",
                NON_NEGATIVE_INT),

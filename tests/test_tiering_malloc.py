@@ -1,6 +1,6 @@
 """glibc's malloc thresholds fixed before a graph's first compiled candidate is timed
-(``tiering/_glibc_malloc.py``): once, only where the program did not choose its allocator,
-and not with ``tier_tune_malloc`` off."""
+(``_glibc_malloc.py``), or before a pinned compiling backend's first graph runs: once, only
+where the program did not choose its allocator, and not with ``tune_malloc`` off."""
 import types
 
 import pytest
@@ -10,7 +10,7 @@ from torch import nn
 
 import specularch
 from specularch import tiering
-from specularch.tiering import _glibc_malloc as glibc
+from specularch import _glibc_malloc as glibc
 
 pytestmark = pytest.mark.usefixtures("no_profiling")
 
@@ -71,8 +71,20 @@ def _train(steps):
 ])
 def test_the_first_compiled_candidates_trial_tunes_malloc(fresh, hot_at_once, candidates, option, tuned):
     hot_at_once(*candidates)
-    with specularch.config.patch(tier_tune_malloc=option):
+    with specularch.config.patch(tune_malloc=option):
         graph = _train(40)
     assert graph.tier.events and graph.tier.events[0].candidate == candidates[0]
     assert (glibc._done is not None) == tuned
+    assert bool(fresh) == tuned
+
+
+@pytest.mark.parametrize("backend, tuned", [("torchscript", True), ("fx", False)])
+def test_a_pinned_compiling_backend_tunes_malloc_before_its_first_graph_runs(fresh, backend, tuned):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = specularch.optimize(model, backend=backend)
+    x = torch.randn(4, 8)
+    for _ in range(5):
+        torch.testing.assert_close(opt(x), model(x))
+    assert specularch.explain(opt).graphs[-1].backend == backend
     assert bool(fresh) == tuned

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import log, tiering
+from .. import _glibc_malloc, log, tiering
 from ..config import config
 from ..eager_run import FRAME_HOOK, locked_entry
 from ..entry_function import MISS, build_entry_function
@@ -273,6 +273,8 @@ def _backend_compile(state: CodeState, gm, backend_name: str | None, note: str):
     examples = example_inputs(gm)
     try:
         compiled = backend.compile(gm, examples)
+        if backend.name not in ("fx", "auto", "eager") and config.tune_malloc:
+            _glibc_malloc.tune_logged(f"before the first graph compiled by {backend.name!r} runs")
         if backend.name not in ("fx", "auto") and graph_uses_randomness(gm):
             from ..tiering.same_draws import FirstCallsChecked
             compiled = FirstCallsChecked(compiled, get_backend("fx").compile(gm, examples),

@@ -8,7 +8,6 @@ candidate is timed on live calls against the current tier and kept only if faste
   process: the job file, the child's entry point, loading what it compiled;
 * ``trial.py`` — the per-graph ``Tier`` (counting, trials, swapping the entry's function);
 * ``hot_sizes.py`` — a graph with dynamic sizes compiled for those of most calls;
-* ``_glibc_malloc.py`` — malloc's thresholds fixed before the first compiled candidate's trial;
 * ``remembered.py`` — rejections kept in the compile cache for the next runs;
 * ``history.py`` — what ``explain()`` shows of each graph's tiers.
 """

@@ -27,7 +27,8 @@ from ..fx_lower.backends import compile_in_background
 from ..fx_lower.passes import example_inputs
 from ..fx_lower.randomness import graph_uses_randomness
 from ..records import AssumptionBroken
-from . import _glibc_malloc, hot_sizes, policy, process, remembered, worker
+from .. import _glibc_malloc
+from . import hot_sizes, policy, process, remembered, worker
 from .backward_timing import BackwardTimer, grad_outputs
 from .eager_tier import EAGER, RunTimer
 from .same_draws import Checked
@@ -69,7 +70,7 @@ class Tier:
         self.trial: Trial | None = None
         self.lock = threading.Lock()
         self.trial_calls = config.tier_trial_calls  # read here: config.patch is per thread
-        self.tune_malloc = config.tier_tune_malloc
+        self.tune_malloc = config.tune_malloc
         # The program's torch thread count (per thread: the background one's differs), part
         # of the key its trials' verdicts are remembered under (remembered.py)
         self.threads = torch.get_num_threads()
@@ -237,7 +238,7 @@ class Tier:
         if self.ready:
             candidate = self.ready.popleft()
             if candidate.backend != EAGER and self.tune_malloc:
-                _tune_malloc()
+                _glibc_malloc.tune_logged("before the first compiled candidate's trial")
             self.trial = Trial(self, candidate)
         elif self.compiling:
             return
@@ -264,13 +265,6 @@ class Tier:
                     entry.graph_fn = c.graph_fn
             self.trial = None
             self._next_trial()
-
-
-def _tune_malloc() -> None:
-    """glibc's thresholds fixed (``_glibc_malloc.py``), once per process, logged once."""
-    done, now = _glibc_malloc.tune()
-    if now:
-        log.emit("graphs", f"tiering: before the first compiled candidate's trial, {done}")
 
 
 class Trial:

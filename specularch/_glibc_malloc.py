@@ -11,7 +11,9 @@ against eager's 2.3 / 2.0 ms and no fault; with the thresholds fixed at the top 
 own range, no fault and 2.5 / 2.2 ms, and the tiered forward ended on Inductor at 1.13x
 eager where it had measured 0.58x pinned (docs/tiering.md).
 
-``tune`` sets them once per process (``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64
+``tune`` sets them once per process (the tiered mode before a graph's first compiled
+candidate is timed, ``tiering/trial.py``; a pinned compiling backend when its first graph is
+compiled, ``dispatch/misses.py``; option ``tune_malloc``) (``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64
 MiB: at most 64 MiB of freed memory stays with the process instead of going back to the
 system), unless the program chose itself: glibc's ``MALLOC_*_`` variables set, or another
 allocator preloaded (jemalloc, tcmalloc, mimalloc), or not glibc at all.
@@ -57,6 +59,14 @@ def tune() -> tuple[str, bool]:
             return _done, False
         _done = _tune()
         return _done, True
+
+
+def tune_logged(when: str) -> None:
+    """``tune``, logged (under ``graphs``) by the call that did it, saying ``when``."""
+    done, now = tune()
+    if now:
+        from . import log
+        log.emit("graphs", f"{when}: {done}")
 
 
 def _tune() -> str:
