@@ -45,6 +45,12 @@ class SizeCount:
         self.counts[tuple(args[i].shape[d] for i, d in self.dims)] += 1
         return self.graph_fn(*args)
 
+    def summary(self) -> str:
+        """What was counted, for ``explain()`` where no sizes were most calls'."""
+        total = sum(self.counts.values())
+        return f"{len(self.counts)} different sizes in {total} calls, the commonest in " \
+               f"{max(self.counts.values(), default=0)}"
+
     def dominant(self) -> tuple[int, ...] | None:
         """The sizes (one per counted dimension, in ``dims`` order) of at least ``SHARE`` of
         the counted calls, or None."""

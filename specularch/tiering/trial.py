@@ -80,6 +80,7 @@ class Tier:
         # then those of most calls, if any, which its candidates are compiled for (hot_sizes.py)
         dynamic = hot_sizes.counted(gm)
         self.sizes: SizeCount | tuple[int, ...] | None = None
+        self.no_common_size = ""  # what the count found where no sizes were most calls'
         if dynamic:
             self.sizes = SizeCount(self.reference, dynamic)
             self.fn = build(self.sizes)[0]
@@ -114,7 +115,9 @@ class Tier:
         self.submitted = True
         self.history.submitted_at = time.perf_counter()
         if isinstance(self.sizes, SizeCount):  # counted enough: fx's own entry again
-            self.sizes = self.sizes.dominant()
+            count, self.sizes = self.sizes, self.sizes.dominant()
+            if self.sizes is None:
+                self.no_common_size = count.summary()
             self.fn = self.build(self.reference)[0]
         with self.lock:
             for name, refusal in policy.candidates(self.gm):
@@ -144,6 +147,8 @@ class Tier:
         sizes = self.sizes if process.ENABLED else None  # (a tuple: hot_sizes.py)
         why_not = process.route(name, self.gm, sizes is not None) if process.ENABLED else \
             "process.ENABLED is off"
+        if why_not is not None and self.no_common_size and why_not.endswith("(it has dynamic sizes)"):
+            why_not = f"{why_not[:-1]}: {self.no_common_size})"
         where = "worker process" if why_not is None else f"thread: {why_not}"
         try:
             graph_fn = None
