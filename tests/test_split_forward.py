@@ -113,13 +113,33 @@ def _batch_norm(x, w, b, mean, var):
     return (F.batch_norm(x, mean, var, w, b, training=True),)
 
 
-def _view_of_input(w, x):
-    return (x @ w, w.t())
+def _views_of_intermediate(w, x):
+    h = torch.tanh(x @ w)
+    return (h[:, 0], h[:, 1])  # (views of a value no output returns)
+
+
+def _views(w, x):
+    h = torch.tanh(x @ w)
+    return (h, h[:, 1:], w.t(), x.t())  # (views of an output, of an input with and without grad)
+
+
+@pytest.mark.parametrize("min_cut", [False, True])
+def test_outputs_that_are_views_alias_what_eager_s_alias_and_match_its_gradients(min_cut):
+    inputs = _leaves((3, 3), (2, 3), grad=(True, False))
+    _compare(_views, inputs, lambda out: (out[0].sum() + 2 * out[1].sum() + out[2].pow(2).sum()).backward(),
+             min_cut)
+    got = _glued(_views, inputs, min_cut)(*inputs)
+    same = [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            for a, b in ((got[1], got[0]), (got[2], inputs[0]), (got[3], inputs[1]))]
+    assert same == [True, True, True]
+    assert got[1].data_ptr() == got[0].data_ptr() + got[0].element_size()  # (h[:, 1:])
+    got[0].detach().mul_(0)  # (eager's aliasing: the view sees a write to its base)
+    assert not got[1].any()
 
 
 @pytest.mark.parametrize("fn, shapes, why", [
     (_batch_norm, [(4, 3), (3,), (3,), (3,), (3,)], "updates an input in place"),
-    (_view_of_input, [(3, 3), (2, 3)], "aliases"),
+    (_views_of_intermediate, [(3, 3), (2, 3)], "intermediate"),
 ])
 def test_graphs_aot_autograd_must_wrap_are_refused(fn, shapes, why):
     inputs = _leaves(*shapes, grad=(True, True, True, False, False)[:len(shapes)])
@@ -323,7 +343,8 @@ class _AliasOut(nn.Module):
         self.fc = nn.Linear(8, 2)
 
     def forward(self, x):
-        return self.fc(x), x.t()  # (the second output a view of the input)
+        h = self.fc(x)
+        return h[:, 0], h[:, 1]  # (views of a value no output returns)
 
 
 def test_a_pinned_backend_says_when_the_split_refuses_a_forward_graph():
@@ -337,13 +358,13 @@ def test_a_pinned_backend_says_when_the_split_refuses_a_forward_graph():
     for _ in range(3):
         for net in (twin, opt):
             net.zero_grad()
-            out, view = net(x)
-            (out.sum() + view.sum()).backward()
+            first, second = net(x)
+            (first.sum() + 2 * second.sum()).backward()
         for p, q in zip(twin.parameters(), model.parameters()):
             assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     graph = specularch.explain(opt).graphs[-1]
     assert graph.backend == "torchscript"
-    assert "AOT autograd's form, not split: an output aliases an input or another output" in graph.note, graph
+    assert "AOT autograd's form, not split: AOT autograd would wrap it (intermediate bases" in graph.note, graph
 
 
 def test_a_forward_part_returning_another_dtype_than_capture_is_refused():
@@ -365,3 +386,41 @@ def test_a_forward_part_returning_another_dtype_than_capture_is_refused():
 
 def _decoder_no_bias(w, x):
     return (F.linear(x, w),)
+
+
+class _Pooled(nn.Module):
+    """Returns its hidden states and a view of them (the first position, as a pooled
+    output), as many encoders do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.fc(x))
+        return hidden, hidden[:, 0]
+
+
+def test_a_forward_returning_a_view_of_another_output_compiles_in_the_worker(hot_at_once, monkeypatch):
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(0)
+    model, twin = _Pooled(), _Pooled()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model)
+    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    torch.manual_seed(1)
+    x = torch.randn(4, 8)
+    for _ in range(30):
+        for call, adam in ((twin, adams[0]), (opt, adams[1])):
+            adam.zero_grad()
+            hidden, pooled = call(x)
+            assert pooled.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+            (hidden.pow(2).mean() + pooled.sum()).backward()
+            adam.step()
+        for p, q in zip(twin.parameters(), model.parameters()):
+            assert_same(p, q, rtol=1e-4, atol=1e-6)
+        tiering.wait(timeout=120)
+    graph = specularch.explain(opt).graphs[-1]
+    (event,) = graph.tier.events
+    assert (event.decision, event.compiled_in, graph.backend) == ("kept", "worker process", "torchscript"), event

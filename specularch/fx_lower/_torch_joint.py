@@ -7,7 +7,9 @@ where AOT autograd's own run-time wrappers cost more than a small model's compil
 saves. torch has no public API for this; every use goes through here.
 
 Refused (``NotSplit``, with why) where AOT autograd's run-time wrappers do real work: inputs
-updated in place, outputs that alias an input or each other, sizes traced as symbols.
+updated in place, outputs that are views of an intermediate value no output returns, sizes
+traced as symbols. Outputs that are views of an input or of another output are described
+(``_aliases``) for the glue to make again from their bases.
 """
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ class Split:
     """``forward`` and ``backward`` (ATen graphs; each placeholder's ``meta["example"]`` a
     zero-filled tensor of its layout) and ``meta`` (plain values, what ``glue.Glued`` needs):
     ``outputs``, the graph's output count (the forward returns them, then the saved tensors);
-    ``differentiable``, the outputs that get a gradient (the backward's inputs after the saved
-    tensors, in this order, each with the strides in ``tangent_strides``); ``inputs``, the
-    graph's input count; ``gradients``, the inputs the backward returns a gradient for, in
-    its output order."""
+    ``direct``, the outputs the glue's autograd node returns (``aliases``: the others, views
+    it makes again from their bases); ``differentiable``, the positions in ``direct`` of the
+    outputs that get a gradient (the backward's inputs after the saved tensors, in this
+    order, each with the strides in ``tangent_strides``); ``inputs``, the graph's input
+    count; ``gradients``, the inputs the backward returns a gradient for, in its output
+    order."""
 
     def __init__(self, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, meta: dict):
         self.forward, self.backward, self.meta = forward, backward, meta
@@ -58,16 +62,16 @@ def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> S
             flat, tuple(example_inputs), trace_joint=True, dynamic_shapes=False)
     if any(x.mutates_data or x.mutates_metadata for x in meta.input_info):
         raise NotSplit("the graph updates an input in place")
-    # (an ``_unsafe_view`` of an intermediate, e.g. ``linear`` on a 3-d input, is a plain
-    # output to AOT autograd's wrappers as well)
-    plain = (OutputType.non_alias, OutputType.unsafe_view_alias)
-    if any(x.output_type not in plain for x in meta.output_info):
-        raise NotSplit("an output aliases an input or another output")
     if meta.num_intermediate_bases or meta.is_rng_op_functionalized or \
             any(type(m).__name__ == "SubclassCreationMeta" for m in meta.subclass_inp_meta):
         raise NotSplit("AOT autograd would wrap it (intermediate bases, random-number state or subclasses)")
     outputs = len(meta.output_info)
-    differentiable = [i for i, x in enumerate(meta.output_info) if x.requires_grad]
+    # (an ``_unsafe_view`` of an intermediate, e.g. ``linear`` on a 3-d input, is a plain
+    # output to AOT autograd's wrappers as well)
+    direct = [i for i, x in enumerate(meta.output_info)
+              if x.output_type in (OutputType.non_alias, OutputType.unsafe_view_alias)]
+    aliases = _aliases(joint, meta, direct)
+    differentiable = [k for k, i in enumerate(direct) if meta.output_info[i].requires_grad]
     tangents = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     if len(tangents) != len(differentiable):
         raise NotSplit(f"{len(tangents)} gradient inputs for {len(differentiable)} differentiable outputs")
@@ -81,9 +85,46 @@ def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> S
     if len(tangent_inputs) != len(differentiable):
         raise NotSplit("the backward's inputs are not the saved tensors and the gradients")
     return Split(forward, backward, {
-        "outputs": outputs, "differentiable": differentiable, "inputs": len(example_inputs),
+        "outputs": outputs, "direct": direct, "aliases": aliases,
+        "differentiable": differentiable, "inputs": len(example_inputs),
         "gradients": gradients, "passthrough": passthrough,
         "tangent_strides": [list(n.meta["example"].stride()) for n in tangent_inputs]})
+
+
+def _aliases(joint: torch.fx.GraphModule, meta, direct: list[int]) -> list[dict]:
+    """The outputs that are views of an input, or of another output that is not itself a
+    view (``x.t()``, ``hidden[:, 0]`` beside ``hidden``): the glue makes each again from its
+    base, as AOT autograd's wrappers do (``Tensor.as_strided`` with the traced layout; the
+    base's gradient flows through it), so that it aliases what eager's aliases. Each:
+    ``output``, ``input`` or ``of`` (the base's input or output position), ``size``,
+    ``stride``, ``offset`` (from the base's storage offset). Raises ``NotSplit`` for other
+    aliases (of an intermediate no output returns, of a view made without grad mode)."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+    inputs = [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"
+              and not n.name.startswith("tangents")]
+    values = [v.meta.get("val") if isinstance(v, torch.fx.Node) else None
+              for v in _output(joint).args[0][:len(meta.output_info)]]
+    out = []
+    for i, info in enumerate(meta.output_info):
+        if i in direct:
+            continue
+        if info.output_type == OutputType.alias_of_input:
+            base, where = inputs[info.base_idx], {"input": info.base_idx}
+        elif info.output_type == OutputType.alias_of_intermediate_base_is_user_output \
+                and info.base_idx in direct:
+            base, where = values[info.base_idx], {"of": info.base_idx}
+        else:
+            raise NotSplit("an output aliases an intermediate value or another aliased output, "
+                           "or is an input")
+        if info.requires_grad != info.requires_grad_for_backward:
+            raise NotSplit("an output is a view made without grad mode")
+        alias = values[i]
+        if not isinstance(alias, torch.Tensor) or not isinstance(base, torch.Tensor):
+            raise NotSplit("an aliased output is not a tensor")
+        out.append({"output": i, **where, "size": list(alias.shape), "stride": list(alias.stride()),
+                    "offset": alias.storage_offset() - base.storage_offset(),
+                    "requires_grad": info.requires_grad})
+    return out
 
 
 def _without_returned_inputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:

@@ -1,8 +1,9 @@
 """A forward graph's compiled forward and backward (``_torch_joint.split``, each compiled
 like a flattened graph) joined as one autograd node: the forward's outputs are the graph's
 results, the tensors it saves are kept for the backward, whose gradients go to the inputs
-that require grad. What AOT autograd's run-time wrappers do besides (input updates, aliased
-outputs, symbolic sizes, subclasses) is refused by the split, so this is all that is left:
+that require grad, and outputs that are views of an input or of another output are made again
+from their bases. What AOT autograd's run-time wrappers do besides (input updates, views of
+intermediates, symbolic sizes, subclasses) is refused by the split, so this is all that is left:
 on a small model those wrappers cost more than the compiled code saves (docs/tiering.md).
 """
 from __future__ import annotations
@@ -27,8 +28,12 @@ class Glued:
                  replay: Callable | None = None):
         self.forward, self.backward, self.replay = forward, backward, replay
         self.outputs = meta["outputs"]
+        # The outputs the autograd node returns (the others are views, made again from their
+        # bases in ``__call__``: ``_torch_joint._aliases``); ``differentiable`` indexes these.
+        self.direct = list(meta.get("direct", range(self.outputs)))
+        self.aliases = [dict(a) for a in meta.get("aliases", ())]
         self.differentiable = list(meta["differentiable"])
-        self.not_differentiable = [i for i in range(self.outputs) if i not in set(self.differentiable)]
+        self.not_differentiable = [i for i in range(len(self.direct)) if i not in set(self.differentiable)]
         self.inputs = meta["inputs"]
         self.gradients = list(meta["gradients"])
         self.strides = [tuple(s) for s in meta["tangent_strides"]]
@@ -53,7 +58,8 @@ class Glued:
         with torch.enable_grad():
             every = self.replay(*ctx.given)
             every = list(every) if isinstance(every, (list, tuple)) else [every]
-            outputs = [v for i, v in enumerate(every) if i not in dropped]
+            traced = [v for i, v in enumerate(every) if i not in dropped]
+            outputs = [traced[i] for i in self.direct]
             wanted = [ctx.given[i] for i in self.gradients]
             got = torch.autograd.grad([outputs[i] for i in self.differentiable], wanted,
                                       [grads[i] for i in self.differentiable],
@@ -66,9 +72,15 @@ class Glued:
             args = list(args)
             for i in self.converted:
                 args[i] = as_tensor_input(args[i])
-        out = list(_Node.apply(self, given, *args))
-        for output, given in self.passthrough:  # (in output order)
-            out.insert(output, args[given])
+        out = [None] * self.outputs
+        for i, value in zip(self.direct, _Node.apply(self, given, *args)):
+            out[i] = value
+        for alias in self.aliases:  # (views of inputs, or of outputs made above)
+            base = args[alias["input"]] if "input" in alias else out[alias["of"]]
+            out[alias["output"]] = base.as_strided(alias["size"], alias["stride"],
+                                                   base.storage_offset() + alias["offset"])
+        for output, position in self.passthrough:  # (in output order)
+            out.insert(output, args[position])
         return out
 
     def tangents(self, grads: tuple) -> list:
@@ -87,7 +99,7 @@ class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, glued: Glued, given: tuple, *args):
         results = glued.forward(*args)
-        outputs = results[:glued.outputs]
+        outputs = [results[i] for i in glued.direct]
         ctx.glued = glued
         ctx.save_for_backward(*results[glued.outputs:])
         ctx.mark_non_differentiable(*[outputs[i] for i in glued.not_differentiable])
