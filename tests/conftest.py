@@ -54,6 +54,16 @@ def recursion_limit():
 
 
 @pytest.fixture
+def cache_dir(tmp_path):
+    """The compile cache in ``tmp_path / "cache"`` for every thread (``config.patch`` is per
+    thread, and the background thread reads and writes the cache)."""
+    before = specularch.config.compile_cache_dir
+    specularch.config.compile_cache_dir = str(tmp_path / "cache")
+    yield tmp_path / "cache"
+    specularch.config.compile_cache_dir = before
+
+
+@pytest.fixture
 def hot_at_once(monkeypatch, tmp_path):
     """Graphs hot after 3 calls; ``candidates`` as given; job folders under ``tmp_path``."""
     from specularch import tiering

@@ -49,7 +49,7 @@ def _train_both(batches, rounds):
     return opt
 
 
-def test_a_short_last_batch_compiles_for_the_full_batch_in_the_worker(hot_at_once, monkeypatch, tmp_path):
+def test_a_short_last_batch_compiles_for_the_full_batch_in_the_worker(hot_at_once, monkeypatch, cache_dir):
     """Run twice on one compile cache: the second run loads the form compiled for batches
     of 4 (its key names the sizes) without a worker."""
     hot_at_once("torchscript")
@@ -57,22 +57,17 @@ def test_a_short_last_batch_compiles_for_the_full_batch_in_the_worker(hot_at_onc
     torch.manual_seed(1)
     batches = [(torch.randn(n, 8), torch.randn(n, 2)) for n in (4, 4, 4, 2)]
     wheres = []
-    before = specularch.config.compile_cache_dir  # (for every thread: not config.patch)
-    specularch.config.compile_cache_dir = str(tmp_path / "cache")
-    try:
-        for _ in range(2):
-            specularch.reset()
-            opt = _train_both(batches, 20)
-            graph = specularch.explain(opt).graphs[-1]
-            (event,) = graph.tier.events
-            assert (event.decision, graph.backend) == ("kept", "torchscript"), event
-            wheres.append(event.compiled_in)
-            assert graph.sizes.startswith(
-                "compiled for the sizes of most calls where "
-                "L['input'].size()[0] == 4 and L['input'].is_contiguous();"), graph.sizes
-            assert not graph.sizes.endswith(" 0 call(s) outside ran fx")  # (the short batches did)
-    finally:
-        specularch.config.compile_cache_dir = before
+    for _ in range(2):
+        specularch.reset()
+        opt = _train_both(batches, 20)
+        graph = specularch.explain(opt).graphs[-1]
+        (event,) = graph.tier.events
+        assert (event.decision, graph.backend) == ("kept", "torchscript"), event
+        wheres.append(event.compiled_in)
+        assert graph.sizes.startswith(
+            "compiled for the sizes of most calls where "
+            "L['input'].size()[0] == 4 and L['input'].is_contiguous();"), graph.sizes
+        assert not graph.sizes.endswith(" 0 call(s) outside ran fx")  # (the short batches did)
     note = "; compiled for the sizes of most calls, others run fx (explain's sizes line)"
     assert wheres == ["worker process" + note, "from the compile cache" + note], wheres
 

@@ -147,13 +147,35 @@ def test_graphs_aot_autograd_must_wrap_are_refused(fn, shapes, why):
         joint.split(torch.fx.symbolic_trace(fn), inputs, min_cut=False)
 
 
-def _train_both(make_model, batches, rounds, rtol):
+def _twins(make_model):
+    """``make_model()`` and an eager twin with its state, the model optimized, an Adam for
+    each (the twin's first)."""
     torch.manual_seed(0)
-    model = make_model()
-    twin = make_model()
+    model, twin = make_model(), make_model()
     twin.load_state_dict(model.state_dict())
     opt = specularch.optimize(model)
-    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    return model, twin, opt, [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+
+
+def _step_both(model, twin, opt, adams, steps, loss):
+    """``steps`` Adam steps of the eager ``twin`` and of ``opt`` on ``loss(net, step)``, every
+    parameter compared after each; the graph's one candidate (TorchScript) kept, compiled
+    in the worker process."""
+    for step in range(steps):
+        for net, adam in ((twin, adams[0]), (opt, adams[1])):
+            adam.zero_grad()
+            loss(net, step).backward()
+            adam.step()
+        for p, q in zip(twin.parameters(), model.parameters()):
+            assert_same(p, q, rtol=1e-4, atol=1e-6)
+        tiering.wait(timeout=120)
+    graph = specularch.explain(opt).graphs[-1]
+    (event,) = graph.tier.events
+    assert (event.decision, event.compiled_in, graph.backend) == ("kept", "worker process", "torchscript"), event
+
+
+def _train_both(make_model, batches, rounds, rtol):
+    model, twin, opt, adams = _twins(make_model)
     for _ in range(rounds):
         for x, y in batches:
             for m, call, adam in ((twin, twin, adams[0]), (model, opt, adams[1])):
@@ -206,7 +228,7 @@ def test_batch_norm_forward_graph_compiles_in_the_worker_process(hot_at_once, mo
     assert opt.norm.num_batches_tracked.item() == 60  # (every buffer compared with eager's)
 
 
-def test_a_second_run_loads_both_parts_from_the_compile_cache(hot_at_once, monkeypatch, tmp_path):
+def test_a_second_run_loads_both_parts_from_the_compile_cache(hot_at_once, monkeypatch, cache_dir):
     """The worker saves the forward and the backward under the graph's key (``.forward``,
     ``.backward``; the glue in the forward's metadata): a second run (specularch reset, same
     cache) loads them without a worker, and trains as eager does."""
@@ -215,19 +237,14 @@ def test_a_second_run_loads_both_parts_from_the_compile_cache(hot_at_once, monke
     torch.manual_seed(1)
     batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(3)]
     wheres = []
-    before = specularch.config.compile_cache_dir  # (for every thread: not config.patch)
-    specularch.config.compile_cache_dir = str(tmp_path / "cache")
-    try:
-        for _ in range(2):
-            specularch.reset()
-            opt = _train_both(_small_mlp, batches, 20, rtol=1e-4)
-            (event,) = specularch.explain(opt).graphs[-1].tier.events
-            assert event.decision == "kept", event
-            wheres.append(event.compiled_in)
-    finally:
-        specularch.config.compile_cache_dir = before
+    for _ in range(2):
+        specularch.reset()
+        opt = _train_both(_small_mlp, batches, 20, rtol=1e-4)
+        (event,) = specularch.explain(opt).graphs[-1].tier.events
+        assert event.decision == "kept", event
+        wheres.append(event.compiled_in)
     assert wheres == ["worker process", "from the compile cache"]
-    saved = sorted(p.name.split(".", 1)[1] for p in (tmp_path / "cache" / "torchscript").iterdir())
+    saved = sorted(p.name.split(".", 1)[1] for p in (cache_dir / "torchscript").iterdir())
     assert saved == ["backward.pt", "forward.pt"], saved
 
 
@@ -309,25 +326,11 @@ def test_a_number_input_is_a_tensor_to_the_split_and_compiles_in_the_worker(hot_
     penalty (the replay, on the call's number) matches eager's."""
     hot_at_once("torchscript")
     monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
-    torch.manual_seed(0)
-    model, twin = _Tempered(), _Tempered()
-    twin.load_state_dict(model.state_dict())
-    opt = specularch.optimize(model)
-    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    model, twin, opt, adams = _twins(_Tempered)
     torch.manual_seed(1)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
-    for step in range(40):
-        temperature = 1.0 + 0.25 * (step % 5)
-        for call, adam in ((twin, adams[0]), (opt, adams[1])):
-            adam.zero_grad()
-            F.mse_loss(call(x, temperature), y).backward()
-            adam.step()
-        for p, q in zip(twin.parameters(), model.parameters()):
-            assert_same(p, q, rtol=1e-4, atol=1e-6)
-        tiering.wait(timeout=120)
-    graph = specularch.explain(opt).graphs[-1]
-    (event,) = graph.tier.events
-    assert (event.decision, event.compiled_in, graph.backend) == ("kept", "worker process", "torchscript"), event
+    _step_both(model, twin, opt, adams, 40,
+               lambda net, step: F.mse_loss(net(x, 1.0 + 0.25 * (step % 5)), y))
     for net in (twin, opt):
         net.zero_grad()
         x_ = x.clone().requires_grad_()
@@ -404,23 +407,12 @@ class _Pooled(nn.Module):
 def test_a_forward_returning_a_view_of_another_output_compiles_in_the_worker(hot_at_once, monkeypatch):
     hot_at_once("torchscript")
     monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
-    torch.manual_seed(0)
-    model, twin = _Pooled(), _Pooled()
-    twin.load_state_dict(model.state_dict())
-    opt = specularch.optimize(model)
-    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    model, twin, opt, adams = _twins(_Pooled)
     torch.manual_seed(1)
     x = torch.randn(4, 8)
-    for _ in range(30):
-        for call, adam in ((twin, adams[0]), (opt, adams[1])):
-            adam.zero_grad()
-            hidden, pooled = call(x)
-            assert pooled.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
-            (hidden.pow(2).mean() + pooled.sum()).backward()
-            adam.step()
-        for p, q in zip(twin.parameters(), model.parameters()):
-            assert_same(p, q, rtol=1e-4, atol=1e-6)
-        tiering.wait(timeout=120)
-    graph = specularch.explain(opt).graphs[-1]
-    (event,) = graph.tier.events
-    assert (event.decision, event.compiled_in, graph.backend) == ("kept", "worker process", "torchscript"), event
+
+    def loss(net, step):
+        hidden, pooled = net(x)
+        assert pooled.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+        return hidden.pow(2).mean() + pooled.sum()
+    _step_both(model, twin, opt, adams, 30, loss)

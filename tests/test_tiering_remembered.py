@@ -18,16 +18,6 @@ pytestmark = pytest.mark.usefixtures("low_thresholds")
 
 
 @pytest.fixture
-def cache_dir(tmp_path):
-    """The compile cache in ``tmp_path`` for every thread (``config.patch`` is per thread,
-    and the decisions are read and written on the background thread)."""
-    before = specularch.config.compile_cache_dir
-    specularch.config.compile_cache_dir = str(tmp_path)
-    yield tmp_path
-    specularch.config.compile_cache_dir = before
-
-
-@pytest.fixture
 def slow_backend(test_backend, candidates):  # noqa: F811
     """A candidate far slower than fx (rejected), counting its compiles."""
     compiles = []

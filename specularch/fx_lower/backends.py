@@ -294,19 +294,10 @@ def _compiled_by(name: str, gm, example_inputs, without_autograd: Callable, with
         compiled = with_number_inputs(gm, example_inputs, with_autograd)
     else:
         compiled = with_autograd(gm, example_inputs)
-    return compiled if why is None else _noted(compiled, f"AOT autograd's form, not split: {why}")
-
-
-def _noted(fn: Callable, note: str) -> Callable:
-    """``fn`` with ``note`` (``explain()`` shows a compiled graph's ``note``)."""
-    try:
-        fn.note = note
-        return fn
-    except (AttributeError, TypeError):  # an object that takes no attributes: wrap it
-        def noted(*args):
-            return fn(*args)
-        noted.note = note
-        return noted
+    if why is None:
+        return compiled
+    from .compile_cache import with_attributes  # (explain() shows a compiled graph's note)
+    return with_attributes(compiled, note=f"AOT autograd's form, not split: {why}")
 
 
 def _torchscript(gm, example_inputs):

@@ -300,14 +300,22 @@ def write_atomically(path: str, data: bytes) -> None:
 
 def mark_cached(fn: Callable) -> Callable:
     """Tag a compiled graph loaded from the cache (``explain()`` shows ``(cached)``)."""
+    return with_attributes(fn, from_compile_cache=True)
+
+
+def with_attributes(fn: Callable, **values) -> Callable:
+    """``fn`` with these attributes set, or a wrapper of it carrying them (an object that
+    takes no attributes)."""
     try:
-        fn.from_compile_cache = True
+        for name, value in values.items():
+            setattr(fn, name, value)
         return fn
-    except (AttributeError, TypeError):  # an object that takes no attributes: wrap it
-        def cached(*args):
+    except (AttributeError, TypeError):
+        def wrapped(*args):
             return fn(*args)
-        cached.from_compile_cache = True
-        return cached
+        for name, value in values.items():
+            setattr(wrapped, name, value)
+        return wrapped
 
 
 def from_cache(fn: Callable | None) -> bool:
