@@ -8,15 +8,16 @@ eager's kernels it settles, but for a compiled forward and backward (``fx_lower/
 it did not, and every call mapped its memory anew. Measured on LeNet's forward and backward
 (batch 50, 1 thread): TorchScript's parts 549-587 page faults per call each, 3.5 / 3.3 ms
 against eager's 2.3 / 2.0 ms and no fault; with the thresholds fixed at the top of glibc's
-own range, no fault and 2.5 / 2.2 ms, and the tiered forward ended on Inductor at 1.13x
-eager where it had measured 0.58x pinned (docs/tiering.md).
+own range, no fault and 2.5 / 2.2 ms, and pinned Inductor's forward went from 0.83-0.86x to
+1.05-1.10x eager (docs/tiering.md).
 
-``tune`` sets them once per process (the tiered mode before a graph's first compiled
-candidate is timed, ``tiering/trial.py``; a pinned compiling backend when its first graph is
-compiled, ``dispatch/misses.py``; option ``tune_malloc``) (``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64
-MiB: at most 64 MiB of freed memory stays with the process instead of going back to the
-system), unless the program chose itself: glibc's ``MALLOC_*_`` variables set, or another
-allocator preloaded (jemalloc, tcmalloc, mimalloc), or not glibc at all.
+``tune`` sets them (``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64 MiB: at most 64 MiB
+of freed memory stays with the process instead of going back to the system) once per
+process: in the tiered mode before a graph's first compiled candidate is timed
+(``tiering/trial.py``), for a pinned compiling backend when its first graph is compiled
+(``dispatch/misses.py``); option ``tune_malloc``. Not where the program chose itself:
+glibc's ``MALLOC_*_`` variables set, another allocator preloaded (jemalloc, tcmalloc,
+mimalloc), or not glibc at all.
 """
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def _views_of_intermediate(w, x):
 
 def _views(w, x):
     h = torch.tanh(x @ w)
-    return (h, h[:, 1:], w.t(), x.t())  # (views of an output, of an input with and without grad)
+    return (h, h[:, 1:], w.t(), x.t(), w.detach())  # (views of an output, of inputs)
 
 
 @pytest.mark.parametrize("min_cut", [False, True])
@@ -130,8 +130,8 @@ def test_outputs_that_are_views_alias_what_eager_s_alias_and_match_its_gradients
              min_cut)
     got = _glued(_views, inputs, min_cut)(*inputs)
     same = [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            for a, b in ((got[1], got[0]), (got[2], inputs[0]), (got[3], inputs[1]))]
-    assert same == [True, True, True]
+            for a, b in ((got[1], got[0]), (got[2], inputs[0]), (got[3], inputs[1]), (got[4], inputs[0]))]
+    assert same == [True] * 4 and [t.requires_grad for t in got] == [True, True, True, False, False]
     assert got[1].data_ptr() == got[0].data_ptr() + got[0].element_size()  # (h[:, 1:])
     got[0].detach().mul_(0)  # (eager's aliasing: the view sees a write to its base)
     assert not got[1].any()

@@ -20,7 +20,7 @@ from . import _torch_shapes
 
 def dynamic_inputs(gm: torch.fx.GraphModule) -> dict[int, list[int]]:
     """``{graph input position: its dynamic dimensions}`` (capture's ``meta["dynamic_inputs"]``,
-    pairs: it travels to the tiering worker as plain values). None where ``meta["fixed_sizes"]``
+    pairs: it travels to the tiering worker as plain values). Empty where ``meta["fixed_sizes"]``
     says the graph is compiled for the sizes of its example inputs (a tiering worker's job,
     ``tiering/hot_sizes.py``)."""
     if gm.meta.get("fixed_sizes"):

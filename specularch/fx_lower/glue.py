@@ -77,6 +77,8 @@ class Glued:
             out[i] = value
         for alias in self.aliases:  # (views of inputs, or of outputs made above)
             base = args[alias["input"]] if "input" in alias else out[alias["of"]]
+            if not alias["requires_grad"]:  # (e.g. ``w.detach()``: a view without history)
+                base = base.detach()
             out[alias["output"]] = base.as_strided(alias["size"], alias["stride"],
                                                    base.storage_offset() + alias["offset"])
         for output, position in self.passthrough:  # (in output order)

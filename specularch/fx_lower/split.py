@@ -107,7 +107,8 @@ def compile_here(backend: str, gm: torch.fx.GraphModule, examples: list,
     ``without_autograd`` (the backend's flattened compile), glued, and None; or None where
     ``refusal`` refuses it (rolled loops, dynamic sizes, numbers compiled per value), and
     also why where the split itself did (AOT autograd's own wrappers then, and ``explain()``
-    says why: an input updated in place, an aliased output, which the program could change)."""
+    says why: an input updated in place, views of an intermediate no output returns, which
+    the program could change)."""
     from ._torch_joint import NotSplit
     from .glue import Glued
     if refusal(gm) is not None:

@@ -13,9 +13,9 @@ each a few milliseconds to load. Both are kept
 in the persistent compile cache, so a second run loads them without a worker. Graphs compiled
 as one flattened ATen graph travel, and forward graphs whose results need autograd as two
 (``fx_lower/split.py``: forward and backward, glued in the program); the others (``route``:
-rolled loops, forward graphs with number inputs or with dynamic sizes but no size most of
-their calls have (``hot_sizes.py``), which go through AOT autograd's own wrappers) are
-compiled on the thread as before.
+rolled loops, forward graphs with numbers compiled per value or with dynamic sizes but no
+size most of their calls have (``hot_sizes.py``), which go through AOT autograd's own
+wrappers) are compiled on the thread as before.
 
 A worker that crashes, runs past ``TIMEOUT`` or writes an artefact that
 cannot be loaded raises ``WorkerFailed``: the candidate is "compile failed", the graph stays
