@@ -273,9 +273,10 @@ def _backend_compile(state: CodeState, gm, backend_name: str | None, note: str):
     examples = example_inputs(gm)
     try:
         compiled = backend.compile(gm, examples)
-        if backend.name not in ("fx", "auto", "eager") and config.tune_malloc:
+        compiling = backend.name not in ("fx", "auto")
+        if compiling and config.tune_malloc:
             _glibc_malloc.tune_logged(f"before the first graph compiled by {backend.name!r} runs")
-        if backend.name not in ("fx", "auto") and graph_uses_randomness(gm):
+        if compiling and graph_uses_randomness(gm):
             from ..tiering.same_draws import FirstCallsChecked
             compiled = FirstCallsChecked(compiled, get_backend("fx").compile(gm, examples),
                                          backend.name)

@@ -23,20 +23,21 @@ PATH = "split"  # compile_cache.entry_key's path for these
 PARTS = ("forward", "backward")
 
 
-def refusal(gm: torch.fx.GraphModule, fixed_sizes: bool = False) -> str | None:
+def refusal(gm: torch.fx.GraphModule, fixed_sizes: bool = False, counted: str = "") -> str | None:
     """None when ``gm`` is a graph this compiles (a forward graph whose results need
     autograd, its inputs tensors of fixed sizes and numbers that only feed arithmetic),
     else why not. ``_torch_joint.split`` may
     still refuse it (``NotSplit``: from the worker, the candidate then compiles through AOT
     autograd on the background thread, ``tiering/process.NotSplit``). ``fixed_sizes``: a
     graph with dynamic sizes, to be compiled for fixed ones (``tiering/hot_sizes.py``: the
-    examples it is split with have them), is not refused for them."""
+    examples it is split with have them), is not refused for them; ``counted``: what the
+    sizes of its calls were, said with that refusal (``tiering/hot_sizes.SizeCount.summary``)."""
     if not gm.meta.get("outputs_require_grad"):
         return "its results need no autograd"
     if gm.meta.get("scalar_inputs") and specialised_numbers(gm):
         return "it is compiled once per value of a number input, in this process"
     if not fixed_sizes and (gm.meta.get("dynamic_dims") or gm.meta.get("dynamic_inputs")):
-        return "it has dynamic sizes"
+        return f"it has dynamic sizes: {counted}" if counted else "it has dynamic sizes"
     if gm.meta.get("rolled_loops"):
         return "it has rolled loops"
     return None

@@ -114,8 +114,8 @@ def _dims(dynamic: dict[int, list[int]]) -> list[tuple[int, int]]:
 
 
 def _shapes(gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> dict[int, list[int]]:
-    inputs = example_inputs(gm)
-    shapes = {i: list(inputs[i].shape) for i in dynamic_inputs(gm)}
-    for (i, d), n in zip(_dims(dynamic_inputs(gm)), sizes):
+    inputs, dynamic = example_inputs(gm), dynamic_inputs(gm)
+    shapes = {i: list(inputs[i].shape) for i in dynamic}
+    for (i, d), n in zip(_dims(dynamic), sizes):
         shapes[i][d] = n
     return shapes

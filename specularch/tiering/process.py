@@ -74,16 +74,18 @@ class NotSplit(WorkerFailed):
     an input in place, or returns an alias): it compiles through AOT autograd on the thread."""
 
 
-def route(backend: str, gm: torch.fx.GraphModule, fixed_sizes: bool = False) -> str | None:
+def route(backend: str, gm: torch.fx.GraphModule, fixed_sizes: bool = False,
+          counted: str = "") -> str | None:
     """None when ``backend``'s compile of ``gm`` can run in a worker process, else why not.
     ``fixed_sizes``: a forward graph with dynamic sizes, compiled for fixed ones
-    (``hot_sizes.py``)."""
+    (``hot_sizes.py``); ``counted``: what its calls' sizes were where none were most calls'
+    (``split.refusal``)."""
     if backend not in BACKENDS:
         return f"{backend} compiles in this process"
     if gm.meta.get("rolled_loops"):
         return "its rolled loops' bodies are compiled in this process"
     if _split(gm):
-        why = split.refusal(gm, fixed_sizes)
+        why = split.refusal(gm, fixed_sizes, counted)
         if why is not None:
             return f"its AOT-autograd form cannot be sent ({why})"
         return jobs.unsendable(gm)  # (sent to be split: its forward and backward come back)

@@ -79,11 +79,10 @@ class Tier:
         # A forward graph with dynamic sizes: the sizes of its calls, counted until it is hot;
         # then those of most calls, if any, which its candidates are compiled for (hot_sizes.py)
         dynamic = hot_sizes.counted(gm)
-        self.sizes: SizeCount | tuple[int, ...] | None = None
-        self.no_common_size = ""  # what the count found where no sizes were most calls'
-        if dynamic:
-            self.sizes = SizeCount(self.reference, dynamic)
-            self.fn = build(self.sizes)[0]
+        self.size_count = SizeCount(self.reference, dynamic) if dynamic else None
+        self.sizes: tuple[int, ...] | None = None  # (set when the graph is hot)
+        if self.size_count is not None:
+            self.fn = build(self.size_count)[0]
         entry.fn = self
 
     def __call__(self, L, C, G, B):
@@ -114,10 +113,8 @@ class Tier:
     def _submit(self) -> None:
         self.submitted = True
         self.history.submitted_at = time.perf_counter()
-        if isinstance(self.sizes, SizeCount):  # counted enough: fx's own entry again
-            count, self.sizes = self.sizes, self.sizes.dominant()
-            if self.sizes is None:
-                self.no_common_size = count.summary()
+        if self.size_count is not None:  # counted enough: fx's own entry again
+            self.sizes = self.size_count.dominant()
             self.fn = self.build(self.reference)[0]
         with self.lock:
             for name, refusal in policy.candidates(self.gm):
@@ -144,11 +141,11 @@ class Tier:
                 self._next_trial()
             return
         examples = example_inputs(self.gm)
-        sizes = self.sizes if process.ENABLED else None  # (a tuple: hot_sizes.py)
-        why_not = process.route(name, self.gm, sizes is not None) if process.ENABLED else \
+        sizes = self.sizes if process.ENABLED else None  # (hot_sizes.py)
+        # (counted, no sizes most calls': what was counted, in the refusal)
+        counted = self.size_count.summary() if self.size_count is not None and sizes is None else ""
+        why_not = process.route(name, self.gm, sizes is not None, counted) if process.ENABLED else \
             "process.ENABLED is off"
-        if why_not is not None and self.no_common_size and why_not.endswith("(it has dynamic sizes)"):
-            why_not = f"{why_not[:-1]}: {self.no_common_size})"
         where = "worker process" if why_not is None else f"thread: {why_not}"
         try:
             graph_fn = None
