@@ -255,3 +255,49 @@ def test_the_fork_happens_with_torchs_seeding_lock_held(monkeypatch):
     assert held == [True]
     assert not torch.cuda._initialization_lock.locked()  # released after the fork
     torch.manual_seed(0)
+
+
+def test_a_program_holding_more_than_max_memory_gets_a_new_interpreter(no_other_threads, monkeypatch):
+    """A fork stalls the program ~25 ms per GiB and the child keeps a copy of each page the
+    program writes afterwards: above ``fork.MAX_MEMORY`` the worker is a new interpreter."""
+    held = fork.program_memory()
+    assert held is not None and 50 * 2**20 < held < 64 * 2**30  # torch is imported: not nothing
+    monkeypatch.setattr(fork, "MAX_MEMORY", held // 2)
+    why = fork.refusal()
+    assert why.startswith(f"the program holds {held / 2**30:.1f} GiB (fork.MAX_MEMORY"), why
+    assert "ms and keep a copy of each page it writes" in why
+    process.shut_down()
+    try:
+        started = process._worker()
+        assert started.started == f"new interpreter ({why})"
+        assert not isinstance(started.child, fork.Forked)
+    finally:
+        process.shut_down()
+
+
+def _until(condition, seconds=10.0):
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_worker_without_a_job_for_idle_seconds_is_stopped(no_other_threads, monkeypatch, candidates,
+                                                            counted_workers):
+    """An idle forked worker holds a copy of each page the program wrote since the fork (and an
+    idle interpreter its compilers): stopped after ``IDLE_SECONDS`` without a job, and the next
+    graph's candidates start another."""
+    from specularch.tiering import worker
+    monkeypatch.setattr(worker, "IDLE_POLL", 0.05)
+    monkeypatch.setattr(process, "IDLE_SECONDS", 60.0)
+    candidates("torchscript")
+    _models_stepped([_mlp], (8, 16), 4)
+    (first,) = counted_workers
+    time.sleep(0.5)  # polled ~10 times, far from IDLE_SECONDS
+    assert process._current is first and first.child.poll() is None
+    monkeypatch.setattr(process, "IDLE_SECONDS", 0.3)
+    assert _until(lambda: process._current is None and first.child.poll() is not None)
+    assert not process._prestarted  # (the next graph's prestart starts one)
+    _models_stepped([_mlp], (8, 16), 4)  # a new graph's candidates: a new worker
+    assert len(counted_workers) == 2 and counted_workers[1] is not first
+    assert _until(lambda: process._current is None)

@@ -5,11 +5,12 @@ the program loads (``process.py``) and ``FOLDER/result.json`` (``{"meta": ...}``
 ``{"error": ...}``), then answers the job's status (0: compiled) as a line on its standard
 output. What a job prints goes to ``FOLDER/log.txt``. It leaves when its input closes.
 
-Kept warm between jobs so that a candidate does not pay for starting Python and importing
-torch (2-3 s of CPU, far more at a low priority on a busy machine): the program starts it
-before its first graph is hot (``process.prestart``; where it is safe, as a fork of the
-program, ``fork.py``, with torch already imported), and while no job is waiting it imports
-what the compilers import on first use (``PRELOAD``), one module at a time.
+Kept warm between jobs (stopped after ``process.IDLE_SECONDS`` without one) so that a
+candidate does not pay for starting Python and importing torch (2-3 s of CPU, far more at a
+low priority on a busy machine): the program starts it before its first graph is hot
+(``process.prestart``; where it is safe, as a fork of the program, ``fork.py``, with torch
+already imported), and while no job is waiting it imports what the compilers import on first
+use (``PRELOAD``), one module at a time.
 
 It compiles (the compilers trace with fake tensors) and runs nothing of the program's but
 an AOTInductor package once, on zero-filled inputs of the graph's layout, to find one that

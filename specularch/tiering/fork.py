@@ -14,7 +14,11 @@ thread and ours parked where it holds nothing (waiting on a ``Condition``, ``Eve
 sockets, which the child would keep open). OpenMP's pool does not survive a fork either:
 the child computes on one thread, and a job that would open wider OpenMP regions (an
 Inductor package's test run for a program on several threads) goes to a new interpreter
-(``process.forkable``). Otherwise, or with
+(``process.forkable``). Nor where the program holds more than ``MAX_MEMORY`` of its own
+memory: the fork copies its page tables with the GIL held (measured ~25 ms per GiB, the whole
+program stalled), and the child keeps the pages of that moment: each page the program writes
+afterwards is copied (a page fault in the program, and the child's copy stays until it exits:
+a worker forked from a 4 GiB training process would hold up to 4 GiB more). Otherwise, or with
 ``process.FORK = False``, the worker is started as a new interpreter, as before. The main
 thread may be inside a torch op at that moment; its locks are its own (the allocator's are
 fork-safe: glibc takes them across ``fork``; so is the one of torch's Python locks it takes
@@ -38,6 +42,9 @@ from ..fx_lower import _torch_compilers as compilers
 from . import worker
 from ._torch_fork import torch_locks_held
 
+MAX_MEMORY = 1 << 30  # bytes of the program's own (anonymous) memory above which it is not forked
+STALL_PER_GIB = 0.025  # seconds a fork stalls the program per GiB of it (measured, for the message)
+
 
 def refusal() -> str | None:
     """None when the worker may be forked from the calling thread now, else why not."""
@@ -47,10 +54,27 @@ def refusal() -> str | None:
         return "CUDA is initialised (a forked child cannot use it)"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "torch.distributed is initialised (its threads and sockets)"
+    held = program_memory()
+    if held is not None and held > MAX_MEMORY:
+        gib = held / 2**30
+        return (f"the program holds {gib:.1f} GiB (fork.MAX_MEMORY {MAX_MEMORY / 2**30:g} GiB): "
+                f"a fork would stall it ~{gib * STALL_PER_GIB * 1e3:.0f} ms and keep a copy of "
+                "each page it writes while the worker lives")
     busy = _busy_threads()
     if busy:
         return f"other threads run ({', '.join(sorted(busy)[:3])})"
     return None
+
+
+def program_memory() -> int | None:
+    """Bytes of this process's resident memory that are its own (not file-backed): what a fork
+    copies page tables for and may copy page by page. None where ``/proc`` cannot say."""
+    try:
+        with open("/proc/self/statm") as f:
+            _, resident, shared = (int(v) for v in f.read().split()[:3])
+    except (OSError, ValueError):
+        return None
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _parked_code() -> frozenset:

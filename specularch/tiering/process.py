@@ -21,7 +21,10 @@ A worker that crashes, runs past ``TIMEOUT`` or writes an artefact that
 cannot be loaded raises ``WorkerFailed``: the candidate is "compile failed", the graph stays
 on its tier; a worker that crashed, hung or failed a compile is replaced by a fresh one for
 the next job. The worker is killed at exit (and leaves by itself when its input closes);
-each job's folder is removed.
+each job's folder is removed. A worker that had no job for ``IDLE_SECONDS`` is stopped (the
+next job, or the next graph's ``prestart``, starts another): an idle interpreter with the
+compilers imported holds hundreds of MB, and a forked one a copy of each page the program
+wrote since the fork.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from tempfile import TemporaryFile
 from typing import Callable
 
@@ -42,6 +46,7 @@ import torch
 from ..fx_lower import _torch_aoti as aoti, _torch_compilers as compilers, compile_cache, split
 from ..fx_lower.backends import autograd_forward, specialised_numbers
 from ..fx_lower.passes import example_inputs
+from .. import log
 from . import fork
 from . import job as jobs
 from . import worker  # (imported first: its exit handler must run after ours, atexit is LIFO)
@@ -54,6 +59,7 @@ TIMEOUT = 600.0  # seconds a worker may compile one candidate before it is kille
 NICENESS = 10    # the worker's, so that the program keeps its core first (docs/tiering.md)
 PRESTART = True  # start the worker before the first graph is hot (``prestart``)
 FORK = True      # fork the worker from the program where that is safe (``fork.py``)
+IDLE_SECONDS = 30.0  # a worker without a job this long is stopped (``_stop_if_idle``)
 BACKENDS = ("torchscript", "inductor")
 # Variables a worker must not inherit: Inductor's address in this process, the global switch.
 PRIVATE_ENV = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "SPECULARCH")
@@ -223,6 +229,8 @@ class _Worker:
             self.started = f"new interpreter ({why_not})"
         with _children_lock:
             _children.add(self.child)
+        self.last_used = time.monotonic()
+        worker.when_idle(_stop_if_idle)
 
     def run(self, folder: str, timeout: float) -> int:
         """The job's status; raises ``WorkerFailed`` when the child died or ran past
@@ -241,6 +249,7 @@ class _Worker:
             why = f"exited with status {self.child.wait()}: {_last_line(folder) or self._last_line()}"
             self.close()
             raise WorkerFailed(f"the worker process {why}")
+        self.last_used = time.monotonic()
         return int(answer)
 
     def close(self) -> None:
@@ -278,6 +287,24 @@ def _worker(may_fork: bool = True) -> _Worker:
         if _current is None:
             _current = _Worker(command, may_fork)
         return _current
+
+
+def _stop_if_idle() -> bool:
+    """(An idle hook of the background thread, ``worker.when_idle``.) Stop the worker if it
+    had no job for ``IDLE_SECONDS``; True while there is one to watch."""
+    global _current, _prestarted
+    with _worker_lock:
+        current = _current
+        if current is None:
+            return False
+        idle = time.monotonic() - current.last_used
+        if idle < IDLE_SECONDS:
+            return True
+        _current, _prestarted = None, False  # (the next graph's prestart starts another)
+    current.close()
+    log.emit("graphs", f"stopped the worker process ({current.started}) after {idle:.0f} s "
+             "without a job; the next job starts another")
+    return False
 
 
 def shut_down() -> None:

@@ -37,6 +37,7 @@ NICENESS = 0  # this thread's (see above); > 0 lowers it (Linux setpriority on t
 # on the first (torch._C._jit_get_num_profiled_runs() is 1), optimises on the second and may
 # bail out to a re-optimised plan on the third; Inductor loads its kernels on the first.
 WARM_CALLS = 3
+IDLE_POLL = 5.0  # seconds without a job between two calls of the idle hooks (``when_idle``)
 
 _jobs: "queue.Queue[tuple[Callable[[], None], bool]]" = queue.Queue()  # (job, counted)
 _idle = threading.Condition()
@@ -44,6 +45,7 @@ _busy = 0  # jobs submitted and not finished
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
 _saved_interval: float | None = None  # the user's switch interval while compiles run
+_idle_hooks: list[Callable[[], bool]] = []  # (only this thread reads or changes it)
 
 
 def submit(job: Callable[[], None]) -> None:
@@ -60,6 +62,14 @@ def soon(job: Callable[[], None]) -> None:
     one: starting the worker process)."""
     _ensure_thread()
     _jobs.put((job, False))
+
+
+def when_idle(hook: Callable[[], bool]) -> None:
+    """Call ``hook()`` on the background thread each time no job came for ``IDLE_POLL``
+    seconds, until it returns False (process.py stops an idle worker process this way).
+    Submitted as a job, so that only the thread touches the hooks; while none is registered
+    the thread sleeps until the next job."""
+    soon(lambda: _idle_hooks.append(hook))
 
 
 def start() -> None:
@@ -140,7 +150,11 @@ def _run() -> None:
     global _busy, _saved_interval
     _lower_priority()
     while True:
-        job, counted = _jobs.get()
+        try:
+            job, counted = _jobs.get(timeout=IDLE_POLL if _idle_hooks else None)
+        except queue.Empty:
+            _call_idle_hooks()
+            continue
         if _saved_interval is None:
             _saved_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(_saved_interval, SWITCH_INTERVAL))
@@ -156,6 +170,17 @@ def _run() -> None:
                 with _idle:
                     _busy -= 1
                     _idle.notify_all()
+
+
+def _call_idle_hooks() -> None:
+    for hook in list(_idle_hooks):
+        try:
+            again = hook()
+        except Exception as e:  # a bug in the hook: not called again
+            log.emit("graphs", f"background idle hook failed: {type(e).__name__}: {e}")
+            again = False
+        if not again:
+            _idle_hooks.remove(hook)
 
 
 def _lower_priority() -> None:
