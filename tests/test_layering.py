@@ -224,7 +224,7 @@ SYMBOLIC_LAYERS = [
     ("speculation",),
     ("values",),
     ("models", "opcodes", "hooks", "assumptions", "bytecode", "library_files", "budget",
-     "_torch_dispatch"),
+     "static_sizes", "_torch_dispatch"),
 ]
 
 

@@ -192,7 +192,8 @@ def capture_with_relaxations(state: CodeState, slots, cells, globals_) -> Captur
                 symbolic_sources=general.symbolic_sources,
                 append_only=general.append_only, keyed_dicts=general.keyed_dicts,
                 varied_lists=general.varied_lists,
-                exact_loops=config.templates == "exact")
+                exact_loops=config.templates == "exact",
+                fold_fixed_sizes=state.backend != "fx" and not state.exact)
             return capture(state.target.code, globals_, state.target.argnames, slots, cells, assumptions,
                            max_instructions=config.max_instructions,
                            inline_depth=config.inline_depth)

@@ -138,6 +138,17 @@ def _inductor_caches(tracing: bool = True):
 
 
 @contextlib.contextmanager
+def _no_inductor_caches():
+    """Inductor's FX graph cache and AOT autograd's cache off (whatever the program's
+    settings); yields ``hit``, always False."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield lambda: False
+
+
+@contextlib.contextmanager
 def _static_shape_env():
     """The tracing context Inductor's caches look for (they bypass a compile whose context
     has no shape environment, as one outside ``torch.compile`` has), with static shapes:
@@ -178,9 +189,13 @@ def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     from torch._inductor.compile_fx import compile_fx
     dynamic = bool(dynamic_inputs(gm))
     traced = _generic_lstms(gm)  # (oneDNN's rnn layer compiled raises: see there)
+    # Inductor's on-disk caches only for static shapes: a dynamic compile answered from them
+    # can be code specialised on a size (nn.GRU's decomposition loops over the sequence)
+    # whose assumption our shape environment never sees (``size_guards`` would let every
+    # size through; measured: a second run's GRU raised "expected size 4==4, stride 5==11")
     with inductor_config.patch(fallback_random=True), \
             functorch_config.patch(force_non_lazy_backward_lowering=True), _no_leaked_pointer(), \
-            _inductor_caches(tracing=not dynamic) as hit:
+            (_no_inductor_caches() if dynamic else _inductor_caches()) as hit:
         compiled = _aot_dynamic(gm, example_inputs, lambda fakes: compile_fx(traced, fakes)) \
             if dynamic else _compile_static(traced, example_inputs)
         return _tagged(compiled, hit())

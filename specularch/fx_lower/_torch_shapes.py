@@ -137,3 +137,37 @@ def traced_with(fakes: list):
     mode = next(t.fake_mode for t in fakes if isinstance(t, torch.Tensor))
     with tracing(TracingContext(mode)):
         yield
+
+
+def size_environment():
+    """A fake-tensor mode over a fresh shape environment for deciding which sizes are fixed
+    (``symbolic/static_sizes.py``): no duck sizing (two dynamic sizes equal at capture are
+    different symbols: assuming them equal would be a guess), sizes 0 and 1 specialised as
+    torch does (callers give dynamic dimensions at least 2). Returns ``(mode, marks)``:
+    ``marks()`` counts what the environment has assumed so far (guards, replacements,
+    runtime assertions); a count that grew means a result may hold only under an assumption."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
+
+    def marks() -> int:
+        return (len(env.guards) + len(env.replacements)
+                + sum(len(v) for v in env.deferred_runtime_asserts.values()))
+    return mode, marks
+
+
+def fake_input(mode, value: torch.Tensor, dims) -> torch.Tensor:
+    """A fake of ``value`` in ``mode`` whose dimensions ``dims`` are symbols, others fixed."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
+    return mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+
+def fixed_size(size) -> int | None:
+    """``size`` (a fake tensor's) as a number where it is one whatever the symbols are."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return None

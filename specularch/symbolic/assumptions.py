@@ -38,6 +38,10 @@ class Assumptions:
     varied_lists: frozenset = frozenset()
     # (source, site, where) of lists a rolled ``for x in xs`` loop reads whole (rolled/lists.py)
     rolled_lists: frozenset = frozenset()
+    # sizes of dynamic intermediates that stay fixed are numbers of the graph (static_sizes.py);
+    # off where only fx will run it: there its in-graph size checks cost microseconds, and
+    # deciding costs 1-2 s of imports once per process
+    fold_fixed_sizes: bool = True
 
     def __post_init__(self) -> None:
         # Callers pass their live sets; the capture keeps a snapshot no later relaxation

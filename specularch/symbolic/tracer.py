@@ -32,6 +32,7 @@ from .speculation.leaf_writes import connect_reads
 from .library_files import is_library_file
 from .speculation.merge_aliases import MergedAliases
 from .op_args import concrete, fx_arg, holds_tensor, is_dynamic, mark_dynamic, specialize_all
+from .static_sizes import StaticSizes
 from .values.symint import SymV
 from .values import (AppendOnlyListV, ConstV, DictV, KeyedDictV, ListV, MethodV, ObjV, SetV, TensorV,
                      TupleV, Value, contains_tensor, leaves)
@@ -101,6 +102,7 @@ class Tracer:
         self.viewed: set[int] = set()            # external storages two inputs share
         self.view_writes: list = []              # deferred writes, see view_writes.py
         self._sizes: dict = {}                   # (node, dim) -> SymV of a dynamic size
+        self._static: StaticSizes | None = None  # fixed sizes of dynamic intermediates
         self.opt_state: dict = {}                # (id(optimizer), id(param)) -> new state entry
         self.distributed_leaves: list = []       # parameters a distributed step averages
         self.generators: dict = {}               # id -> (torch.Generator, state before capture)
@@ -253,6 +255,9 @@ class Tracer:
         size = t.example.shape[dim]
         if not t.dynamic or (t.source is not None and dim % t.example.dim() not in t.dyn_dims):
             return ConstV(size)
+        if t.source is None and self.assumptions.fold_fixed_sizes and \
+                self._static_sizes().fixed(t.node, dim, size):
+            return ConstV(size)  # the same for every size of the inputs (static_sizes.py)
         key = (t.node, dim)
         cached = self._sizes.get(key)
         if cached is None:
@@ -262,6 +267,11 @@ class Tracer:
                 expr, label = f"{t.source.expr()}.shape[{dim}]", f"{t.source}.shape[{dim}]"
             cached = self._sizes[key] = SymV(size, node, expr, self, label or "")
         return cached
+
+    def _static_sizes(self) -> StaticSizes:
+        if self._static is None:
+            self._static = StaticSizes(self.constants)
+        return self._static
 
     def specialize_shape(self, t: TensorV) -> None:
         """Guard (or assert in the graph) every dynamic size of ``t`` at its current value."""

@@ -1,0 +1,123 @@
+"""Sizes of intermediate tensors that stay the same for every size of a graph's dynamic inputs
+(``symbolic/static_sizes.py``) are numbers of the graph, not values it computes and checks:
+an ``nn.GRU``/``nn.LSTM`` over sequences of varying length gives a graph of tensors only,
+which the compiling backends take. Differential against eager (values, gradients, random
+numbers) at every call, sizes of one included; a size that varies, or is fixed only under an
+assumption (``x[:, :4]``), stays a graph value."""
+import pytest
+import torch
+from torch import nn
+
+import specularch
+from specularch.api import _state_of
+
+pytestmark = pytest.mark.usefixtures("no_profiling")
+
+LENGTHS = (5, 7, 9, 1, 3, 12)
+
+
+class _LM(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.drop = nn.Dropout(0.25)  # the probe's zeros go through it: the stream is put back
+        self.rnn = cell(16, 8, batch_first=True)
+        self.out = nn.Linear(8, 50)
+
+    def forward(self, x):
+        h, _ = self.rnn(self.drop(self.emb(x)))
+        return self.out(h)
+
+
+def _twins(cell, backend):
+    torch.manual_seed(0)
+    model = _LM(cell)
+    twin = _LM(cell)
+    twin.load_state_dict(model.state_dict())
+    return specularch.optimize(model, backend=backend), model, twin
+
+
+def _step_both(opt, model, twin, length, exact):
+    x = torch.randint(0, 50, (4, length), generator=torch.Generator().manual_seed(length))
+    torch.manual_seed(length)
+    got = opt(x)
+    torch.manual_seed(length)
+    want = twin(x)
+    assert torch.equal(got, want) if exact else torch.allclose(got, want, atol=1e-5), length
+    got.square().mean().backward()
+    want.square().mean().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad) if exact else torch.allclose(p.grad, q.grad, atol=1e-5)
+
+
+def _dynamic_graph(opt):
+    entries = _state_of(opt).entries
+    dynamic = [e for e in entries if e.capture.graph_module.meta.get("dynamic_inputs")]
+    assert dynamic, [e.capture.code for e in entries]
+    return dynamic[-1]
+
+
+@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM])
+def test_an_rnn_over_sequences_of_varying_length_is_a_graph_of_tensors_only(cell):
+    opt, model, twin = _twins(cell, "auto")  # (runs fx: no graph gets hot in tests)
+    for length in LENGTHS:
+        _step_both(opt, model, twin, length, exact=True)
+    entry = _dynamic_graph(opt)
+    gm = entry.capture.graph_module
+    code = gm.code
+    # the batch, the embedding's width, the hidden state's sizes: numbers of the graph
+    assert ".size(" not in code and "same_value" not in code, code
+    assert not gm.meta["non_tensor_outputs"] and not gm.meta["in_graph_assumptions"]
+    assert _state_of(opt).stats.captures == 2  # the first length, then every length
+
+
+@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM])
+def test_torchscript_compiles_it_for_every_length(cell):
+    opt, model, twin = _twins(cell, "torchscript")
+    for length in LENGTHS:
+        _step_both(opt, model, twin, length, exact=False)
+    entry = _dynamic_graph(opt)
+    assert entry.backend == "torchscript" and not entry.note, entry.note
+
+
+def test_pinned_fx_keeps_its_size_checks_and_pays_nothing_to_decide():
+    """Only ``fx`` runs the graph: its checks cost microseconds; deciding costs seconds once."""
+    opt, model, twin = _twins(nn.GRU, "fx")
+    for length in LENGTHS:
+        _step_both(opt, model, twin, length, exact=True)
+    assert "same_value" in _dynamic_graph(opt).capture.code
+
+
+def _sliced(x):
+    y = (x * 2)[:, :4]  # 4 wide while the input is, fewer below: fixed only if x.size(1) >= 4
+    return y.sum(1) + torch.ones(y.size(1)).sum(), torch.ones(y.size(1))
+
+
+def _flat(x):
+    h = x * 2
+    return h.reshape(h.size(0), -1).sum(1)
+
+
+@pytest.mark.parametrize("fn, sizes", [(_sliced, [(3, 7), (3, 9), (3, 3), (3, 2), (3, 1), (3, 30)]),
+                                       (_flat, [(6, 2, 3), (9, 2, 3), (1, 2, 3), (2, 2, 3)])])
+def test_a_size_that_varies_or_is_fixed_only_under_an_assumption_stays_a_graph_value(fn, sizes):
+    opt = specularch.optimize(fn)
+    for shape in sizes:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(opt(x), fn(x), rtol=0, atol=0)
+    assert ".size(" in _dynamic_graph(opt).capture.code
+
+
+@pytest.mark.slow
+def test_inductor_compiles_it_and_a_second_compile_is_not_answered_by_a_cache_of_other_sizes(cache_dir,
+                                                                                             monkeypatch):
+    """Inductor's on-disk caches answered a dynamic compile of the GRU's graph with code
+    fixed to one length ("expected size 4==4, stride 5==11") that the size check let every
+    length through: dynamic compiles no longer use them."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    for _ in range(2):  # the second model's compile finds the first's in the caches
+        opt, model, twin = _twins(nn.GRU, "inductor")
+        for length in LENGTHS:
+            _step_both(opt, model, twin, length, exact=False)
+        entry = _dynamic_graph(opt)
+        assert entry.backend == "inductor" and not entry.note, entry.note
