@@ -8,7 +8,8 @@ and torch.compile, side by side in one process.
 
 Models: ``train_step.py``'s MLP (``mlp_dropout``: with dropout, a graph that draws random
 numbers), LeNet and LSTM LM (``lstm``: its sequence length drawn from 8-16 each step too, the
-Python loop over time rolled). The step is ``train_step.py``'s
+Python loop over time rolled; ``rnn_lm``: the same batches for an ``nn.LSTM`` language model,
+one module over the whole sequence, so only the graph's input sizes change). The step is ``train_step.py``'s
 (Adam, unmodified), optimized whole (``--what step``; ``counted``: the step returns the
 batch's summed loss and row count, ``loss.item() * x.size(0), x.size(0)``) or only
 its model (``forward``: loss, backward and optimizer step eager around the optimized model,
@@ -48,7 +49,7 @@ def _tokens(n: int, rng: random.Random):
 SHAPES = {"mlp": lambda n, rng: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
           "mlp_dropout": lambda n, rng: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
           "lenet": lambda n, rng: (torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))),
-          "lstm": _tokens}
+          "lstm": _tokens, "rnn_lm": _tokens}
 
 
 def _batches(model: str, sizes: tuple[int, int], count: int, seed: int) -> list:

@@ -88,11 +88,27 @@ class SmallTransformer(nn.Module):
         return self.head(self.encoder(x).mean(1))
 
 
+class RecurrentLM(nn.Module):
+    """An ``nn.LSTM`` language model (time-major tokens, vocabulary 200): one module runs the
+    whole sequence, so a varying length changes only the graph's input sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(200, 64)
+        self.rnn = nn.LSTM(64, 128)
+        self.decoder = nn.Linear(128, 200)
+
+    def forward(self, tokens):
+        out, _ = self.rnn(self.embed(tokens))
+        return self.decoder(out).flatten(0, 1)
+
+
 MODELS = {  # name -> (builder, make a batch (x, y))
     "mlp": (_mlp, lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))),
     "mlp_dropout": (_mlp_dropout, lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))),
     "lenet": (LeNet, lambda: (torch.randn(50, 1, 28, 28), torch.randint(0, 10, (50,)))),
     "lstm": (LSTMLM, lambda: (torch.randint(0, 200, (12, 16)), torch.randint(0, 200, (12 * 16,)))),
+    "rnn_lm": (RecurrentLM, lambda: (torch.randint(0, 200, (12, 16)), torch.randint(0, 200, (12 * 16,)))),
     "transformer": (SmallTransformer, lambda: (torch.randn(16, 32, 64), torch.randint(0, 10, (16,)))),
 }
 

@@ -164,6 +164,17 @@ def fake_input(mode, value: torch.Tensor, dims) -> torch.Tensor:
     return mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
 
+def same_size(a, b) -> bool:
+    """Whether two fake sizes (ints or ``SymInt``s of one environment) are the same number
+    for every value of the symbols: equal ints, or the same expression. Compared without
+    ``==``, which would record a guard."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return False
+
+
 def fixed_size(size) -> int | None:
     """``size`` (a fake tensor's) as a number where it is one whatever the symbols are."""
     if isinstance(size, int):

@@ -140,6 +140,9 @@ def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
     if (isinstance(a, SymV) or isinstance(b, SymV)) and symint.is_symbolic_operand(a) \
             and symint.is_symbolic_operand(b):
         return symint.compare(tracer, op, a, b)
+    if symbol in ("==", "!=") and _sizes_sequences(a, b):  # hx.size() != (1, batch, 128)
+        same = _sequences_equal(tracer, a, b)
+        return ConstV(same if symbol == "==" else not same)
     if symbol in ("==", "!=") and _values_view(a, b):  # dict_values compare by identity
         same = a is b
         return ConstV(same if symbol == "==" else not same)
@@ -149,6 +152,41 @@ def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
         same = identical(a, b)
         return ConstV(same if symbol == "==" else not same)
     raise Unsupported("unsupported_call", f"comparison {symbol} of {_kind(a)} and {_kind(b)}")
+
+
+def _sequence_items(v: Value) -> tuple[type, list] | None:
+    """(tuple or list, the items as values) of a tuple/list value or constant, else None."""
+    if isinstance(v, (TupleV, ListV)):
+        return (list if isinstance(v, ListV) else tuple), v.items
+    if isinstance(v, ConstV) and isinstance(v.value, (tuple, list)):
+        return (list if isinstance(v.value, list) else tuple), [ConstV(i) for i in v.value]
+    return None
+
+
+def _sizes_sequences(a: Value, b: Value) -> bool:
+    """Two tuples (``torch.Size`` is one) or two lists of numbers, some of them symbolic:
+    compared item by item, so that only the items decide (each by a guard, an in-graph check,
+    or nothing when equal for every size), not every size of both."""
+    sa, sb = _sequence_items(a), _sequence_items(b)
+    if sa is None or sb is None or sa[0] is not sb[0]:
+        return False
+    items = sa[1] + sb[1]
+    return any(isinstance(i, SymV) for i in items) and all(symint.is_symbolic_operand(i) for i in items)
+
+
+def _sequences_equal(tracer, a: Value, b: Value) -> bool:
+    """Python's ``==`` of two sequences: equal lengths, then each pair until one differs."""
+    xs, ys = _sequence_items(a)[1], _sequence_items(b)[1]
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys):
+        if isinstance(x, SymV) or isinstance(y, SymV):
+            same = symint.compare(tracer, operator.eq, x, y).value
+        else:
+            same = x.value == y.value
+        if not same:
+            return False
+    return True
 
 
 def _values_view(*values: Value) -> bool:

@@ -18,6 +18,10 @@ last batch never pays it). Where the fake run assumed anything of a symbol (a gu
 specialisation, a runtime assertion: a result that holds only under it), or an op is not a
 torch op that fake tensors run (specularch's own helpers, anything of ``torch.distributed``),
 or an input is not a tensor, the size stays a graph value, as before.
+
+``StaticSizes.always_equal`` asks the same of two sizes that vary (``nn.LSTM`` compares its
+state's ``hx.size()`` with ``(layers, input.size(1), hidden)``): equal when the fake run gives
+both the same expression of the symbols, so Python's comparison needs no check per call.
 """
 from __future__ import annotations
 
@@ -62,6 +66,29 @@ class StaticSizes:
         if not isinstance(fake, torch.Tensor) or not -fake.dim() <= dim < fake.dim():
             return False
         return _torch_shapes.fixed_size(fake.shape[dim]) == size
+
+    def always_equal(self, a, b) -> bool:
+        """Whether two numbers of the graph (size nodes, arithmetic on them, or Python ints)
+        are equal for every size of the graph's dynamic inputs: ``hx.size(1)`` of
+        ``torch.zeros(1, input.size(1), 128)`` against ``input.size(1)``, which ``nn.LSTM``
+        compares. False where it is not shown (the caller checks it per call)."""
+        if self._off:
+            return False
+        probes = [self._number(x, self._probes, self._probe) for x in (a, b)]
+        if any(p is _UNKNOWN for p in probes) and not torch.cuda.is_initialized():
+            return False
+        if all(isinstance(p, int) for p in probes) and probes[0] != probes[1]:
+            return False
+        if self._mode is None:
+            self._mode, self._marks = _torch_shapes.size_environment()
+        fakes = [self._number(x, self._fakes, self._fake) for x in (a, b)]
+        return not any(f is _UNKNOWN for f in fakes) and _torch_shapes.same_size(*fakes)
+
+    def _number(self, x, done: dict, run: Callable):
+        if not isinstance(x, torch.fx.Node):
+            return x if type(x) is int else _UNKNOWN
+        value = self._evaluate(x, done, run)
+        return value if isinstance(value, (int, torch.SymInt)) else _UNKNOWN
 
     def _evaluate(self, node: torch.fx.Node, done: dict, run: Callable):
         for n in _unvisited_ancestors(node, done):

@@ -268,6 +268,14 @@ class Tracer:
             cached = self._sizes[key] = SymV(size, node, expr, self, label or "")
         return cached
 
+    def always_equal(self, a: Value, b: Value) -> bool:
+        """Whether two numbers, at least one a size computed in the graph, are equal for every
+        size of the dynamic inputs (no check needed when Python compares them)."""
+        if not self.assumptions.fold_fixed_sizes:
+            return False
+        args = [x.node if isinstance(x, SymV) else x.value for x in (a, b)]
+        return self._static_sizes().always_equal(*args)
+
     def _static_sizes(self) -> StaticSizes:
         if self._static is None:
             self._static = StaticSizes(self.constants)
