@@ -189,3 +189,14 @@ def test_inductor_compiles_it_and_a_second_compile_is_not_answered_by_a_cache_of
         entry = _dynamic_graph(opt)
         assert entry.backend == "inductor" and not entry.note, entry.note
         _compiled_for_one_length(opt)
+
+
+def test_past_probe_bytes_nothing_more_is_folded(monkeypatch):
+    """The probe keeps its tensors for the capture: past ``PROBE_BYTES`` (a large model's
+    activations held twice) it stops, and sizes stay graph values (checked, as before)."""
+    from specularch.symbolic import static_sizes
+    monkeypatch.setattr(static_sizes, "PROBE_BYTES", 0)
+    opt, model, twin = _twins(nn.GRU, "torchscript")
+    for length in LENGTHS:
+        _step_both(opt, model, twin, length, exact=False)
+    assert _dynamic_graph(opt).capture.graph_module.meta["in_graph_assumptions"]

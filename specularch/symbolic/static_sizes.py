@@ -35,6 +35,7 @@ from ._torch_dispatch import OPERATOR_TYPES
 
 _UNKNOWN = object()
 _SAFE_MODULES = ("torch", "_operator", "operator", "math")
+PROBE_BYTES = 256 << 20  # the probe's tensors kept during one capture; past it, no probe
 
 
 class StaticSizes:
@@ -45,6 +46,7 @@ class StaticSizes:
         self._mode = None
         self._marks: Callable[[], int] | None = None
         self._off = False  # the environment assumed something: decide nothing more
+        self._probe_bytes = 0
 
     def fixed(self, node: torch.fx.Node, dim: int, size: int) -> bool:
         """Whether dimension ``dim`` of the tensor ``node`` computes (``size`` at capture) is
@@ -103,13 +105,18 @@ class StaticSizes:
         def placeholder(example, dims):
             shape = [size + 1 if d in dims else size for d, size in enumerate(example.shape)]
             return torch.zeros(shape, dtype=example.dtype, device=example.device)
-        if torch.cuda.is_initialized():
-            return _UNKNOWN  # (CUDA's random streams are not put back here: fake tensors decide)
+        if torch.cuda.is_initialized() or self._probe_bytes > PROBE_BYTES:
+            # CUDA's random streams are not put back here (fake tensors decide alone); past
+            # PROBE_BYTES a large model's activations would be held twice (nothing more is
+            # folded: its sizes stay graph values)
+            return _UNKNOWN
         rng = torch.get_rng_state()
         try:
-            return self._run(n, self._probes, placeholder, lambda t: t.clone(), torch.no_grad())
+            result = self._run(n, self._probes, placeholder, lambda t: t.clone(), torch.no_grad())
         finally:
             torch.set_rng_state(rng)
+        self._probe_bytes += sum(t.untyped_storage().nbytes() for t in _tensors(result))
+        return result
 
     def _fake(self, n: torch.fx.Node):
         """``n`` run on fake tensors whose dynamic sizes are symbols; unknown, and nothing
@@ -163,6 +170,14 @@ class _fake_context:
         for c in reversed(self.contexts):
             c.__exit__(*exc)
         return False
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _known(value, unknown: list):
