@@ -57,24 +57,43 @@ def _dynamic_graph(opt):
     return dynamic[-1]
 
 
+def _sizes_of_two(entry, held: bool = True) -> list[str]:
+    return [g.describe() for g in entry.capture.guards if g.describe().endswith(f">= 2) == {held}")]
+
+
+def _folded_graph(opt):
+    """The graph whose sizes were folded: it holds for dynamic sizes of at least 2 (guarded);
+    a call with a length of 1 was captured again, without folding (``needs_two``)."""
+    entries = [e for e in _state_of(opt).entries if _sizes_of_two(e)]
+    assert len(entries) == 1, [e.capture.code for e in _state_of(opt).entries]
+    return entries[0]
+
+
 @pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM])
 def test_an_rnn_over_sequences_of_varying_length_is_a_graph_of_tensors_only(cell):
     opt, model, twin = _twins(cell, "auto")  # (runs fx: no graph gets hot in tests)
     for length in LENGTHS:
         _step_both(opt, model, twin, length, exact=True)
-    entry = _dynamic_graph(opt)
+    entry = _folded_graph(opt)
     gm = entry.capture.graph_module
     code = gm.code
     # the batch, the embedding's width, the hidden state's sizes: numbers of the graph
     assert ".size(" not in code and "same_value" not in code, code
     assert not gm.meta["non_tensor_outputs"] and not gm.meta["in_graph_assumptions"]
-    assert _state_of(opt).stats.captures == 2  # the first length, then every length
+    assert _sizes_of_two(entry) == ["(L['x'].shape[1] >= 2) == True"], _sizes_of_two(entry)
+    # the first length, then every length of at least 2, then the length of 1 on its own
+    # (guarded to sizes below 2: the later lengths run the folded graph again)
+    assert _state_of(opt).stats.captures == 3
+    [folded] = [g for g in specularch.explain(opt).graphs if any(">= 2) == True" in x for x in g.guards)]
+    assert folded.hits == 4  # lengths 7, 9, 3 and 12
+    small = [e for e in _state_of(opt).entries if _sizes_of_two(e, held=False)]
+    assert len(small) == 1 and small[0].capture.graph_module.meta["in_graph_assumptions"]
 
 
-def _compiled_for_one_length(opt) -> None:
+def _compiled_for_one_length(opt, backend: str) -> None:
     """The compiled form fixes the length (torch's decomposition of the layer loops over
     time), which its size check states; other lengths run the graph's ``fx`` code."""
-    sizes = specularch.explain(opt).graphs[-1].sizes
+    [sizes] = [g.sizes for g in specularch.explain(opt).graphs if g.backend == backend]
     assert "L['x'].size()[1] == " in sizes and "call(s) outside ran fx" in sizes, sizes
 
 
@@ -83,9 +102,9 @@ def test_torchscript_compiles_it_with_the_length_fixed_by_its_size_check(cell):
     opt, model, twin = _twins(cell, "torchscript")
     for length in LENGTHS:
         _step_both(opt, model, twin, length, exact=False)
-    entry = _dynamic_graph(opt)
+    entry = _folded_graph(opt)
     assert entry.backend == "torchscript" and not entry.note, entry.note
-    _compiled_for_one_length(opt)
+    _compiled_for_one_length(opt, "torchscript")
 
 
 def _state_checked(x, hidden: int = 8):
@@ -186,9 +205,9 @@ def test_inductor_compiles_it_and_a_second_compile_is_not_answered_by_a_cache_of
         opt, model, twin = _twins(nn.GRU, "inductor")
         for length in LENGTHS:
             _step_both(opt, model, twin, length, exact=False)
-        entry = _dynamic_graph(opt)
+        entry = _folded_graph(opt)
         assert entry.backend == "inductor" and not entry.note, entry.note
-        _compiled_for_one_length(opt)
+        _compiled_for_one_length(opt, "inductor")
 
 
 def test_past_probe_bytes_nothing_more_is_folded(monkeypatch):

@@ -47,6 +47,8 @@ class StaticSizes:
         self._marks: Callable[[], int] | None = None
         self._off = False  # the environment assumed something: decide nothing more
         self._probe_bytes = 0
+        self._symbolic: dict[torch.fx.Node, list[int]] = {}  # inputs with dynamic sizes read
+        self._small: dict[torch.fx.Node, list[int]] = {}  # ... those of size 0 or 1 now
 
     def fixed(self, node: torch.fx.Node, dim: int, size: int) -> bool:
         """Whether dimension ``dim`` of the tensor ``node`` computes (``size`` at capture) is
@@ -86,6 +88,22 @@ class StaticSizes:
         fakes = [self._number(x, self._fakes, self._fake) for x in (a, b)]
         return not any(f is _UNKNOWN for f in fakes) and _torch_shapes.same_size(*fakes)
 
+    def needs_two(self) -> list[tuple[torch.fx.Node, list[int]]]:
+        """The graph inputs, and their dynamic dimensions, that decisions so far read. What
+        was decided holds where each of those sizes is at least 2: the fake run's symbols
+        are (torch specialises sizes 0 and 1, so ``squeeze`` of a symbol records nothing),
+        and a size of 0 or 1 may decide otherwise (``x.squeeze(0)`` keeps or drops a
+        dimension). The caller guards them; an input whose capture-time size is below 2,
+        or that has no source to guard, is never run symbolically (nothing it feeds is
+        folded)."""
+        return list(self._symbolic.items())
+
+    def below_two(self) -> list[tuple[torch.fx.Node, list[int]]]:
+        """The graph inputs, and their dynamic dimensions, of size 0 or 1 in this call that a
+        decision would have read: nothing they feed was folded, so the caller keeps this
+        graph to such sizes (the sizes of 2 and more get a graph of their own, folded)."""
+        return list(self._small.items())
+
     def _number(self, x, done: dict, run: Callable):
         if not isinstance(x, torch.fx.Node):
             return x if type(x) is int else _UNKNOWN
@@ -123,7 +141,7 @@ class StaticSizes:
         decided from then on, where the run assumed anything of a symbol."""
         before = self._marks()
         result = self._run(n, self._fakes,
-                           lambda example, dims: _torch_shapes.fake_input(self._mode, _hinted(example, dims), dims),
+                           lambda example, dims: _torch_shapes.fake_input(self._mode, example, dims),
                            lambda t: _torch_shapes.fake_input(self._mode, t, ()),
                            _fake_context(self._mode))
         if self._marks() != before:  # a result under an assumption: trust none after it
@@ -134,10 +152,19 @@ class StaticSizes:
     def _run(self, n: torch.fx.Node, done: dict, placeholder: Callable, constant: Callable, context):
         try:
             if n.op == "placeholder":
-                example = n.meta.get("example")
+                example, value = n.meta.get("example"), n.meta.get("value")
                 if not isinstance(example, torch.Tensor) or example.is_meta:
                     return _UNKNOWN
-                return placeholder(example, set(getattr(n.meta.get("value"), "dyn_dims", ()) or ()))
+                dims = set(getattr(value, "dyn_dims", ()) or ())
+                if dims and getattr(value, "source", None) is None:
+                    return _UNKNOWN
+                small = sorted(d for d in dims if example.shape[d] < 2)
+                if small:
+                    self._small[n] = small
+                    return _UNKNOWN  # (the symbols are at least 2: see ``needs_two``)
+                if dims:
+                    self._symbolic[n] = sorted(dims)
+                return placeholder(example, dims)
             if n.op == "get_attr":
                 value = self._constants.get(n.target)
                 return _UNKNOWN if value is None else constant(value)
@@ -199,15 +226,6 @@ def _runs_on_fakes(n: torch.fx.Node) -> bool:
         return True
     return (module.split(".")[0] in _SAFE_MODULES and not module.startswith("torch.distributed")
             and not module.startswith("torch.autograd"))
-
-
-def _hinted(example: torch.Tensor, dims: set[int]) -> torch.Tensor:
-    """``example``, or zeros with its dynamic dimensions of size 0 or 1 made 2 (tracing fixes
-    sizes 0 and 1: such a dimension would come out fixed)."""
-    if not any(example.shape[d] < 2 for d in dims):
-        return example
-    shape = [2 if d in dims and n < 2 else n for d, n in enumerate(example.shape)]
-    return torch.zeros(shape, dtype=example.dtype, device=example.device)
 
 
 def _unvisited_ancestors(node: torch.fx.Node, seen: dict) -> list[torch.fx.Node]:

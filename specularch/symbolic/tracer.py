@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import collections
 import functools
+import operator
 import re
 import types
 from typing import Any, Callable
@@ -18,8 +19,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from ..guards import (AliasGuard, AttrSource, DictKeysGuard, GlobalStateGuard, GuardSet, IdGuard,
-                      ItemSource, LenGuard, TypeGuard, ValueGuard)
+from ..guards import (AliasGuard, AttrSource, DictKeysGuard, ExprGuard, GlobalStateGuard, GuardSet,
+                      IdGuard, ItemSource, LenGuard, TypeGuard, ValueGuard)
 from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
@@ -36,6 +37,7 @@ from .static_sizes import StaticSizes
 from .values.symint import SymV
 from .values import (AppendOnlyListV, ConstV, DictV, KeyedDictV, ListV, MethodV, ObjV, SetV, TensorV,
                      TupleV, Value, contains_tensor, leaves)
+from .values import symint
 from .values.symint import arithmetic
 
 CONST_TYPES = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis),
@@ -59,7 +61,8 @@ METADATA_NAMES = {"_has_torch_function", "_has_torch_function_unary",
                   "is_signed", "has_names", "is_sparse", "is_quantized", "is_meta", "is_leaf",
                   "requires_grad", "type", "is_inference_mode_enabled",
                   "has_torch_function", "has_torch_function_unary", "has_torch_function_variadic",
-                  "_has_compatible_shallow_copy_type", "is_same_size"}
+                  "_has_compatible_shallow_copy_type", "is_same_size", "is_pinned", "is_shared",
+                  "dim_order", "is_conj", "is_neg", "_is_view", "_parse_to", "__hash__"}
 
 # Calls that would change state outside the graph during capture and at run time.
 FORBIDDEN_TENSOR_METHODS = {"backward", "register_hook", "retain_grad", "requires_grad_",
@@ -255,9 +258,11 @@ class Tracer:
         size = t.example.shape[dim]
         if not t.dynamic or (t.source is not None and dim % t.example.dim() not in t.dyn_dims):
             return ConstV(size)
-        if t.source is None and self.assumptions.fold_fixed_sizes and \
-                self._static_sizes().fixed(t.node, dim, size):
-            return ConstV(size)  # the same for every size of the inputs (static_sizes.py)
+        if t.source is None and self.assumptions.fold_fixed_sizes:
+            fixed = self._static_sizes().fixed(t.node, dim, size)
+            self._guard_folding_sizes()
+            if fixed:
+                return ConstV(size)  # the same for every size of the inputs (static_sizes.py)
         key = (t.node, dim)
         cached = self._sizes.get(key)
         if cached is None:
@@ -274,7 +279,21 @@ class Tracer:
         if not self.assumptions.fold_fixed_sizes:
             return False
         args = [x.node if isinstance(x, SymV) else x.value for x in (a, b)]
-        return self._static_sizes().always_equal(*args)
+        equal = self._static_sizes().always_equal(*args)
+        self._guard_folding_sizes()
+        return equal
+
+    def _guard_folding_sizes(self) -> None:
+        """What ``static_sizes`` decides holds for dynamic sizes of at least 2: a graph that
+        folded is guarded to them, and one whose inputs had a size of 0 or 1 where it would
+        have decided (nothing folded) to sizes below 2, so that each size finds its graph."""
+        for pairs, expected in ((self._static.needs_two(), True), (self._static.below_two(), False)):
+            for node, dims in pairs:
+                source = node.meta["value"].source
+                for d in dims:
+                    self.guards.add(ExprGuard(None, expr=f"({source.expr()}.shape[{d}] >= 2)",
+                                              expected=expected, label=f"({source}.shape[{d}] >= 2)",
+                                              where=self.where()))
 
     def _static_sizes(self) -> StaticSizes:
         if self._static is None:
@@ -335,13 +354,17 @@ class Tracer:
             dynamic = False  # `torch.tensor([n])`: symbolic numbers are values, not sizes
         if not holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
             return self._symbolic_metadata(label, args)
+        # a Python value a kernel computed (`torch.equal(a, b)`): no guard can keep it.
+        # (Python functions run as one op are torch's type predicates, `is_tensor_like`.)
+        from_data = has_tensor_input and result is not None and not holds_tensor(result) \
+            and not isinstance(target, types.FunctionType) \
+            and label not in METADATA_NAMES and not isinstance(result, _METADATA_TYPES)
+        if from_data and not check.wrote:
+            raise Unsupported("data_dependent_value",
+                              f"`{label}` turns tensor data into a Python {type(result).__name__}")
         if not holds_tensor(result) and dynamic and not check.wrote:
             for a in [*args, *kwargs.values()]:
                 specialize_all(a)
-            if has_tensor_input and label not in METADATA_NAMES and result is not None:
-                raise Unsupported("data_dependent_value",
-                                  f"`{label}` turns tensor data into a Python "
-                                  f"{type(result).__name__}")
             return self.wrap_python(result)
         if dynamic and type(result) in (tuple, list) and _COUNT_FROM_SIZES.search(label):
             # how many tensors split/chunk/unbind return depends on sizes: fix those sizes
@@ -350,6 +373,8 @@ class Tracer:
                 for leaf in leaves(a):
                     if isinstance(leaf, TensorV) and leaf.dynamic:
                         self.specialize_shape(leaf)
+        if dynamic and label in ("squeeze", "squeeze_"):
+            self._squeezed_sizes(args, kwargs)
         node = self.graph.create_node(kind, target, tuple(fx_arg(a) for a in args),
                                       {k: fx_arg(v) for k, v in kwargs.items()})
         node.meta["where"] = self.where()
@@ -361,6 +386,22 @@ class Tracer:
         if dynamic:
             mark_dynamic(out)
         return out
+
+    def _squeezed_sizes(self, args: list, kwargs: dict) -> None:
+        """``squeeze`` drops a dimension only where its size is 1, so the result's rank (and
+        every size read from it) holds while each squeezed dynamic size stays on the side of
+        1 it was at capture: guarded, or checked in the graph."""
+        t = args[0] if args else kwargs.get("input")
+        if not isinstance(t, TensorV) or not t.dynamic or not t.example.dim():
+            return
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        dims = None if dims is None else dims.concrete()
+        rank = t.example.dim()
+        squeezed = range(rank) if dims is None else (dims if isinstance(dims, (tuple, list)) else [dims])
+        for d in squeezed:
+            size = self.sym_size(t, d % rank)
+            if isinstance(size, SymV):
+                symint.compare(self, operator.eq, size, ConstV(1))
 
     def _symbolic_metadata(self, label: str, args: list) -> Value:
         t = args[0]
@@ -512,6 +553,8 @@ def _object_guard(obj) -> tuple:
 # Ops whose number of results depends on the sizes of their input (``split``, ``chunk``,
 # ``unbind``, ``tensor_split``, ``hsplit``, ``split_with_sizes``, ...), by name.
 _COUNT_FROM_SIZES = re.compile("split|chunk|unbind")
+# Python results of tensor ops that describe tensors, never their values (`torch.result_type`)
+_METADATA_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
 _VALUE_FACTORIES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
 
 
