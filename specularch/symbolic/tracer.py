@@ -367,12 +367,9 @@ class Tracer:
                 specialize_all(a)
             return self.wrap_python(result)
         if dynamic and type(result) in (tuple, list) and _COUNT_FROM_SIZES.search(label):
-            # how many tensors split/chunk/unbind return depends on sizes: fix those sizes
-            # (other ops return as many as they always do: lstm_cell's (h, c), sort's pair)
-            for a in [*args, *kwargs.values()]:
-                for leaf in leaves(a):
-                    if isinstance(leaf, TensorV) and leaf.dynamic:
-                        self.specialize_shape(leaf)
+            # how many tensors split/chunk/unbind return depends on the split dimension's
+            # size: fix it (other ops return as many as they always do: lstm_cell's (h, c))
+            self._fix_split_sizes(label, args, kwargs)
         if dynamic and label in ("squeeze", "squeeze_"):
             self._squeezed_sizes(args, kwargs)
         node = self.graph.create_node(kind, target, tuple(fx_arg(a) for a in args),
@@ -386,6 +383,23 @@ class Tracer:
         if dynamic:
             mark_dynamic(out)
         return out
+
+    def _fix_split_sizes(self, label: str, args: list, kwargs: dict) -> None:
+        """Specialise the size a split's count of parts depends on: the split dimension's
+        (``qkv.split(c, dim=2)`` keeps the batch and length dynamic); every size of each
+        dynamic tensor argument where the dimension is not known."""
+        t = args[0] if args else None
+        dim = _split_dim(label, args, kwargs, t)
+        for a in [*args, *kwargs.values()]:
+            for leaf in leaves(a):
+                if not isinstance(leaf, TensorV) or not leaf.dynamic:
+                    continue
+                if leaf is t and dim is not None and t.example.dim():
+                    size = self.sym_size(t, dim % t.example.dim())
+                    if isinstance(size, SymV):
+                        size.concrete()
+                else:
+                    self.specialize_shape(leaf)
 
     def _squeezed_sizes(self, args: list, kwargs: dict) -> None:
         """``squeeze`` drops a dimension only where its size is 1, so the result's rank (and
@@ -553,6 +567,23 @@ def _object_guard(obj) -> tuple:
 # Ops whose number of results depends on the sizes of their input (``split``, ``chunk``,
 # ``unbind``, ``tensor_split``, ``hsplit``, ``split_with_sizes``, ...), by name.
 _COUNT_FROM_SIZES = re.compile("split|chunk|unbind")
+_DIM_AT = {"split": 2, "split_with_sizes": 2, "unsafe_split": 2, "unsafe_split_with_sizes": 2,
+           "chunk": 2, "unsafe_chunk": 2, "tensor_split": 2, "unbind": 1}  # dim's position
+
+
+def _split_dim(label: str, args: list, kwargs: dict, t) -> int | None:
+    """The dimension a split along which ``label`` (split, chunk, unbind, ...) cuts ``t``;
+    None where not known (every size is then fixed)."""
+    if not isinstance(t, TensorV):
+        return None
+    if label in ("vsplit", "hsplit", "dsplit"):
+        return {"vsplit": 0, "hsplit": 1 if t.example.dim() > 1 else 0, "dsplit": 2}[label]
+    if label not in _DIM_AT:
+        return None
+    at = _DIM_AT[label]
+    dim = args[at] if len(args) > at else kwargs.get("dim", ConstV(0))
+    dim = dim.concrete() if isinstance(dim, ConstV) else None
+    return dim if type(dim) is int else None
 # Python results of tensor ops that describe tensors, never their values (`torch.result_type`)
 _METADATA_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
 _VALUE_FACTORIES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)

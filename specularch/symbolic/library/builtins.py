@@ -21,6 +21,8 @@ from ..exceptions import python_error
 from .. import operators as ops
 from ..rolled import lists as rolled_lists, loops as rolled_loops
 from ..values.rolled import RolledListV
+from ..values import symint
+from ..values.symint import SymV
 from ..values import (ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, ObjV, PartialV, SetV,
                      SuperV, TensorV, TupleV, Value, contains_tensor, is_const)
 from ..models import MODELS, provides
@@ -152,6 +154,16 @@ def _print(tracer, fn, args, kwargs):
 @model(min, max)
 def _minmax(tracer, fn, args, kwargs):
     items = args if len(args) > 1 else ops.consume(tracer, args[0])
+    if not kwargs and len(items) > 1 and any(isinstance(i, SymV) for i in items) \
+            and all(symint.is_symbolic_operand(i) for i in items):
+        # `max(x.size(1) - 1, 1)`: decided by comparisons (guarded), as Python does it,
+        # the first extreme item kept; not by every item's value
+        beats = operator.gt if fn is max else operator.lt
+        best = items[0]
+        for item in items[1:]:
+            if symint.compare(tracer, beats, item, best).value:
+                best = item
+        return best
     if _all_const(items, kwargs):
         return _concrete_call(tracer, fn, [ListV(list(items))], kwargs)
     key = kwargs.get("key")
