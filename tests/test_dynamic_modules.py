@@ -11,6 +11,7 @@ bool computed from tensor data), and what remains (xfail, with the cause)."""
 from __future__ import annotations
 
 import contextlib
+import typing
 from dataclasses import dataclass
 from typing import Callable
 
@@ -232,6 +233,19 @@ class Decoder(nn.Module):
         return self.layer(tgt, memory, tgt_mask=mask)
 
 
+class UpToSkip(nn.Module):
+    """A U-Net step: down, then up to the skip's exact size (``ConvTranspose2d``'s
+    ``output_size``, whose check runs ``torch.jit.annotate(list[int], [])``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.up(self.down(x), output_size=x.size()) + x
+
+
 class QKVSplit(nn.Module):
     """GPT-style attention: the projection split into q, k, v along its fixed last dim."""
     def __init__(self):
@@ -417,6 +431,7 @@ CASES = {
                                   ((4, 7), (4, 7)), ((2, 3), (2, 6)), ((1, 2), (5, 3)),
                                   ((6, 2), (6, 2)), ((2, 5), (7, 5))), max_captures=5),
     "attention_qkv_split": Case(QKVSplit, _shapes(*SEQ)),
+    "conv_transpose_to_skip_size": Case(UpToSkip, _shapes(*IMG)),
 }
 
 @pytest.mark.parametrize("name, backend", [
@@ -558,3 +573,19 @@ def test_min_and_max_of_sizes_keep_a_graph_per_outcome(fn, captures):
     before (library/builtins._minmax specialised every item)."""
     opt = _differential(fn, "auto", [(3, t) for t in (5, 7, 2, 9, 6, 8)])
     assert _state_of(opt).stats.captures == captures, specularch.explain(opt)
+
+
+def _annotated(x):
+    sizes = torch.jit.annotate(list[int], [])
+    pairs = torch.jit.annotate(typing.List[typing.Tuple[int, int]], [])
+    for d in range(x.dim()):
+        sizes.append(x.size(d))
+        pairs.append((d, x.size(d)))
+    return x.sum() * len(sizes) + len(pairs)
+
+
+def test_type_annotations_are_made_as_python_makes_them():
+    """``list[int]``, ``typing.List[...]`` and ``torch.jit.annotate`` (the U-Net's
+    ``output_size`` check ran eagerly: 'subscript of a type')."""
+    opt = _differential(_annotated, "auto", [(2, 3), (4, 5)])
+    assert not specularch.explain(opt).fallbacks

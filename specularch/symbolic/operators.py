@@ -298,7 +298,33 @@ def getitem(tracer, container: Value, key: Value) -> Value:
         return concrete_op(tracer, operator.getitem, container, key)
     if isinstance(container, ObjV) and isinstance(container.obj, nn.Module):
         return _module_getitem(tracer, container, key.concrete())
+    if isinstance(container, ObjV) and _generic(container.obj) and _annotation(key) is not None:
+        # `list[int]`, `typing.List[int]` (torch.jit.annotate(list[int], []) in
+        # ConvTranspose's output_size): a type annotation, made as Python makes it
+        return ObjV(container.obj[_annotation(key)])
     raise Unsupported("unsupported_call", f"subscript of {_kind(container)}")
+
+
+_GENERIC_BUILTINS = (list, tuple, dict, set, frozenset, type)
+
+
+def _annotation(key: Value):
+    """The type (or tuple of types) a subscript names, else None."""
+    if isinstance(key, ObjV) and (isinstance(key.obj, type) or _generic(key.obj)):
+        return key.obj
+    if isinstance(key, ConstV) and (key.value is None or isinstance(key.value, type)):
+        return key.value
+    if isinstance(key, TupleV):
+        items = [_annotation(i) for i in key.items]
+        return None if any(i is None for i in items) else tuple(items)
+    return None
+
+
+def _generic(obj) -> bool:
+    """A built-in collection type or a ``typing`` object: subscripting it only makes an
+    annotation (no user ``__class_getitem__`` runs)."""
+    return obj in _GENERIC_BUILTINS or getattr(type(obj), "__module__", None) == "typing" \
+        or getattr(obj, "__module__", None) == "typing"
 
 
 def _module_getitem(tracer, mod: ObjV, key) -> Value:

@@ -566,6 +566,15 @@ def _clip_grad_value(tracer, fn, args, kwargs):
     return clip_grad_value(tracer, fn, args, kwargs)
 
 
+@model(torch.jit.annotate)
+def _annotate(tracer, fn, args, kwargs):
+    """``torch.jit.annotate(list[int], [])`` (TorchScript's type hint): the value itself."""
+    value = args[1] if len(args) > 1 else kwargs.get("the_value")
+    if value is None:
+        raise Unsupported("unsupported_call", "torch.jit.annotate without its value")
+    return value
+
+
 from . import stdlib  # noqa: E402,F401  (registers functools/itertools/collections models)
 from ..speculation import deferred  # noqa: E402  (used above)
 
