@@ -506,17 +506,15 @@ def _unbound(x):
     return torch.stack([t * i for i, t in enumerate((x * 2).unbind(1))], 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the count of unbind(1) over a dynamic dim is checked by in-graph assertions, but the "
-    "graph indexes the captured count of parts first: at a smaller size it raises IndexError, "
-    "reported as backend_error ('runs eagerly', every call of that size) instead of a failed "
-    "assumption"))
 def test_a_count_of_parts_that_shrinks_is_a_failed_assumption():
     """The number of parts steers Python (a list comprehension over them): a graph per
-    length is expected; a fallback as if the graph were wrong is not."""
+    length is expected; a fallback as if the graph were wrong is not. The graph indexed
+    the captured count of parts before its size check ran and raised IndexError
+    (``backend_error``, every call of that size); a graph that raises while it assumed a
+    size now fails that assumption."""
     opt = _differential(_unbound, "fx", [(2, 3), (2, 5), (2, 4), (2, 4)])
     kinds = [f.kind for f in specularch.explain(opt).fallbacks]
-    assert "backend_error" not in kinds, specularch.explain(opt)
+    assert kinds == ["assumption_failed"], specularch.explain(opt)
 
 
 def _unequal_sizes(x, y):

@@ -173,6 +173,12 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
         with LOCK:
             if entry in state.entries:
                 state.entries.remove(entry)
+    sized = _size_assumption(entry) if not isinstance(error, CommitRefused) else None
+    if sized is not None:
+        # a size the graph assumed (checked after it ran) may have changed and made an op
+        # fail before the check (`unbind` into fewer parts than captured, then `parts[4]`):
+        # that assumption's failure, as if checked first (the original runs either way)
+        return assumption_failed(state, entry, AssumptionFailed(*sized, True), slots, cells)
     if entry.capture.distributed_leaves and hooks.distributed.active():
         return hooks.distributed.step_graph_raised(
             state, error, lambda failure: fallback(state, slots, cells, failure, at_def=True))
@@ -196,6 +202,14 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
         raise outcome
     log.warn_fallback(record)
     return result
+
+
+def _size_assumption(entry: GraphEntry) -> tuple | None:
+    """(where, site) of the first size of an intermediate the graph assumed, if any."""
+    for _, _, where, site in entry.capture.assertions:
+        if site[0] in ("specialize", "compare"):
+            return where, site
+    return None
 
 
 def _eager_did_not_raise(entry: GraphEntry, error: Exception, what: str) -> Unsupported:
