@@ -175,10 +175,15 @@ def _sizes_sequences(a: Value, b: Value) -> bool:
 
 
 def _sequences_equal(tracer, a: Value, b: Value) -> bool:
-    """Python's ``==`` of two sequences: equal lengths, then each pair until one differs."""
+    """Python's ``==`` of two sequences: equal lengths, then each pair until one differs.
+    Where every item can be read from the frame (input sizes), the whole comparison is one
+    guard: its outcome, not which item differed, decides the graph."""
     xs, ys = _sequence_items(a)[1], _sequence_items(b)[1]
     if len(xs) != len(ys):
         return False
+    whole = symint.sequence_guard(tracer, xs, ys)
+    if whole is not None:
+        return whole
     for x, y in zip(xs, ys):
         if isinstance(x, SymV) or isinstance(y, SymV):
             same = symint.compare(tracer, operator.eq, x, y).value

@@ -117,5 +117,20 @@ def compare(tracer, op, a: Value, b: Value) -> ConstV:
     return ConstV(outcome)
 
 
+def sequence_guard(tracer, xs: list, ys: list) -> bool | None:
+    """``tuple(xs) == tuple(ys)`` guarded as one expression where every item is known from
+    the frame; None where an item is computed inside the graph."""
+    left, right = [_operand(x) for x in xs], [_operand(y) for y in ys]
+    if any(o[2] is None for o in left + right):
+        return None
+    outcome = [o[1] for o in left] == [o[1] for o in right]
+
+    def text(ops, at):
+        return "(" + ", ".join(str(o[at]) for o in ops) + ("," if len(ops) == 1 else "") + ")"
+    tracer.guards.add(ExprGuard(None, expr=f"({text(left, 2)} == {text(right, 2)})", expected=outcome,
+                                label=f"({text(left, 3)} == {text(right, 3)})", where=tracer.where()))
+    return outcome
+
+
 def is_symbolic_operand(x: Value) -> bool:
     return isinstance(x, SymV) or (isinstance(x, ConstV) and type(x.value) in (int, float, bool))
