@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import specularch
@@ -79,6 +80,12 @@ def test_a_graph_captured_at_size_one_is_traced_at_two():
         opt = _optimized(_pair_sums, "fx", [_rows(4, 4), _rows(5, 5)])
     gm = _entry(opt).capture.graph_module
     assert gm.meta["dynamic_inputs"] == [[0, [0]], [1, [0]]]
+    # traced at the sizes of the call the relaxed graph was captured from (a full batch) ...
+    assert gm.meta["size_hints"] == [[0, [4, 3]], [1, [4, 3]]]
+    flat = _torch_compilers.flatten(gm, _rows(1, 1))
+    assert [tuple(t.shape) for t in flat.inputs] == [(4, 3), (4, 3)]
+    # ... and, without an earlier call's sizes, at 2 where the call's are 1
+    del gm.meta["size_hints"]
     flat = _torch_compilers.flatten(gm, _rows(1, 1))
     assert [tuple(t.shape) for t in flat.inputs] == [(2, 3), (2, 3)]
     ok = flat.meta()
@@ -100,6 +107,42 @@ def test_a_graph_captured_at_a_batch_of_one_is_compiled_for_the_others():
     (graph,) = specularch.explain(opt).graphs
     assert graph.backend == "torchscript" and graph.note == "", graph
     assert graph.sizes.endswith("; 2 call(s) outside ran fx"), graph.sizes  # both (1, 1)
+
+
+class _Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 8 * 8, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.head(torch.flatten(F.max_pool2d(self.conv(x).relu(), 2), 1))
+
+
+def _images(batch):
+    return [torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(batch))]
+
+
+@pytest.mark.parametrize("batches, profile_calls", [
+    ([32, 32, 32, 32, 7, 32, 32, 32, 7, 32], 0),   # the short batch fails the static graph
+    ([32, 32, 32, 7, 32, 32, 32, 7, 32], 3)],      # ... or varies while profiling
+    ids=["relaxed", "profiled"])
+def test_dynamic_sizes_are_traced_at_a_full_batch_not_the_short_one(batches, profile_calls):
+    """The short batch that made the batch dynamic used to be what the compile traced at:
+    the convolution's kernel choice below a batch of 16 then held the compiled form to
+    batches up to 15, and every full batch ran ``fx``. Now the trace takes an earlier
+    call's sizes (the commonest profiled call's): the full batches run compiled."""
+    torch.manual_seed(0)
+    model = _Conv()
+    twin = copy.deepcopy(model)  # (before optimize: a module is optimized in place)
+    opt = specularch.optimize(model, backend="torchscript")
+    with specularch.config.patch(profile_calls=profile_calls):
+        for b in batches:
+            torch.testing.assert_close(opt(*_images(b)), twin(*_images(b)))
+    (graph,) = specularch.explain(opt).graphs
+    assert graph.backend == "torchscript" and graph.note == "", graph
+    outside = int(graph.sizes.rsplit("; ", 1)[-1].split()[0]) if "outside ran fx" in graph.sizes else 0
+    assert outside <= batches.count(7), graph.sizes  # the short batches at most
 
 
 def _halves(x, y):
@@ -151,6 +194,7 @@ def _with_size_check(gm, as_python_bool: bool):
     output.args = (tuple(output.args[0]) + (check,),)
     gm.recompile()
     gm.meta["non_tensor_outputs"] = True
+    gm.meta["size_hints"] = []  # (as capture makes it for a graph that checks in-graph)
     return gm
 
 

@@ -24,7 +24,8 @@ from ..entry_function import MISS, build_entry_function
 from ..fx_lower.randomness import graph_uses_randomness
 from ..fx_lower import get_backend
 from ..fx_lower.passes import example_inputs
-from ..guards.guard import refers_to_dead
+from ..guards.guard import TensorGuard, refers_to_dead
+from ..guards.sources import LocalSource
 from ..records import RecompileRecord, SpecularchStrictError, Unsupported
 from ..shadow_heap import CommitRefused
 from ..guards.relax import argument_fact
@@ -172,6 +173,11 @@ def relax(state: CodeState, slots, cells, globals_, builtins_) -> str:
     before = len(general.relaxations)
     relaxed = {g.key() for g, value, _ in failing if general.from_guard_failure(g, value)}
     why = failing[0][2]
+    if any(isinstance(g, TensorGuard) and g.key() in relaxed for g, _, _ in failing):
+        # sizes made dynamic: compiles trace them at the sizes of the call this graph was
+        # captured from (every slot of one call), not at this call's (a short last batch)
+        general.hint_sizes({g.source.index: g.shape for g in state.entries[0].capture.guards
+                            if isinstance(g, TensorGuard) and isinstance(g.source, LocalSource)})
     if relaxed:
         state.entries[:] = [e for i, e in enumerate(state.entries)
                             if i and not any(g.key() in relaxed for g in e.capture.guards)]
@@ -193,7 +199,8 @@ def capture_with_relaxations(state: CodeState, slots, cells, globals_) -> Captur
                 append_only=general.append_only, keyed_dicts=general.keyed_dicts,
                 varied_lists=general.varied_lists,
                 exact_loops=config.templates == "exact",
-                fold_fixed_sizes=state.backend != "fx" and not state.exact)
+                fold_fixed_sizes=state.backend != "fx" and not state.exact,
+                size_hints=general.size_hints)
             return capture(state.target.code, globals_, state.target.argnames, slots, cells, assumptions,
                            max_instructions=config.max_instructions,
                            inline_depth=config.inline_depth)

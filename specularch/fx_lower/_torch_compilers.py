@@ -23,7 +23,7 @@ import torch.fx
 
 from . import _torch_aoti, _torch_shapes, compile_cache
 from ._torch_background import compiling_in_background
-from .dynamic_sizes import checked, dynamic_inputs
+from .dynamic_sizes import checked, dynamic_inputs, size_hints
 from .passes import (as_tensor_input, graph_outputs, number_outputs, number_outputs_as_tensors,
                      scalar_inputs_as_tensors)
 
@@ -84,7 +84,7 @@ def _aot_dynamic(gm: torch.fx.GraphModule, example_inputs: list,
     if not dynamic:
         return None
     fallback = gm.forward  # (before Inductor's passes rewrite ``gm``)
-    example_inputs = _torch_shapes.hinted(example_inputs, dynamic)
+    example_inputs = _torch_shapes.hinted(example_inputs, dynamic, size_hints(gm))
     fakes = _torch_shapes.symbolic_inputs(example_inputs, dynamic)
     with _torch_shapes.traced_with(fakes), \
             functorch_config.patch(force_non_lazy_backward_lowering=True):
@@ -249,13 +249,13 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: list, *, tracing_mode: str
     returns are returned as 0-d tensors (``passes.number_outputs_as_tensors``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    dynamic = dynamic_inputs(gm)
+    dynamic, hints = dynamic_inputs(gm), size_hints(gm)
     gm, converted = scalar_inputs_as_tensors(gm)
     inputs = list(example_inputs)
     for i in converted:
         inputs[i] = as_tensor_input(inputs[i], scalar_device)
     if dynamic:
-        inputs = _torch_shapes.hinted(inputs, dynamic)
+        inputs = _torch_shapes.hinted(inputs, dynamic, hints)
     numbers = number_outputs(gm) if gm.meta.get("non_tensor_outputs") else []
     if numbers is None:
         raise TypeError("the graph returns a value that is neither a tensor nor a number")

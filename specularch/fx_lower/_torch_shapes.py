@@ -23,19 +23,27 @@ class NotSymbolic(ValueError):
     tracing specialises on)."""
 
 
-def hinted(inputs: list, dynamic: dict[int, list[int]]) -> list:
-    """``inputs`` where each tensor with a dynamic dimension of size 0 or 1 is replaced by
-    zeros with those dimensions 2 (contiguous, same dtype, device and ``requires_grad``):
-    tracing specialises on sizes 0 and 1, so a graph captured at a batch of one (a server's
-    first request, a generated sequence's first token) would otherwise never be compiled
-    for its other sizes. Fake tracing reads no values; the size check then leaves sizes 0
-    and 1 to ``fx``, and a graph that cannot run at 2 fails its compile as before."""
+def hinted(inputs: list, dynamic: dict[int, list[int]], hints: dict[int, tuple] | None = None) -> list:
+    """``inputs`` where each tensor with dynamic dimensions is replaced by zeros (contiguous,
+    same dtype, device and ``requires_grad``) whose dynamic sizes are ``hints``' where given
+    (an earlier call's: the full batch, not the short last one that made the batch dynamic;
+    a kernel choice the trace reads from a size, such as a convolution's below a batch of
+    16, is then the common calls', and the size check sends the others to ``fx``), and
+    sizes 0 and 1 made 2: tracing specialises on them, so a graph captured at a batch of
+    one would otherwise never be compiled for its other sizes. Fake tracing reads no
+    values; a graph that cannot run at those sizes fails its compile as before."""
+    hints = hints or {}
     out = list(inputs)
     for i, dims in dynamic.items():
         value = out[i]
-        if isinstance(value, torch.Tensor) and any(value.shape[d] < 2 for d in dims):
-            shape = [2 if d in dims and n < 2 else n for d, n in enumerate(value.shape)]
-            out[i] = torch.zeros(shape, dtype=value.dtype, device=value.device,
+        if not isinstance(value, torch.Tensor):
+            continue
+        hint = hints.get(i)
+        sizes = [hint[d] if hint is not None and len(hint) == value.dim() and d in dims else n
+                 for d, n in enumerate(value.shape)]
+        sizes = [2 if d in dims and n < 2 else n for d, n in enumerate(sizes)]
+        if sizes != list(value.shape):
+            out[i] = torch.zeros(sizes, dtype=value.dtype, device=value.device,
                                  requires_grad=value.requires_grad)
     return out
 

@@ -28,6 +28,12 @@ def dynamic_inputs(gm: torch.fx.GraphModule) -> dict[int, list[int]]:
     return {int(i): list(dims) for i, dims in gm.meta.get("dynamic_inputs", ())}
 
 
+def size_hints(gm: torch.fx.GraphModule) -> dict[int, tuple]:
+    """``{graph input position: the shape its dynamic dims are traced at}`` (capture's
+    ``meta["size_hints"]``: an earlier call's, a full batch rather than the short one)."""
+    return {int(i): tuple(shape) for i, shape in gm.meta.get("size_hints", ())}
+
+
 class SizeChecked:
     """``compiled`` where the call's sizes satisfy ``expression`` (``_torch_shapes.size_guards``),
     else ``fallback`` (the captured graph's ``fx`` code). ``misses`` counts the calls that

@@ -47,6 +47,7 @@ class Generalisation:
         self.varied_lists: set = set()      # lists whose length changed: a loop over one rolls
         self.relaxations: list[str] = []
         self.static_sizes = False  # sizes proved to steer Python: no more dynamic dims
+        self.size_hints: dict[int, tuple] = {}  # slot -> shape, all of one earlier call
 
     def refuse(self, source) -> None:
         """The code uses a relaxed list/dict as a whole after all: track it again."""
@@ -67,8 +68,17 @@ class Generalisation:
             self.note(f"dynamic sizes made static again: a size computed inside the function "
                       f"steers Python control flow at {where}")
 
+    def hint_sizes(self, shapes: dict[int, tuple]) -> None:
+        """The tensor arguments' shapes of one earlier call: what a compile of the dynamic
+        dims is traced at (``Assumptions.size_hints``)."""
+        self.size_hints = {slot: tuple(shape) for slot, shape in shapes.items()}
+
     def from_profile(self, argnames: tuple, observations: list[tuple]) -> None:
         """Generalise what varied over the profiled calls (plus the current one)."""
+        shapes = [tuple(c[4] if c[0] == "tensor" else None for c in row) for row in observations]
+        if shapes:  # the commonest call's shapes (a full batch, not the short one)
+            common = max(shapes, key=shapes.count)
+            self.hint_sizes({i: s for i, s in enumerate(common) if s is not None})
         for slot, column in enumerate(zip(*observations)):
             name = argnames[slot] if slot < len(argnames) else f"#{slot}"
             kinds = {c[:2] if c[0] != "tensor" else c[:4] for c in column}

@@ -42,6 +42,10 @@ class Assumptions:
     # off where only fx will run it: there its in-graph size checks cost microseconds, and
     # deciding costs 1-2 s of imports once per process
     fold_fixed_sizes: bool = True
+    # argument slot -> the sizes of one earlier call (every slot from the same call) at which
+    # a compile of the dynamic dims is traced: a full batch, not a short last one that
+    # made the dims dynamic (a kernel choice read from the batch is then the common one's)
+    size_hints: Mapping[int, tuple] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Callers pass their live sets; the capture keeps a snapshot no later relaxation
@@ -56,5 +60,7 @@ class Assumptions:
                                 f"{slot!r}: {slot_dims!r}")
             dims[slot] = frozenset(slot_dims)
         object.__setattr__(self, "dynamic_dims", MappingProxyType(dims))
+        object.__setattr__(self, "size_hints", MappingProxyType(
+            {slot: tuple(shape) for slot, shape in dict(self.size_hints).items()}))
         object.__setattr__(self, "dynamic_sources", MappingProxyType(
             {source: frozenset(d) for source, d in dict(self.dynamic_sources).items()}))

@@ -19,7 +19,7 @@ import torch.fx
 from ..fx_lower.randomness import is_random_node
 from ..fx_lower import _torch_fx_sources as fx_sources, history
 from ..guards import GuardSet
-from ..guards.sources import CellSource, Source
+from ..guards.sources import CellSource, LocalSource, Source
 from ..records import Unsupported
 from ..shadow_heap import Rebuild, lint, lint_writes
 from ..shadow_heap import rebuild as rb
@@ -117,6 +117,25 @@ def _refused_loops(error: Exception, attempt: list, lists: frozenset) -> dict:
                                   site=r.site, form=r.form) for r in rolled}, **over_lists}
 
 
+def _size_hints(placeholders: list, hints) -> list:
+    """(position, shape) pairs for the graph inputs with dynamic dims read from an argument
+    slot that ``hints`` has a shape of the same rank for (plain values: sent to the worker).
+    None where a compile must trace at the call's own sizes: a graph that assumes anything
+    in the graph (a size it checks may hold at this call's sizes only), or a dynamic input
+    that is not contiguous (zeros of the hinted sizes would not have its strides)."""
+    out = []
+    for i, n in enumerate(placeholders):
+        value = n.meta.get("value")
+        if not getattr(value, "dyn_dims", None):
+            continue
+        if not value.example.is_contiguous():
+            return []
+        slot = getattr(value.source, "index", None)
+        if type(value.source) is LocalSource and slot in hints and len(hints[slot]) == value.example.dim():
+            out.append([i, list(hints[slot])])
+    return out
+
+
 def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
                   cells: tuple | None, assumptions: Assumptions, attempt: list, *,
                   max_instructions: int, inline_depth: int) -> Capture:
@@ -184,6 +203,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     gm.meta["dynamic_inputs"] = [  # (position, dims) pairs: plain values, sent to the tiering worker
         [i, sorted(n.meta["value"].dyn_dims)] for i, n in enumerate(placeholders)
         if getattr(n.meta.get("value"), "dyn_dims", None)]
+    gm.meta["size_hints"] = [] if assertions else _size_hints(placeholders, assumptions.size_hints)
     gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
                                    for n in placeholders)
