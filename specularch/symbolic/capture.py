@@ -121,8 +121,10 @@ def _size_hints(placeholders: list, hints) -> list:
     """(position, shape) pairs for the graph inputs with dynamic dims read from an argument
     slot that ``hints`` has a shape of the same rank for (plain values: sent to the worker).
     None where a compile must trace at the call's own sizes: a graph that assumes anything
-    in the graph (a size it checks may hold at this call's sizes only), or a dynamic input
-    that is not contiguous (zeros of the hinted sizes would not have its strides)."""
+    in the graph (a size it checks may hold at this call's sizes only) or takes Python
+    numbers (one may be a size of this call: ``view(n, -1)``; the caller checks both), or
+    a dynamic input that is not contiguous (zeros of the hinted sizes would not have its
+    strides)."""
     out = []
     for i, n in enumerate(placeholders):
         value = n.meta.get("value")
@@ -203,7 +205,8 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     gm.meta["dynamic_inputs"] = [  # (position, dims) pairs: plain values, sent to the tiering worker
         [i, sorted(n.meta["value"].dyn_dims)] for i, n in enumerate(placeholders)
         if getattr(n.meta.get("value"), "dyn_dims", None)]
-    gm.meta["size_hints"] = [] if assertions else _size_hints(placeholders, assumptions.size_hints)
+    gm.meta["size_hints"] = [] if assertions or gm.meta["scalar_inputs"] else \
+        _size_hints(placeholders, assumptions.size_hints)
     gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)
     gm.meta["opaque_inputs"] = any(not isinstance(n.meta.get("example"), (torch.Tensor, int, float))
                                    for n in placeholders)
