@@ -105,6 +105,9 @@ def test_torchscript_compiles_it_with_the_length_fixed_by_its_size_check(cell):
     entry = _folded_graph(opt)
     assert entry.backend == "torchscript" and not entry.note, entry.note
     _compiled_for_one_length(opt, "torchscript")
+    # the length of 1's graph: a compile for every size (traced at 2+) would never run there
+    [small] = [e for e in _state_of(opt).entries if _sizes_of_two(e, held=False)]
+    assert small.backend == "fx" and "below 2 only" in small.note, small.note
 
 
 def _state_checked(x, hidden: int = 8):

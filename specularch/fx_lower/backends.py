@@ -202,6 +202,9 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
     # graph inputs; a size that only an intermediate value has is not.
     if gm.meta.get("dynamic_dims") and not gm.meta.get("dynamic_inputs"):
         return f"it has dynamic sizes that are not sizes of its inputs ({compiler} would specialise on them)"
+    if gm.meta.get("sizes_below_two"):
+        return ("it serves dynamic sizes below 2 only (a batch or length of 1; another graph "
+                "serves the others), where a compile for every size, traced at 2 or more, never runs")
     if any(n.op == "call_method" and n.target == "item" for n in gm.graph.nodes):
         return "it reads `.item()` values inside the graph (numbers passed to torch ops)"
     # An in-graph assumption is a tensor output the entry function checks after the graph

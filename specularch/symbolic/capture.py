@@ -205,6 +205,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     gm.meta["dynamic_inputs"] = [  # (position, dims) pairs: plain values, sent to the tiering worker
         [i, sorted(n.meta["value"].dyn_dims)] for i, n in enumerate(placeholders)
         if getattr(n.meta.get("value"), "dyn_dims", None)]
+    gm.meta["sizes_below_two"] = tracer.guarded_below_two()  # (static_sizes.py)
     gm.meta["size_hints"] = [] if assertions or gm.meta["scalar_inputs"] else \
         _size_hints(placeholders, assumptions.size_hints)
     gm.meta["rolled_loops"] = any(r.rolled for r in tracer.loops)

@@ -283,6 +283,10 @@ class Tracer:
         self._guard_folding_sizes()
         return equal
 
+    def guarded_below_two(self) -> bool:
+        """Whether this graph is guarded to a dynamic size below 2 (``_guard_folding_sizes``)."""
+        return self._static is not None and bool(self._static.below_two())
+
     def _guard_folding_sizes(self) -> None:
         """What ``static_sizes`` decides holds for dynamic sizes of at least 2: a graph that
         folded is guarded to them, and one whose inputs had a size of 0 or 1 where it would
