@@ -195,6 +195,9 @@ def test_a_size_that_varies_or_is_fixed_only_under_an_assumption_stays_a_graph_v
         x = torch.randn(*shape)
         torch.testing.assert_close(opt(x), fn(x), rtol=0, atol=0)
     assert ".size(" in _dynamic_graph(opt).capture.code
+    # nothing was folded, so nothing holds only for sizes of 2 and more: the size of 1 runs
+    # the same graph (it had a graph of its own, guarded below 2, before)
+    assert not _sizes_of_two(_dynamic_graph(opt)) and _state_of(opt).stats.captures == 2
 
 
 @pytest.mark.slow

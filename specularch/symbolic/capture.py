@@ -120,11 +120,10 @@ def _refused_loops(error: Exception, attempt: list, lists: frozenset) -> dict:
 def _size_hints(placeholders: list, hints) -> list:
     """(position, shape) pairs for the graph inputs with dynamic dims read from an argument
     slot that ``hints`` has a shape of the same rank for (plain values: sent to the worker).
-    None where a compile must trace at the call's own sizes: a graph that assumes anything
-    in the graph (a size it checks may hold at this call's sizes only) or takes Python
-    numbers (one may be a size of this call: ``view(n, -1)``; the caller checks both), or
-    a dynamic input that is not contiguous (zeros of the hinted sizes would not have its
-    strides)."""
+    Empty where a compile must trace at the call's own sizes: a dynamic input that is not
+    contiguous (zeros of the hinted sizes would not have its strides); the caller leaves
+    out graphs that assume anything in the graph (a size they check may hold at this
+    call's sizes only) or take Python numbers (one may be a size of this call: ``view(n, -1)``)."""
     out = []
     for i, n in enumerate(placeholders):
         value = n.meta.get("value")

@@ -48,6 +48,7 @@ class StaticSizes:
         self._off = False  # the environment assumed something: decide nothing more
         self._probe_bytes = 0
         self._symbolic: dict[torch.fx.Node, list[int]] = {}  # inputs with dynamic sizes read
+        self._decided = False  # a size shown fixed, or two shown equal: needs_two holds
         self._small: dict[torch.fx.Node, list[int]] = {}  # ... those of size 0 or 1 now
 
     def fixed(self, node: torch.fx.Node, dim: int, size: int) -> bool:
@@ -64,12 +65,10 @@ class StaticSizes:
         if isinstance(probe, torch.Tensor) and -probe.dim() <= dim < probe.dim() \
                 and probe.shape[dim] != size:
             return False
-        if self._mode is None:
-            self._mode, self._marks = _torch_shapes.size_environment()
         fake = self._evaluate(node, self._fakes, self._fake)
         if not isinstance(fake, torch.Tensor) or not -fake.dim() <= dim < fake.dim():
             return False
-        return _torch_shapes.fixed_size(fake.shape[dim]) == size
+        return self._decide(_torch_shapes.fixed_size(fake.shape[dim]) == size)
 
     def always_equal(self, a, b) -> bool:
         """Whether two numbers of the graph (size nodes, arithmetic on them, or Python ints)
@@ -83,20 +82,23 @@ class StaticSizes:
             return False
         if all(isinstance(p, int) for p in probes) and probes[0] != probes[1]:
             return False
-        if self._mode is None:
-            self._mode, self._marks = _torch_shapes.size_environment()
         fakes = [self._number(x, self._fakes, self._fake) for x in (a, b)]
-        return not any(f is _UNKNOWN for f in fakes) and _torch_shapes.same_size(*fakes)
+        return self._decide(not any(f is _UNKNOWN for f in fakes) and _torch_shapes.same_size(*fakes))
+
+    def _decide(self, shown: bool) -> bool:
+        self._decided = self._decided or shown
+        return shown
 
     def needs_two(self) -> list[tuple[torch.fx.Node, list[int]]]:
-        """The graph inputs, and their dynamic dimensions, that decisions so far read. What
-        was decided holds where each of those sizes is at least 2: the fake run's symbols
+        """The graph inputs, and their dynamic dimensions, that decisions so far read, once
+        one of them showed a size fixed or two equal (none otherwise: nothing depends on
+        them). What was decided holds where each of those sizes is at least 2: the fake run's symbols
         are (torch specialises sizes 0 and 1, so ``squeeze`` of a symbol records nothing),
         and a size of 0 or 1 may decide otherwise (``x.squeeze(0)`` keeps or drops a
         dimension). The caller guards them; an input whose capture-time size is below 2,
         or that has no source to guard, is never run symbolically (nothing it feeds is
         folded)."""
-        return list(self._symbolic.items())
+        return list(self._symbolic.items()) if self._decided else []
 
     def below_two(self) -> list[tuple[torch.fx.Node, list[int]]]:
         """The graph inputs, and their dynamic dimensions, of size 0 or 1 in this call that a
@@ -139,6 +141,8 @@ class StaticSizes:
     def _fake(self, n: torch.fx.Node):
         """``n`` run on fake tensors whose dynamic sizes are symbols; unknown, and nothing
         decided from then on, where the run assumed anything of a symbol."""
+        if self._mode is None:  # (its first use imports torch._dynamo: only when needed)
+            self._mode, self._marks = _torch_shapes.size_environment()
         before = self._marks()
         result = self._run(n, self._fakes,
                            lambda example, dims: _torch_shapes.fake_input(self._mode, example, dims),

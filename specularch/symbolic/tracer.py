@@ -307,9 +307,13 @@ class Tracer:
     def specialize_shape(self, t: TensorV) -> None:
         """Guard (or assert in the graph) every dynamic size of ``t`` at its current value."""
         for d in range(t.example.dim()):
-            size = self.sym_size(t, d)
-            if isinstance(size, SymV):
-                size.concrete()
+            self.specialize_size(t, d)
+
+    def specialize_size(self, t: TensorV, dim: int) -> None:
+        """Guard (or assert in the graph) ``t.shape[dim]`` at its current value, if dynamic."""
+        size = self.sym_size(t, dim)
+        if isinstance(size, SymV):
+            size.concrete()
 
     def sym_shape(self, t: TensorV) -> Value:
         dims = [self.sym_size(t, d) for d in range(t.example.dim())]
@@ -399,9 +403,7 @@ class Tracer:
                 if not isinstance(leaf, TensorV) or not leaf.dynamic:
                     continue
                 if leaf is t and dim is not None and t.example.dim():
-                    size = self.sym_size(t, dim % t.example.dim())
-                    if isinstance(size, SymV):
-                        size.concrete()
+                    self.specialize_size(t, dim % t.example.dim())
                 else:
                     self.specialize_shape(leaf)
 
@@ -588,6 +590,8 @@ def _split_dim(label: str, args: list, kwargs: dict, t) -> int | None:
     dim = args[at] if len(args) > at else kwargs.get("dim", ConstV(0))
     dim = dim.concrete() if isinstance(dim, ConstV) else None
     return dim if type(dim) is int else None
+
+
 # Python results of tensor ops that describe tensors, never their values (`torch.result_type`)
 _METADATA_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
 _VALUE_FACTORIES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
