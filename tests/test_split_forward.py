@@ -1,7 +1,8 @@
 """Forward graphs whose results need autograd, compiled as their forward and backward
 (``fx_lower/_torch_joint.py``, ``fx_lower/split.py``) and glued as one autograd node
 (``fx_lower/glue.py``), differential against eager: outputs, which outputs carry a gradient,
-every input's gradient; the refusals (inputs updated in place, aliased outputs); and in the
+every input's gradient; views of inputs, outputs and intermediates made again from their bases;
+the refusals (inputs updated in place, a view of an aliased output); and in the
 tiered mode, such a graph compiled in the worker process (not on a thread beside the
 program's steps), one AOT autograd must wrap compiled on the thread saying why."""
 import pytest
@@ -13,7 +14,7 @@ import specularch
 from specularch import tiering
 from specularch.fx_lower import _torch_joint as joint
 from specularch.fx_lower._torch_compilers import torchscript_without_autograd
-from specularch.fx_lower.glue import Glued
+from specularch.fx_lower.glue import Glued, Replay
 from specularch.fx_lower.passes import example_inputs
 from specularch.tiering import policy
 
@@ -22,11 +23,11 @@ from differential import assert_same
 pytestmark = pytest.mark.usefixtures("no_profiling")
 
 
-def _glued(fn, inputs, min_cut=False, replay=True):
+def _glued(fn, inputs, min_cut=False, replay=True, random=False):
     gm = torch.fx.symbolic_trace(fn)
     parts = joint.split(gm, inputs, min_cut=min_cut)
     compiled = [torchscript_without_autograd(g, example_inputs(g)) for g in (parts.forward, parts.backward)]
-    return Glued(*compiled, parts.meta, gm.forward if replay else None)
+    return Glued(*compiled, parts.meta, Replay(replay if callable(replay) else gm.forward, random) if replay else None)
 
 
 def _leaves(*shapes, grad=(True,)):
@@ -109,6 +110,36 @@ def test_double_backward_without_a_replay_says_what_to_do():
         _penalty(_glued(_mlp, inputs, replay=False), inputs)
 
 
+def _dropped(w1, b1, w2, b2, x):
+    return (F.linear(F.dropout(torch.tanh(F.linear(x, w1, b1)), 0.5), w2, b2),)
+
+
+def test_double_backward_of_a_graph_drawing_random_numbers_replays_the_forward_s_draws():
+    """Dropout and a gradient penalty: the replay runs from the generator state the forward
+    started with, so its mask is the forward's (gradients match eager's), and the program's
+    generator is left where eager's is."""
+    inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16))
+    glued = _glued(_dropped, inputs, random=True)
+    copies = [x.detach().clone().requires_grad_() for x in inputs]
+    for fn, xs in ((_dropped, inputs), (glued, copies)):
+        torch.manual_seed(7)
+        _penalty(fn, xs)
+        xs.append(torch.rand(3))  # (where the program's generator is afterwards)
+    assert torch.equal(inputs[-1], copies[-1])
+    for x, y in zip(inputs[:-1], copies[:-1]):
+        assert_same(x.grad, y.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replay_drawing_other_numbers_than_the_forward_raises():
+    def draws_more(*args):
+        torch.rand(1)
+        return _dropped(*args)
+    inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16))
+    glued = _glued(_dropped, inputs, replay=draws_more, random=True)
+    with pytest.raises(RuntimeError, match="did not draw the random numbers its compiled forward drew"):
+        _penalty(glued, inputs)
+
+
 def _batch_norm(x, w, b, mean, var):
     return (F.batch_norm(x, mean, var, w, b, training=True),)
 
@@ -116,6 +147,12 @@ def _batch_norm(x, w, b, mean, var):
 def _views_of_intermediate(w, x):
     h = torch.tanh(x @ w)
     return (h[:, 0], h[:, 1])  # (views of a value no output returns)
+
+
+def _view_of_an_aliased_output(w, x):
+    h = torch.tanh(x @ w)
+    first = h[:, 0]
+    return (first, first.detach(), h[:, 1])  # (the second a view of the first, itself a view)
 
 
 def _views(w, x):
@@ -137,14 +174,36 @@ def test_outputs_that_are_views_alias_what_eager_s_alias_and_match_its_gradients
     assert not got[1].any()
 
 
-@pytest.mark.parametrize("fn, shapes, why", [
-    (_batch_norm, [(4, 3), (3,), (3,), (3,), (3,)], "updates an input in place"),
-    (_views_of_intermediate, [(3, 3), (2, 3)], "intermediate"),
-])
-def test_graphs_aot_autograd_must_wrap_are_refused(fn, shapes, why):
-    inputs = _leaves(*shapes, grad=(True, True, True, False, False)[:len(shapes)])
-    with pytest.raises(joint.NotSplit, match=why):
-        joint.split(torch.fx.symbolic_trace(fn), inputs, min_cut=False)
+def test_a_graph_updating_an_input_in_place_is_refused():
+    """AOT autograd's wrappers would copy the update back into the input: refused."""
+    inputs = _leaves((4, 3), (3,), (3,), (3,), (3,), grad=(True, True, True, False, False))
+    with pytest.raises(joint.NotSplit, match="updates an input in place"):
+        joint.split(torch.fx.symbolic_trace(_batch_norm), inputs, min_cut=False)
+
+
+@pytest.mark.parametrize("min_cut", [False, True])
+@pytest.mark.parametrize("fn", [_views_of_intermediate, _view_of_an_aliased_output])
+def test_views_of_an_intermediate_no_output_returns_are_made_from_it_and_match_eager(fn, min_cut):
+    """AOT autograd's *intermediate bases*: the forward returns ``h`` after the outputs, the
+    glue makes ``h[:, 0]`` and ``h[:, 1]`` from it (one storage, as eager's; a ``detach()``
+    of the first from the first) and drops it; gradients flow through it, also under
+    ``create_graph`` (the replay finds ``h`` as the views' base)."""
+    inputs = _leaves((3, 3), (2, 3), grad=(True, False))
+    _compare(fn, inputs, lambda out: (out[0].pow(2).sum() + 3 * out[-1].sum()).backward(), min_cut)
+    glued = _glued(fn, inputs, min_cut)
+    got = glued(*inputs)
+    assert glued.bases == 1 and [t.requires_grad for t in got] == [t.requires_grad for t in fn(*inputs)]
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1
+    assert got[-1].data_ptr() == got[0].data_ptr() + got[0].element_size()
+    assert got[0]._base is not None and got[0]._base is got[-1]._base and got[0]._base.shape == (2, 3)
+    leaves = _leaves((3, 3), (2, 3))
+    copies = [x.detach().clone().requires_grad_() for x in leaves]
+    glued = _glued(fn, leaves, min_cut)  # (x requires grad too)
+    for call, xs in ((fn, leaves), (glued, copies)):
+        first, second = call(*xs)[0], call(*xs)[-1]
+        (gx,) = torch.autograd.grad((first * second).sum(), [xs[1]], create_graph=True)
+        gx.pow(2).sum().backward()
+    assert_same(leaves[0].grad, copies[0].grad, rtol=1e-5, atol=1e-6)
 
 
 def _twins(make_model):
@@ -320,6 +379,39 @@ class _Tempered(nn.Module):
         return torch.tanh(self.fc(x)) / temperature
 
 
+class _Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop, self.out = nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.tanh(self.fc(x))))
+
+
+def test_gradient_penalty_through_a_promoted_forward_drawing_random_numbers_matches_eager(
+        hot_at_once, monkeypatch):
+    """The default mode with dropout and a gradient penalty: once TorchScript's form is
+    kept, ``create_graph`` replays the graph from the call's generator state (it raised
+    "cannot be differentiated twice" before: a program that runs eagerly broke once tiered)."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    model, twin, opt, _ = _twins(_Dropped)
+    x = torch.randn(4, 8)
+    for step in range(30):
+        for net in (twin, opt):
+            torch.manual_seed(step)
+            net.zero_grad()
+            x_ = x.clone().requires_grad_()
+            out = net(x_)
+            (gx,) = torch.autograd.grad(out.sum(), [x_], create_graph=True)
+            (out.pow(2).mean() + gx.pow(2).sum()).backward()
+        for p, q in zip(twin.parameters(), model.parameters()):
+            assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        tiering.wait(timeout=120)
+    graph = specularch.explain(opt).graphs[-1]
+    assert graph.backend == "torchscript" and graph.tier.events[0].decision == "kept", graph.tier
+
+
 def test_a_number_input_is_a_tensor_to_the_split_and_compiles_in_the_worker(hot_at_once, monkeypatch):
     """The number becomes a 0-d tensor input of both parts (not a constant: each call's value
     is used), so the graph compiles in the worker; parameters follow eager's, and a gradient
@@ -350,24 +442,70 @@ class _AliasOut(nn.Module):
         return h[:, 0], h[:, 1]  # (views of a value no output returns)
 
 
-def test_a_pinned_backend_says_when_the_split_refuses_a_forward_graph():
-    """Pinned, a forward graph the split refuses compiles through AOT autograd's wrappers,
-    and ``explain()`` says so and why; results and gradients still match eager."""
-    torch.manual_seed(0)
-    model, twin = _AliasOut(), _AliasOut()
-    twin.load_state_dict(model.state_dict())
-    opt = specularch.optimize(model, backend="torchscript")
+class _AliasOfAlias(_AliasOut):
+    def forward(self, x):
+        h = self.fc(x)
+        first = h[:, 0]
+        return first, first.detach(), h[:, 1]  # (the second a view of the first, itself a view)
+
+
+def test_a_forward_returning_views_of_a_value_it_does_not_return_compiles_in_the_worker(
+        hot_at_once, monkeypatch):
+    """Two views of one intermediate (mean and log-variance sliced from one layer's output):
+    AOT autograd's intermediate base travels as a third result of the forward part, so the
+    graph compiles in the worker (it compiled through AOT autograd on the thread before)."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    model, twin, opt, adams = _twins(_AliasOut)
+    torch.manual_seed(1)
     x = torch.randn(4, 8)
+
+    def loss(net, step):
+        first, second = net(x)
+        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        return first.pow(2).mean() + second.exp().sum()
+    _step_both(model, twin, opt, adams, 30, loss)
+
+
+def _pinned_twins(make_model, x, backend="torchscript"):
+    """``make_model()`` pinned to ``backend`` beside an eager twin: three calls of each, a
+    loss of the first and last outputs, their gradients compared; returns the optimized
+    model's last graph entry and report."""
+    from specularch.api import _state_of
+    torch.manual_seed(0)
+    model, twin = make_model(), make_model()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model, backend=backend)
     for _ in range(3):
         for net in (twin, opt):
             net.zero_grad()
-            first, second = net(x)
-            (first.sum() + 2 * second.sum()).backward()
+            out = net(x)
+            (out[0].sum() + 2 * out[-1].sum()).backward()
+        assert [t.requires_grad for t in out] == [t.requires_grad for t in twin(x)]
         for p, q in zip(twin.parameters(), model.parameters()):
             assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
-    graph = specularch.explain(opt).graphs[-1]
-    assert graph.backend == "torchscript"
-    assert "AOT autograd's form, not split: AOT autograd would wrap it (intermediate bases" in graph.note, graph
+    return _state_of(opt).entries[-1], specularch.explain(opt).graphs[-1]
+
+
+def test_a_pinned_backend_says_when_the_split_refuses_a_forward_graph(monkeypatch):
+    """Pinned, a forward graph the split refuses compiles through AOT autograd's wrappers,
+    and ``explain()`` says so and why; results and gradients still match eager."""
+    from specularch.fx_lower import split
+
+    def refuse(*args, **kwargs):
+        raise joint.NotSplit("(the refusal)")
+    monkeypatch.setattr(split, "split", refuse)
+    entry, graph = _pinned_twins(_AliasOut, torch.randn(4, 8))
+    assert graph.backend == "torchscript" and not isinstance(entry.graph_fn, Glued), graph.note
+    assert graph.note == "AOT autograd's form, not split: (the refusal)", graph
+
+
+@pytest.mark.parametrize("make_model", [_AliasOut, _AliasOfAlias])
+def test_a_pinned_backend_splits_views_of_a_value_the_forward_does_not_return(make_model):
+    """Before, the split refused these (AOT autograd's intermediate bases), and AOT
+    autograd's own form of ``_AliasOfAlias`` raised ``IndexError`` at run time (fx ran it)."""
+    entry, graph = _pinned_twins(make_model, torch.randn(4, 8))
+    assert graph.backend == "torchscript" and isinstance(entry.graph_fn, Glued), graph.note
 
 
 def test_a_forward_part_returning_another_dtype_than_capture_is_refused():

@@ -7,9 +7,10 @@ where AOT autograd's own run-time wrappers cost more than a small model's compil
 saves. torch has no public API for this; every use goes through here.
 
 Refused (``NotSplit``, with why) where AOT autograd's run-time wrappers do real work: inputs
-updated in place, outputs that are views of an intermediate value no output returns, sizes
-traced as symbols. Outputs that are views of an input or of another output are described
-(``_aliases``) for the glue to make again from their bases.
+updated in place, random-number state, subclasses, sizes traced as symbols. Outputs that are
+views of an input, of another output, or of an intermediate value no output returns (AOT
+autograd's *intermediate bases*: the forward returns that value too, hidden from the program)
+are described (``_aliases``) for the glue to make again from their bases.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ class NotSplit(ValueError):
 class Split:
     """``forward`` and ``backward`` (ATen graphs; each placeholder's ``meta["example"]`` a
     zero-filled tensor of its layout) and ``meta`` (plain values, what ``glue.Glued`` needs):
-    ``outputs``, the graph's output count (the forward returns them, then the saved tensors);
-    ``direct``, the outputs the glue's autograd node returns (``aliases``: the others, views
-    it makes again from their bases); ``differentiable``, the positions in ``direct`` of the
+    ``outputs``, the graph's output count (the forward returns them, then ``bases``
+    intermediate bases, then the saved tensors); ``direct``, the outputs and bases the glue's
+    autograd node returns (positions ``outputs`` onwards are the bases; ``aliases``: the
+    other outputs, views it makes again from their bases; ``base_layouts``, each base's
+    ``[size, stride]``); ``differentiable``, the positions in ``direct`` of the
     outputs that get a gradient (the backward's inputs after the saved tensors, in this
     order, each with the strides in ``tangent_strides``); ``inputs``, the graph's input
     count; ``gradients``, the inputs the backward returns a gradient for, in its output
@@ -62,57 +65,68 @@ def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> S
             flat, tuple(example_inputs), trace_joint=True, dynamic_shapes=False)
     if any(x.mutates_data or x.mutates_metadata for x in meta.input_info):
         raise NotSplit("the graph updates an input in place")
-    if meta.num_intermediate_bases or meta.is_rng_op_functionalized or \
+    if meta.is_rng_op_functionalized or \
             any(type(m).__name__ == "SubclassCreationMeta" for m in meta.subclass_inp_meta):
-        raise NotSplit("AOT autograd would wrap it (intermediate bases, random-number state or subclasses)")
-    outputs = len(meta.output_info)
+        raise NotSplit("AOT autograd would wrap it (random-number state or subclasses)")
+    outputs, bases = len(meta.output_info), meta.num_intermediate_bases
     # (an ``_unsafe_view`` of an intermediate, e.g. ``linear`` on a 3-d input, is a plain
-    # output to AOT autograd's wrappers as well)
+    # output to AOT autograd's wrappers as well.) An intermediate base is returned after the
+    # outputs, and its views are made from it: AOT autograd keeps one only where it and its
+    # views need a gradient, so each gets one (the joint's tangents: outputs', then bases').
     direct = [i for i, x in enumerate(meta.output_info)
               if x.output_type in (OutputType.non_alias, OutputType.unsafe_view_alias)]
+    direct += range(outputs, outputs + bases)
     aliases = _aliases(joint, meta, direct)
-    differentiable = [k for k, i in enumerate(direct) if meta.output_info[i].requires_grad]
+    differentiable = [k for k, i in enumerate(direct) if i >= outputs or meta.output_info[i].requires_grad]
     tangents = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     if len(tangents) != len(differentiable):
         raise NotSplit(f"{len(tangents)} gradient inputs for {len(differentiable)} differentiable outputs")
     partition = partitioners.min_cut_rematerialization_partition if min_cut else partitioners.default_partition
-    forward, backward = partition(joint, None, num_fwd_outputs=outputs)
+    forward, backward = partition(joint, None, num_fwd_outputs=outputs + bases)
     gradients = _drop_none_outputs(backward)
     for graph in (forward, backward):
         _examples_from_fakes(graph)
-    saved = len(graph_outputs(forward)) - outputs
+    saved = len(graph_outputs(forward)) - outputs - bases
     tangent_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"][saved:]
     if len(tangent_inputs) != len(differentiable):
         raise NotSplit("the backward's inputs are not the saved tensors and the gradients")
+    base_values = _output_values(joint)[outputs:outputs + bases]
     return Split(forward, backward, {
-        "outputs": outputs, "direct": direct, "aliases": aliases,
+        "outputs": outputs, "bases": bases, "direct": direct, "aliases": aliases,
+        "base_layouts": [[list(v.shape), list(v.stride())] for v in base_values],
         "differentiable": differentiable, "inputs": len(example_inputs),
         "gradients": gradients, "passthrough": passthrough,
         "tangent_strides": [list(n.meta["example"].stride()) for n in tangent_inputs]})
 
 
 def _aliases(joint: torch.fx.GraphModule, meta, direct: list[int]) -> list[dict]:
-    """The outputs that are views of an input, or of another output that is not itself a
-    view (``x.t()``, ``hidden[:, 0]`` beside ``hidden``): the glue makes each again from its
-    base, as AOT autograd's wrappers do (``Tensor.as_strided`` with the traced layout; the
-    base's gradient flows through it), so that it aliases what eager's aliases. Each:
-    ``output``, ``input`` or ``of`` (the base's input or output position), ``size``,
-    ``stride``, ``offset`` (from the base's storage offset). Raises ``NotSplit`` for other
-    aliases (of an intermediate no output returns, of a view made without grad mode)."""
+    """The outputs that are views of an input, of another output that is not itself a view
+    (``x.t()``, ``hidden[:, 0]`` beside ``hidden``), or of an intermediate base (``h[:, 0]``
+    and ``h[:, 1]`` of an ``h`` no output returns): the glue makes each again from its base,
+    as AOT autograd's wrappers do (``Tensor.as_strided`` with the traced layout; the base's
+    gradient flows through it), so that it aliases what eager's aliases. Each: ``output``,
+    ``input`` or ``of`` (the base's input position, or its position among the outputs and,
+    after them, the intermediate bases), ``size``, ``stride``, ``offset`` (from the base's
+    storage offset; a view of an earlier aliased output, ``a.detach()`` beside ``a``, is made
+    from it). Raises ``NotSplit`` for other aliases (an output that is an input after
+    ``set_``, a view made without grad mode)."""
     from torch._functorch._aot_autograd.schemas import OutputType
     inputs = [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"
               and not n.name.startswith("tangents")]
-    values = [v.meta.get("val") if isinstance(v, torch.fx.Node) else None
-              for v in _output(joint).args[0][:len(meta.output_info)]]
-    out = []
+    outputs = len(meta.output_info)
+    values = _output_values(joint)[:outputs + meta.num_intermediate_bases]
+    of_bases = (OutputType.alias_of_intermediate, OutputType.alias_of_intermediate_save_as_output)
+    out, made = [], set()  # (the glue makes them in this order: a view of an earlier one too)
     for i, info in enumerate(meta.output_info):
         if i in direct:
             continue
         if info.output_type == OutputType.alias_of_input:
             base, where = inputs[info.base_idx], {"input": info.base_idx}
         elif info.output_type == OutputType.alias_of_intermediate_base_is_user_output \
-                and info.base_idx in direct:
+                and (info.base_idx in direct or info.base_idx in made):
             base, where = values[info.base_idx], {"of": info.base_idx}
+        elif info.output_type in of_bases:
+            base, where = values[outputs + info.base_idx], {"of": outputs + info.base_idx}
         else:
             raise NotSplit("an output aliases an intermediate value or another aliased output, "
                            "or is an input")
@@ -121,6 +135,7 @@ def _aliases(joint: torch.fx.GraphModule, meta, direct: list[int]) -> list[dict]
         alias = values[i]
         if not isinstance(alias, torch.Tensor) or not isinstance(base, torch.Tensor):
             raise NotSplit("an aliased output is not a tensor")
+        made.add(i)
         out.append({"output": i, **where, "size": list(alias.shape), "stride": list(alias.stride()),
                     "offset": alias.storage_offset() - base.storage_offset(),
                     "requires_grad": info.requires_grad})
@@ -147,6 +162,11 @@ def _without_returned_inputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphMo
     output.args = (tuple(v for i, v in enumerate(output.args[0]) if i not in dropped),)
     gm.recompile()
     return gm, passthrough
+
+
+def _output_values(joint: torch.fx.GraphModule) -> list:
+    """The fake value of each of the joint graph's results (None where it is not a node)."""
+    return [v.meta.get("val") if isinstance(v, torch.fx.Node) else None for v in _output(joint).args[0]]
 
 
 def _output(gm: torch.fx.GraphModule) -> torch.fx.Node:

@@ -1,9 +1,10 @@
 """A forward graph's compiled forward and backward (``_torch_joint.split``, each compiled
 like a flattened graph) joined as one autograd node: the forward's outputs are the graph's
 results, the tensors it saves are kept for the backward, whose gradients go to the inputs
-that require grad, and outputs that are views of an input or of another output are made again
-from their bases. What AOT autograd's run-time wrappers do besides (input updates, views of
-intermediates, symbolic sizes, subclasses) is refused by the split, so this is all that is left:
+that require grad, and outputs that are views of an input, of another output or of an
+intermediate value (returned by the forward after the outputs, hidden from the program) are
+made again from their bases. What AOT autograd's run-time wrappers do besides (input updates,
+symbolic sizes, subclasses) is refused by the split, so this is all that is left:
 on a small model those wrappers cost more than the compiled code saves (docs/tiering.md).
 """
 from __future__ import annotations
@@ -13,23 +14,47 @@ from typing import Callable
 import torch
 
 from .passes import as_tensor_input
+from .randomness import generator_states, restore_generators, same_generator_states
+
+
+class Replay:
+    """What a backward under ``create_graph`` runs again: the captured graph's ``fx`` code
+    (``fn``). ``random``: the graph draws random numbers, so the call's forward saves the
+    generators' states before and after it, and the replay runs from the first and must
+    end at the second (the compiled forward draws eager's numbers, ``same_draws.py``), so
+    that it draws the forward's numbers and leaves the program's generators as they are."""
+
+    def __init__(self, fn: Callable, random: bool = False):
+        self.fn, self.random = fn, random
+
+    def __call__(self, *args):
+        return self.fn(*args)
 
 
 class Glued:
     """``forward`` and ``backward`` (compiled callables returning lists of tensors) joined
     by ``meta`` (``Split.meta``); called with the graph's inputs, returns its outputs.
-    ``replay``: the captured graph's ``fx`` code, for a backward under ``create_graph``
-    (double backward, a gradient penalty), whose gradients must themselves carry history:
-    the compiled backward's do not, so that backward runs the graph again with autograd
-    (on the call's inputs, checked unchanged) and differentiates it (``_replayed``). None
-    (a graph that draws random numbers: a second run would draw others) raises there."""
+    ``replay``: the captured graph's ``fx`` code (a ``Replay``, or a function that draws no
+    random numbers), for a backward under ``create_graph`` (double backward, a gradient
+    penalty), whose gradients must themselves carry history: the compiled backward's do
+    not, so that backward runs the graph again with autograd (on the call's inputs,
+    checked unchanged; from the generator states the call started with) and differentiates
+    it (``_replayed``). None raises there."""
 
     def __init__(self, forward: Callable, backward: Callable, meta: dict,
                  replay: Callable | None = None):
+        if replay is not None and not isinstance(replay, Replay):
+            replay = Replay(replay)
         self.forward, self.backward, self.replay = forward, backward, replay
+        self.random = replay is not None and replay.random
         self.outputs = meta["outputs"]
-        # The outputs the autograd node returns (the others are views, made again from their
-        # bases in ``__call__``: ``_torch_joint._aliases``); ``differentiable`` indexes these.
+        # The intermediate bases: the forward's results after the outputs, their views made
+        # again from them (aliases), themselves not returned
+        self.bases = meta.get("bases", 0)
+        self.base_layouts = [tuple(map(tuple, layout)) for layout in meta.get("base_layouts", ())]
+        # The outputs (and bases) the autograd node returns (the others are views, made again
+        # from their bases in ``__call__``: ``_torch_joint._aliases``); ``differentiable``
+        # indexes these.
         self.direct = list(meta.get("direct", range(self.outputs)))
         self.aliases = [dict(a) for a in meta.get("aliases", ())]
         self.differentiable = list(meta["differentiable"])
@@ -46,19 +71,17 @@ class Glued:
         """The inputs' gradients with history (``create_graph``), from the ``fx`` code run
         again on the call's inputs."""
         if self.replay is None:
-            raise RuntimeError(
-                "specularch: this graph's compiled form cannot be differentiated twice (its "
-                "graph draws random numbers, which a second run would draw differently); "
-                "optimize it with backend=\"fx\" (or exact=True) to use create_graph=True")
+            raise _not_twice("its graph's code was not kept")
         if any(a._version != v for a, v in zip(ctx.inputs, ctx.versions)):
             raise RuntimeError("one of the variables needed for gradient computation has been "
                                "modified by an inplace operation (a specularch graph's input, "
                                "read again for create_graph=True)")
         dropped = {i for i, _ in self.passthrough}
         with torch.enable_grad():
-            every = self.replay(*ctx.given)
+            every = self._replay(ctx)
             every = list(every) if isinstance(every, (list, tuple)) else [every]
             traced = [v for i, v in enumerate(every) if i not in dropped]
+            traced += self._replayed_bases(traced)
             outputs = [traced[i] for i in self.direct]
             wanted = [ctx.given[i] for i in self.gradients]
             got = torch.autograd.grad([outputs[i] for i in self.differentiable], wanted,
@@ -66,21 +89,55 @@ class Glued:
                                       create_graph=True, allow_unused=True)
         return list(got)
 
+    def _replay(self, ctx):
+        """The graph's ``fx`` code run on the call's inputs; one that draws random numbers
+        runs from the generator states its forward started with (the program's are put back
+        after it) and must end where the forward did."""
+        if not self.random:
+            return self.replay(*ctx.given)
+        before, after = ctx.draws
+        now = generator_states()
+        restore_generators(before)
+        try:
+            every = self.replay(*ctx.given)
+            same = same_generator_states(generator_states(), after)
+        finally:
+            restore_generators(now)
+        if not same:
+            raise _not_twice("running its graph again did not draw the random numbers its "
+                             "compiled forward drew")
+        return every
+
+    def _replayed_bases(self, traced: list) -> list:
+        """The intermediate bases of the replayed outputs: the ``_base`` of a view made from
+        each, where it has the layout the split traced (otherwise the replay cannot tell
+        which tensor the base's gradient belongs to, and raises)."""
+        bases = []
+        for position, layout in enumerate(self.base_layouts, self.outputs):
+            view = next(traced[a["output"]] for a in self.aliases if a.get("of") == position)
+            base = view._base
+            if base is None or (tuple(base.shape), base.stride()) != layout:
+                raise _not_twice("an output is a view of a value it does not return, and "
+                                 "running the graph again did not make that value as traced")
+            bases.append(base)
+        return bases
+
     def __call__(self, *args):
         given = args
         if self.converted:
             args = list(args)
             for i in self.converted:
                 args[i] = as_tensor_input(args[i])
-        out = [None] * self.outputs
+        out = [None] * (self.outputs + self.bases)
         for i, value in zip(self.direct, _Node.apply(self, given, *args)):
             out[i] = value
-        for alias in self.aliases:  # (views of inputs, or of outputs made above)
+        for alias in self.aliases:  # (views of inputs, or of outputs or bases made above)
             base = args[alias["input"]] if "input" in alias else out[alias["of"]]
             if not alias["requires_grad"]:  # (e.g. ``w.detach()``: a view without history)
                 base = base.detach()
             out[alias["output"]] = base.as_strided(alias["size"], alias["stride"],
                                                    base.storage_offset() + alias["offset"])
+        del out[self.outputs:]  # (the bases)
         for output, position in self.passthrough:  # (in output order)
             out.insert(output, args[position])
         return out
@@ -97,13 +154,24 @@ class Glued:
         return out
 
 
+def _not_twice(why: str) -> RuntimeError:
+    return RuntimeError(f"specularch: this graph's compiled form cannot be differentiated twice "
+                        f"({why}); optimize it with backend=\"fx\" (or exact=True) to use "
+                        f"create_graph=True")
+
+
 class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, glued: Glued, given: tuple, *args):
-        results = glued.forward(*args)
+        if glued.random:  # (for create_graph only: where the replay must draw from)
+            before = generator_states()
+            results = glued.forward(*args)
+            ctx.draws = before, generator_states()
+        else:
+            results = glued.forward(*args)
         outputs = [results[i] for i in glued.direct]
         ctx.glued = glued
-        ctx.save_for_backward(*results[glued.outputs:])
+        ctx.save_for_backward(*results[glued.outputs + glued.bases:])
         ctx.mark_non_differentiable(*[outputs[i] for i in glued.not_differentiable])
         # (for create_graph only: references, and the versions to check them against)
         ctx.inputs, ctx.versions, ctx.given = args, [a._version for a in args], given

@@ -1,5 +1,6 @@
 """Which graph nodes draw random numbers: such a node must run even when its result is unused,
-and a graph with one saves and restores the RNG state around a failed assumption."""
+and a graph with one saves and restores the RNG state around a failed assumption; and the
+generators' states, saved, compared and put back."""
 from __future__ import annotations
 
 import torch
@@ -34,3 +35,23 @@ def is_identity_dropout(node: torch.fx.Node) -> bool:
 
 def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
     return any(is_random_node(node) for node in gm.graph.nodes)
+
+
+def generator_states() -> tuple:
+    """The CPU generator's state, and every CUDA device's where CUDA is initialised."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def restore_generators(states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def same_generator_states(a: tuple, b: tuple) -> bool:
+    if not torch.equal(a[0], b[0]):
+        return False
+    return (a[1] is None) == (b[1] is None) and \
+        (a[1] is None or all(torch.equal(x, y) for x, y in zip(a[1], b[1])))

@@ -108,8 +108,7 @@ def compile_here(backend: str, gm: torch.fx.GraphModule, examples: list,
     ``without_autograd`` (the backend's flattened compile), glued, and None; or None where
     ``refusal`` refuses it (rolled loops, dynamic sizes, numbers compiled per value), and
     also why where the split itself did (AOT autograd's own wrappers then, and ``explain()``
-    says why: an input updated in place, views of an intermediate no output returns, which
-    the program could change)."""
+    says why: an input updated in place, which AOT autograd's wrappers copy back)."""
     from ._torch_joint import NotSplit
     from .glue import Glued
     if refusal(gm) is not None:
@@ -123,11 +122,12 @@ def compile_here(backend: str, gm: torch.fx.GraphModule, examples: list,
     return (compile_cache.mark_cached(glued) if all(map(compile_cache.from_cache, compiled)) else glued), None
 
 
-def replay_of(gm: torch.fx.GraphModule) -> Callable | None:
+def replay_of(gm: torch.fx.GraphModule) -> Callable:
     """What ``glue.Glued`` runs for a backward under ``create_graph``: the graph's ``fx``
-    code, unless it draws random numbers."""
+    code (from the call's generator states where it draws random numbers)."""
+    from .glue import Replay
     from .randomness import graph_uses_randomness
-    return None if graph_uses_randomness(gm) else gm.forward
+    return Replay(gm.forward, graph_uses_randomness(gm))
 
 
 def load_parts(backend: str, artefact: str, metas: dict, replay: Callable | None) -> Callable:

@@ -77,7 +77,7 @@ class WorkerFailed(RuntimeError):
 
 class NotSplit(WorkerFailed):
     """A forward graph the worker could not split (``fx_lower/_torch_joint.py``: it updates
-    an input in place, or returns an alias): it compiles through AOT autograd on the thread."""
+    an input in place, say): it compiles through AOT autograd on the thread."""
 
 
 def route(backend: str, gm: torch.fx.GraphModule, fixed_sizes: bool = False,

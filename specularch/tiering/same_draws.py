@@ -18,30 +18,13 @@ from typing import Callable
 
 import torch
 
+from ..fx_lower.randomness import generator_states, restore_generators, same_generator_states
+
 RTOL, ATOL = 1e-3, 1e-5  # float rounding of a compiled graph; another mask is far outside
 
 
 class DrawsOtherNumbers(RuntimeError):
     """The candidate's random numbers (or the outputs they give) are not eager's."""
-
-
-def _states() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore(states: tuple) -> None:
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
-def _same_states(a: tuple, b: tuple) -> bool:
-    if not torch.equal(a[0], b[0]):
-        return False
-    return (a[1] is None) == (b[1] is None) and \
-        (a[1] is None or all(torch.equal(x, y) for x, y in zip(a[1], b[1])))
 
 
 def _close(got, expected) -> bool:
@@ -67,17 +50,17 @@ class Checked:
         self.candidate, self.reference = candidate, reference
 
     def __call__(self, *args):
-        before = _states()
+        before = generator_states()
         expected = self.reference(*args)
-        after = _states()
-        _restore(before)
+        after = generator_states()
+        restore_generators(before)
         got = self.candidate(*args)
-        if not _same_states(after, _states()):
-            _restore(before)
+        if not same_generator_states(after, generator_states()):
+            restore_generators(before)
             raise DrawsOtherNumbers("its random numbers are not eager's: it left the "
                                     "generator in another state")
         if not _close(got, expected):
-            _restore(before)
+            restore_generators(before)
             raise DrawsOtherNumbers("its random numbers are not eager's: its outputs differ "
                                     "from the fx graph's beyond float rounding")
         return got
