@@ -249,3 +249,61 @@ def test_two_steps_in_one_call_match_eager(case):
     assert all(f.kind == "unsupported_call" and "two step() calls" in f.explanation
                for f in e.fallbacks), str(e)
     assert (e.fallbacks == []) == (case in ("adadelta", "rmsprop_momentum_centered")), str(e)
+
+
+def _lbfgs_run(optimize, set_to_none, steps=3):
+    """``LBFGS.step(closure)`` with the closure optimized by ``optimize``: the closure's
+    losses, the parameters and the optimizer's state after ``steps`` steps."""
+    model = _model().double()
+    opt = O.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = (t.double() for t in _batch(0))
+    losses = []
+
+    def closure():
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        return loss
+    closure = optimize(closure)
+    for _ in range(steps):
+        opt.step(closure)
+    return closure, losses, model.state_dict(), opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_lbfgs_closure_with_zero_grad_is_captured_and_matches_eager(no_profiling, set_to_none):
+    """``zero_grad`` of an optimizer whose ``step`` is not captured (LBFGS keeps torch's
+    ``Optimizer.zero_grad``): the closure ``step`` calls is one graph, bit for bit eager's
+    (it fell back before: "LBFGS.zero_grad() is not captured")."""
+    _, losses, params, state = _lbfgs_run(lambda f: f, set_to_none)
+    closure, got_losses, got_params, got_state = _lbfgs_run(specularch.optimize, set_to_none)
+    assert got_losses == losses and len(losses) > 3
+    for name in params:
+        assert torch.equal(params[name], got_params[name]), name
+    for key in ("d", "t", "old_dirs", "prev_flat_grad", "n_iter"):
+        a, b = state[0][key], got_state[0][key]
+        assert all(map(torch.equal, a, b)) if isinstance(a, list) else \
+            (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), key
+    e = specularch.explain(closure)
+    assert e.fallbacks == [] and e.stats.graph_hits >= len(losses) - 2, str(e)
+
+
+class _OwnZeroGrad(O.SGD):
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        self.zeroed = getattr(self, "zeroed", 0) + 1
+
+
+def test_an_optimizer_overriding_zero_grad_is_not_captured(no_profiling):
+    """Its own ``zero_grad`` may do anything (here: count): the step runs eagerly, saying so."""
+    models = _model(), _model()
+    opts = [_OwnZeroGrad(m.parameters(), lr=0.1) for m in models]
+    fast = specularch.optimize(_make_step(models[0], opts[0]))
+    slow = _make_step(models[1], opts[1])
+    for step in range(3):
+        x, y = _batch(step)
+        assert fast(x, y) == slow(x, y)
+    assert opts[0].zeroed == opts[1].zeroed == 3
+    e = specularch.explain(fast)
+    assert e.fallbacks and "_OwnZeroGrad.zero_grad() is not captured" in e.fallbacks[0].explanation, str(e)

@@ -143,7 +143,7 @@ def _instance_attr(tracer, v: ObjV, name: str) -> Value:
     obj = v.obj
     cls = type(obj)
     if name in ("step", "zero_grad"):
-        if MODELS.optim_is_modelled(obj):
+        if MODELS.optim_is_modelled(obj, name):
             return MethodV(v, None, name)  # captured by optim_model, not inlined
         if isinstance(obj, torch.optim.LBFGS) and name == "step":
             raise Unsupported("unsupported_call", "LBFGS.step(closure) is not captured: it calls "

@@ -65,7 +65,7 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
         return _const_method(tracer, self_v, name, args, kwargs)
     if isinstance(self_v, ObjV):
         from . import nn_module as module_model, optim as optim_model
-        if optim_model.is_modelled(self_v.obj):
+        if optim_model.is_modelled(self_v.obj, name):
             return optim_model.call(tracer, self_v, name, args, kwargs)
         if isinstance(self_v.obj, torch.nn.Module) and module_model.is_modelled(self_v.obj, name):
             return module_model.call(tracer, self_v, name, args, kwargs)

@@ -50,8 +50,14 @@ def _table() -> dict:
 
 
 @provides("optim_is_modelled")
-def is_modelled(opt) -> bool:
-    return type(opt) in _table()
+def is_modelled(opt, name: str = "step") -> bool:
+    """Whether ``opt.<name>()`` is captured: both methods of the optimizers in ``_table``;
+    ``zero_grad`` of any torch optimizer that keeps ``Optimizer.zero_grad`` (the closure
+    ``LBFGS.step`` calls zeroes the gradients; that ``step`` runs eagerly)."""
+    if type(opt) in _table():
+        return True
+    return name == "zero_grad" and isinstance(opt, torch.optim.Optimizer) and \
+        getattr(type(opt), "zero_grad", None) is torch.optim.Optimizer.zero_grad
 
 
 @provides("captured_optimizer_names")
@@ -147,9 +153,10 @@ def _groups(tracer, opt_v: ObjV, read_hyper: bool = True) -> list[tuple[dict, li
         raise Unsupported("unsupported_call", "an optimizer param group is written in the captured "
                           "function before the optimizer call (set the learning rate between calls)")
     tracer.add_guard(LenGuard, groups_src, list, len(raw_groups))
-    reads = _reads(opt)
+    # (zero_grad reads only the parameters: of any optimizer, is_modelled)
+    reads = _reads(opt) if read_hyper else frozenset({"params"})
     # a key the optimizer defines that the model does not know (a newer torch's option)
-    unmodelled = (set(opt.defaults) - reads) & {k for g in raw_groups for k in g}
+    unmodelled = (set(opt.defaults) - reads) & {k for g in raw_groups for k in g} if read_hyper else ()
     if unmodelled:
         raise Unsupported("unsupported_call", f"optimizer param group has options {sorted(unmodelled)}")
     result = []
