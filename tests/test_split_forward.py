@@ -94,6 +94,22 @@ def _penalty(fn, inputs):
     (gx ** 2).sum().backward()
 
 
+def _tanh_layer(w, b, x):
+    return (torch.tanh(F.linear(x, w, b)),)
+
+
+def test_an_output_the_backward_reads_changed_in_place_raises_as_in_eager():
+    """``tanh``'s backward reads its output: changed by the program before the backward,
+    eager raises; the glue saves that output itself (not the copy the compiled form makes
+    of a tensor it returns twice), so it raises too."""
+    inputs = _leaves((3, 4), (3,), (2, 4), grad=(True, True, False))
+    for fn in (_tanh_layer, _glued(_tanh_layer, inputs)):
+        (out,) = fn(*inputs)
+        out.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
 def test_double_backward_runs_the_graph_again_and_matches_eager():
     inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16))
     glued = _glued(_mlp, inputs)

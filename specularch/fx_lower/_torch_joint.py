@@ -93,10 +93,34 @@ def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> S
     base_values = _output_values(joint)[outputs:outputs + bases]
     return Split(forward, backward, {
         "outputs": outputs, "bases": bases, "direct": direct, "aliases": aliases,
+        "saved_outputs": _saved_outputs(forward, direct, outputs + bases),
         "base_layouts": [[list(v.shape), list(v.stride())] for v in base_values],
         "differentiable": differentiable, "inputs": len(example_inputs),
         "gradients": gradients, "passthrough": passthrough,
         "tangent_strides": [list(n.meta["example"].stride()) for n in tangent_inputs]})
+
+
+def _saved_outputs(forward: torch.fx.GraphModule, direct: list[int], returned: int) -> list[list[int]]:
+    """``[saved position, output position]`` for each tensor the backward reads that is an
+    output the glue returns (``tanh``'s result, which its backward reads): the glue saves
+    that output itself, so that the program changing it in place before the backward raises,
+    as eager does. (A compiled forward returns it once per use, and the compiled form copies
+    repeated tensors: saved as returned, the copy would hide the change and the backward
+    would read the old value.)"""
+    values = _output(forward).args[0]
+    first = {}
+    for i in direct:
+        first.setdefault(values[i], i)
+    return [[k, first[_undetached(v)]] for k, v in enumerate(values[returned:]) if _undetached(v) in first]
+
+
+def _undetached(value):
+    """The node a chain of ``detach`` calls starts from (the partitioner saves an output as
+    ``detach(out)``, which shares its version counter in eager)."""
+    detach = torch.ops.aten.detach.default
+    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target is detach:
+        value = value.args[0]
+    return value
 
 
 def _aliases(joint: torch.fx.GraphModule, meta, direct: list[int]) -> list[dict]:

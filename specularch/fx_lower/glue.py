@@ -63,6 +63,8 @@ class Glued:
         self.gradients = list(meta["gradients"])
         self.strides = [tuple(s) for s in meta["tangent_strides"]]
         self.passthrough = [tuple(p) for p in meta.get("passthrough", ())]
+        # (saved tensors that are outputs: saved as the output object, _torch_joint._saved_outputs)
+        self.saved_outputs = [tuple(p) for p in meta.get("saved_outputs", ())]
         self.converted = list(meta.get("converted", ()))  # number inputs, given as 0-d tensors
         self.artefact_note = "; ".join(filter(None, (getattr(forward, "artefact_note", ""),
                                                      getattr(backward, "artefact_note", ""))))
@@ -171,7 +173,10 @@ class _Node(torch.autograd.Function):
             results = glued.forward(*args)
         outputs = [results[i] for i in glued.direct]
         ctx.glued = glued
-        ctx.save_for_backward(*results[glued.outputs + glued.bases:])
+        saved = list(results[glued.outputs + glued.bases:])
+        for k, i in glued.saved_outputs:
+            saved[k] = results[i]
+        ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[outputs[i] for i in glued.not_differentiable])
         # (for create_graph only: references, and the versions to check them against)
         ctx.inputs, ctx.versions, ctx.given = args, [a._version for a in args], given

@@ -36,7 +36,7 @@ from .hot_sizes import SizeCount
 from .history import FAILED, KEPT, RAISED, REFUSED, REJECTED, REMEMBERED, TierEvent, TierHistory
 
 
-SAMPLE = 4  # calls per CPU-time reading while a graph is not yet hot
+SAMPLE = 4  # hits per CPU-time reading while a graph is not yet hot
 
 
 @dataclass
@@ -91,17 +91,24 @@ class Tier:
             return trial.call(L, C, G, B)
         if self.submitted:  # candidates compiling: nothing to measure yet
             return self.fn(L, C, G, B)
-        self.hits += 1
-        if self.hits % SAMPLE:
-            return self.fn(L, C, G, B)
+        # Only calls the graph ran count (and are sampled): a call its guards turn away
+        # (MISS: another graph of the function runs it) is not this graph's. Counted per
+        # call tried, a graph taking every other call (a training step beside an eval pass)
+        # was sampled only on the calls it turned away, and never got hot.
+        if (self.hits + 1) % SAMPLE:
+            result = self.fn(L, C, G, B)
+            if result is not MISS:
+                self.hits += 1
+            return result
         # CPU time of this thread, not wall time: on a busy machine a preempted call would
-        # make a small graph look hot. Read on one call in SAMPLE: reading it is a system
+        # make a small graph look hot. Read on one hit in SAMPLE: reading it is a system
         # call (µs), as much as a small graph's whole call. The graph's time so far is
         # estimated as hits x the median sampled call, so that one slow call (a collection,
         # a page-faulting first run) does not make a small graph look hot.
         start = time.thread_time()
         result = self.fn(L, C, G, B)
         if result is not MISS:
+            self.hits += 1
             self.sampled.append(time.thread_time() - start)
             seconds = self.hits * statistics.median(self.sampled)
             if policy.hot(self.hits, seconds):
