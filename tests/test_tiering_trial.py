@@ -188,3 +188,31 @@ def test_the_eager_tier_is_timed_with_its_backward(hot_at_once, monkeypatch):
     (event,) = specularch.explain(opt).graphs[-1].tier.events
     assert event.candidate == EAGER and event.decision in ("kept", "rejected"), event
     assert (EAGER, 1, True) in timed and (EAGER, 0, True) in timed, timed
+
+
+def test_calls_the_graph_turns_away_leave_the_trial_where_it_was():
+    """Calls whose guards miss (another graph of the function runs them: an eval pass
+    between training steps) are not the trial's: the warm-up's calls, checked to draw
+    eager's numbers, are calls the candidate ran, and the sides take turns by the calls
+    run. Counted per call tried, three misses at the start left a random graph's candidate
+    with no checked call at all."""
+    from specularch.entry_function import MISS
+    ran = []
+
+    def side(name):
+        def fn(L, C, G, B):
+            if L == "miss":
+                return MISS
+            ran.append(name)
+            return name
+        return fn
+    k = 2
+    tier = _Tier(k, fn=side("current"))
+    candidate = Candidate("torchscript", side("candidate"), None, "", 0.0, "", side("checked"))
+    trial = Trial(tier, candidate)
+    for _ in range(3):
+        assert trial.call("miss", None, None, None) is MISS
+    for _ in range(policy.WARM_UP + 2 * k):
+        trial.call("hit", None, None, None)
+        trial.call("miss", None, None, None)
+    assert ran == ["checked"] * policy.WARM_UP + ["current"] * k + ["candidate"] * k, ran

@@ -306,8 +306,10 @@ class Trial:
     def call(self, L, C, G, B):
         if self.pending is not None:
             self._flush()
+        # (calls the graph ran, as Tier counts them: a call its guards turn away leaves the
+        # trial where it was, so that the warm-up's checked calls are real ones, and two
+        # graphs taking turns do not leave one side without samples)
         n = self.calls
-        self.calls = n + 1
         timed = n >= self.warm_up
         side = ((n - self.warm_up) // self.k) % 2 if timed else 1
         fn = self.candidate.fn if side else self.tier.fn
@@ -332,6 +334,8 @@ class Trial:
                                              compiled_in=self.candidate.compiled_in))
             return self.tier.fn(L, C, G, B)
         elapsed = self.clock() - start
+        if result is not MISS:
+            self.calls = n + 1
         # (not while another graph's candidate compiles: see Tier._next_trial)
         if timed and result is not MISS and not worker.pending():
             if type(result) is EagerRun:  # the eager tier: its run comes after this returns
