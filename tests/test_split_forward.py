@@ -493,11 +493,13 @@ def _pinned_twins(make_model, x, backend="torchscript"):
     twin.load_state_dict(model.state_dict())
     opt = specularch.optimize(model, backend=backend)
     for _ in range(3):
+        seen = []
         for net in (twin, opt):
             net.zero_grad()
             out = net(x)
             (out[0].sum() + 2 * out[-1].sum()).backward()
-        assert [t.requires_grad for t in out] == [t.requires_grad for t in twin(x)]
+            seen.append([getattr(t, "requires_grad", t) for t in out])  # (numbers: themselves)
+        assert seen[0] == seen[1]
         for p, q in zip(twin.parameters(), model.parameters()):
             assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     return _state_of(opt).entries[-1], specularch.explain(opt).graphs[-1]
@@ -570,3 +572,37 @@ def test_a_forward_returning_a_view_of_another_output_compiles_in_the_worker(hot
         assert pooled.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
         return hidden.pow(2).mean() + pooled.sum()
     _step_both(model, twin, opt, adams, 30, loss)
+
+
+class _Counted(nn.Module):
+    """Counts its calls on ``self`` and returns the count and ``step`` arithmetic on it."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.fc, self.calls, self.step = nn.Linear(8, 2), 0, step
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.fc(x))
+        return h, self.step(self.calls), h * 2
+
+
+@pytest.mark.parametrize("step, compiled", [
+    (lambda calls: calls + 1, True),
+    # int64 0-d tensor times 0.5 is float32 in torch, float64 in Python: another number
+    # than eager's, so the compiled form refuses it (the call's result comes from fx)
+    (lambda calls: calls * 0.5, False),
+])
+def test_a_forward_returning_numbers_it_computes_is_split_with_numbers_out(step, compiled):
+    """A count kept on the module is a number input and its new value a number output: the
+    forward part returns it as a 0-d tensor and the glue makes it a number of eager's type
+    again (refused before: "returns Python numbers computed inside the graph and results
+    that need autograd"), or, where a tensor would compute another number, fx runs it."""
+    entry, graph = _pinned_twins(lambda: _Counted(step), torch.randn(4, 8))
+    assert isinstance(entry.graph_fn, Glued) == compiled, graph.note
+    if not compiled:
+        assert "a number output computed as a torch.float32 tensor, not torch.float64" in graph.note
+    opt = specularch.optimize(_Counted(step), backend="torchscript")
+    with specularch.config.patch(profile_calls=0):
+        results = [opt(torch.randn(4, 8))[1] for _ in range(3)]
+    assert results == [step(n) for n in (1, 2, 3)] and all(type(r) is type(step(1)) for r in results)

@@ -214,9 +214,9 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
         # A flattened graph returns them as 0-d tensors (``passes.number_outputs_as_tensors``).
         if number_outputs(gm) is None:
             return "it returns a value that is neither a tensor nor a Python number"
-        if not flattened(gm):
+        if not flattened(gm) and _not_split(gm):
             return ("it returns Python numbers computed inside the graph and results that need "
-                    "autograd")
+                    f"autograd, and its forward and backward cannot be compiled apart ({_not_split(gm)})")
     if gm.meta.get("scalar_inputs") and not specialises and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
     if flattened(gm) and gm.meta.get("outputs_require_grad"):
@@ -225,6 +225,13 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
             return ("it is compiled without autograd (it runs a backward inside) but returns "
                     f"or stores tensors that need autograd ({spent})")
     return gradient_hooks(gm)
+
+
+def _not_split(gm: torch.fx.GraphModule) -> str | None:
+    """Why ``split.py`` does not take ``gm`` (whose number outputs it returns as numbers);
+    None where it does. (AOT autograd's own form returns tensors only.)"""
+    from .split import refusal
+    return refusal(gm)
 
 
 def spent_outputs(gm: torch.fx.GraphModule) -> list | str:

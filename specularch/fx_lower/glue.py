@@ -66,6 +66,7 @@ class Glued:
         # (saved tensors that are outputs: saved as the output object, _torch_joint._saved_outputs)
         self.saved_outputs = [tuple(p) for p in meta.get("saved_outputs", ())]
         self.converted = list(meta.get("converted", ()))  # number inputs, given as 0-d tensors
+        self.numbers = list(meta.get("numbers", ()))  # number outputs, returned as 0-d tensors
         self.artefact_note = "; ".join(filter(None, (getattr(forward, "artefact_note", ""),
                                                      getattr(backward, "artefact_note", ""))))
 
@@ -142,6 +143,8 @@ class Glued:
         del out[self.outputs:]  # (the bases)
         for output, position in self.passthrough:  # (in output order)
             out.insert(output, args[position])
+        for i in self.numbers:
+            out[i] = out[i].item()
         return out
 
     def tangents(self, grads: tuple) -> list:

@@ -10,6 +10,7 @@ the program. The persistent compile cache keeps the two parts under the graph's 
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -17,7 +18,8 @@ import torch
 from . import _torch_compilers as compilers, compile_cache
 from ._torch_joint import split
 from .backends import specialised_numbers
-from .passes import as_tensor_input, example_inputs, scalar_inputs_as_tensors
+from .passes import (as_tensor_input, example_inputs, number_outputs, number_outputs_as_tensors,
+                     scalar_inputs_as_tensors)
 
 PATH = "split"  # compile_cache.entry_key's path for these
 PARTS = ("forward", "backward")
@@ -52,8 +54,17 @@ def _split(backend: str, gm: torch.fx.GraphModule, examples: list):
     if any(isinstance(v, (int, float)) for v in examples):
         gm, converted = scalar_inputs_as_tensors(gm)
         examples = [as_tensor_input(v) if i in converted else v for i, v in enumerate(examples)]
+    # Python numbers the graph returns (a count on the module, ``self.calls += 1``): 0-d
+    # tensors of the forward part, numbers again in the glue
+    numbers = number_outputs(captured) if captured.meta.get("non_tensor_outputs") else []
+    if numbers is None:
+        from ._torch_joint import NotSplit
+        raise NotSplit("it returns a value that is neither a tensor nor a Python number")
+    if numbers:
+        gm = copy.deepcopy(gm) if gm is captured else gm
+        number_outputs_as_tensors(gm, numbers)
     parts = split(compilers._generic_lstms(gm), examples, min_cut=backend == "inductor")
-    parts.meta["converted"] = converted
+    parts.meta["converted"], parts.meta["numbers"] = converted, numbers
     if converted:
         same_output_dtypes(captured, parts)
     return parts
