@@ -181,3 +181,21 @@ def test_second_process_starts_with_the_first_ones_compiled_graph(tmp_path):
             for _ in range(2)]
     assert "(cached)" not in runs[0]["graph"] and "(cached)" in runs[1]["graph"], runs
     assert runs[0]["losses"] == runs[1]["losses"] and runs[0]["params"] == runs[1]["params"]
+
+
+def test_a_changed_split_module_changes_every_key(monkeypatch, tmp_path):
+    """The split's modules make the glue's metadata saved with a forward part: a checkout
+    whose split changed must not load what an older one saved."""
+    from specularch.fx_lower import compile_cache
+    here = os.path.dirname(compile_cache.__file__)
+    before = compile_cache._specularch_version.__wrapped__()  # (cached per process)
+    real_open = open
+
+    def changed(path, *args, **kwargs):
+        if os.path.abspath(path) == os.path.join(here, "_torch_joint.py"):
+            copy = tmp_path / "_torch_joint.py"
+            copy.write_bytes(real_open(path, "rb").read() + b"\n# changed\n")
+            return real_open(copy, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr("builtins.open", changed)
+    assert compile_cache._specularch_version.__wrapped__() != before

@@ -108,15 +108,18 @@ def _constants(gm: torch.fx.GraphModule) -> dict:
 
 @functools.cache
 def _specularch_version() -> str:
-    """specularch's version, and a hash of the modules that make the saved artefacts (a
-    checkout whose flattening changed must not load what an older one saved)."""
+    """specularch's version, and a hash of the modules that make the saved artefacts and
+    their metadata (a checkout whose flattening or split changed must not load what an older
+    one saved: a split forward's glue metadata from before saved outputs were recorded would
+    save a copy of an output the program may change in place)."""
     try:
         version = importlib.metadata.version("specularch")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256(version.encode())
-    for name in ("_torch_compilers.py", "_torch_aoti.py", "passes.py", "compile_cache.py"):
+    for name in ("_torch_compilers.py", "_torch_aoti.py", "passes.py", "compile_cache.py",
+                 "_torch_joint.py", "split.py"):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()
