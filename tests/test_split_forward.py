@@ -323,10 +323,13 @@ def test_a_second_run_loads_both_parts_from_the_compile_cache(hot_at_once, monke
     assert saved == ["backward.pt", "forward.pt"], saved
 
 
-def _penalised_both(twin, model, opt, x, rtol, atol):
+def _penalised_both(twin, model, opt, x, rtol, atol, seed=None):
     """One loss with a gradient penalty (``create_graph``) on the eager ``twin`` and on
-    ``opt`` (the optimized ``model``); their parameters' gradients compared."""
+    ``opt`` (the optimized ``model``), each from generator seed ``seed`` where given;
+    their parameters' gradients compared."""
     for net in (twin, opt):
+        if seed is not None:
+            torch.manual_seed(seed)
         net.zero_grad()
         x_ = x.clone().requires_grad_()
         out = net(x_)
@@ -414,15 +417,7 @@ def test_gradient_penalty_through_a_promoted_forward_drawing_random_numbers_matc
     model, twin, opt, _ = _twins(_Dropped)
     x = torch.randn(4, 8)
     for step in range(30):
-        for net in (twin, opt):
-            torch.manual_seed(step)
-            net.zero_grad()
-            x_ = x.clone().requires_grad_()
-            out = net(x_)
-            (gx,) = torch.autograd.grad(out.sum(), [x_], create_graph=True)
-            (out.pow(2).mean() + gx.pow(2).sum()).backward()
-        for p, q in zip(twin.parameters(), model.parameters()):
-            assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        _penalised_both(twin, model, opt, x, rtol=1e-5, atol=1e-7, seed=step)
         tiering.wait(timeout=120)
     graph = specularch.explain(opt).graphs[-1]
     assert graph.backend == "torchscript" and graph.tier.events[0].decision == "kept", graph.tier
@@ -463,24 +458,6 @@ class _AliasOfAlias(_AliasOut):
         h = self.fc(x)
         first = h[:, 0]
         return first, first.detach(), h[:, 1]  # (the second a view of the first, itself a view)
-
-
-def test_a_forward_returning_views_of_a_value_it_does_not_return_compiles_in_the_worker(
-        hot_at_once, monkeypatch):
-    """Two views of one intermediate (mean and log-variance sliced from one layer's output):
-    AOT autograd's intermediate base travels as a third result of the forward part, so the
-    graph compiles in the worker (it compiled through AOT autograd on the thread before)."""
-    hot_at_once("torchscript")
-    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
-    model, twin, opt, adams = _twins(_AliasOut)
-    torch.manual_seed(1)
-    x = torch.randn(4, 8)
-
-    def loss(net, step):
-        first, second = net(x)
-        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
-        return first.pow(2).mean() + second.exp().sum()
-    _step_both(model, twin, opt, adams, 30, loss)
 
 
 def _pinned_twins(make_model, x, backend="torchscript"):
@@ -560,17 +537,22 @@ class _Pooled(nn.Module):
         return hidden, hidden[:, 0]
 
 
-def test_a_forward_returning_a_view_of_another_output_compiles_in_the_worker(hot_at_once, monkeypatch):
+@pytest.mark.parametrize("make_model", [_Pooled, _AliasOut])
+def test_a_forward_returning_views_compiles_in_the_worker(hot_at_once, monkeypatch, make_model):
+    """A view of another output (an encoder's pooled output), or two views of one
+    intermediate (mean and log-variance sliced from one layer's output: AOT autograd's
+    intermediate base travels as a third result of the forward part; it compiled through
+    AOT autograd on the thread before): compiled in the worker, aliasing as eager's."""
     hot_at_once("torchscript")
     monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
-    model, twin, opt, adams = _twins(_Pooled)
+    model, twin, opt, adams = _twins(make_model)
     torch.manual_seed(1)
     x = torch.randn(4, 8)
 
     def loss(net, step):
-        hidden, pooled = net(x)
-        assert pooled.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
-        return hidden.pow(2).mean() + pooled.sum()
+        first, second = net(x)
+        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        return first.pow(2).mean() + second.exp().sum()
     _step_both(model, twin, opt, adams, 30, loss)
 
 

@@ -95,6 +95,17 @@ def _views(outputs):
     return [t._base is not None for t in outputs], [storages.index(s) for s in storages]
 
 
+def _classified(x, labels):
+    """A plain classifier's training step: its outputs compared."""
+    def step(net, module, adam, i):
+        adam.zero_grad()
+        out = net(x)
+        F.cross_entropy(out, labels).backward()
+        adam.step()
+        return out.detach()
+    return step
+
+
 # --------------------------------------------------------------------------- dropout, eval
 
 
@@ -391,13 +402,7 @@ def test_recurrent_classifier_on_the_last_step(promoted, cell):
     torch.manual_seed(1)
     x, labels = torch.randn(4, 5, 6), torch.randint(0, 3, (4,))
 
-    def step(net, module, adam, i):
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    twins.run(STEPS, step)
+    twins.run(STEPS, _classified(x, labels))
     _assert_promoted(twins.opt)
 
 
@@ -454,13 +459,7 @@ def test_transformer_encoder_layer_classifier_with_dropout(promoted):
     torch.manual_seed(1)
     x, labels = torch.randn(3, 5, 8), torch.randint(0, 3, (3,))
 
-    def step(net, module, adam, i):
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    twins.run(STEPS, step)
+    twins.run(STEPS, _classified(x, labels))
     _assert_promoted(twins.opt)
 
 
