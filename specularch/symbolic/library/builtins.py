@@ -11,6 +11,7 @@ import cmath
 import functools
 import math
 import operator
+import random
 import types
 
 import torch
@@ -446,6 +447,13 @@ def call_builtin_like(tracer, fn: ObjV, args, kwargs) -> Value:
             and owner in (str, int, float, tuple, bytes):
         return _concrete_call(tracer, obj, args, kwargs)
     name = getattr(obj, "__qualname__", None) or type(obj).__name__
+    if isinstance(getattr(obj, "__self__", None), random.Random) or module == "random":
+        raise Unsupported(
+            "unsupported_call", f"a draw from Python's random module ({name}) inside the "
+            "optimized function: a new number every call, which a graph cannot draw",
+            "Draw it outside and pass what it decides in as an argument "
+            "(`teacher = random.random() < ratio; step(x, teacher)`: one graph per value "
+            "of a bool argument).")
     raise Unsupported("unsupported_call", f"call to {module + '.' if module else ''}{name}, which "
                       "specularch cannot see into (a C function or an object it does not model)")
 
