@@ -588,3 +588,35 @@ def test_a_forward_returning_numbers_it_computes_is_split_with_numbers_out(step,
     with specularch.config.patch(profile_calls=0):
         results = [opt(torch.randn(4, 8))[1] for _ in range(3)]
     assert results == [step(n) for n in (1, 2, 3)] and all(type(r) is type(step(1)) for r in results)
+
+
+class _ReturnsBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.fc(x), x.size(0)
+
+
+def test_a_pinned_backend_compiles_a_forward_returning_its_dynamic_batch_size():
+    """Batches of 4, 3, 2, 5 make the batch dynamic; the graph returns it as a Python int
+    beside a result that needs autograd. Pinned, it compiles for every size (refused before:
+    "returns Python numbers computed inside the graph ... (it has dynamic sizes)"), the int
+    and the gradients eager's."""
+    torch.manual_seed(0)
+    model, twin = _ReturnsBatch(), _ReturnsBatch()
+    twin.load_state_dict(model.state_dict())
+    opt = specularch.optimize(model, backend="torchscript")
+    with specularch.config.patch(profile_calls=0):
+        for n in [4, 4, 3, 4, 2, 5]:
+            x = torch.randn(n, 6)
+            for net in (twin, opt):
+                net.zero_grad()
+                out, batch = net(x)
+                (out.sum() / batch).backward()
+            assert batch == n and type(batch) is int
+            for p, q in zip(twin.parameters(), model.parameters()):
+                assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    graph = specularch.explain(opt).graphs[-1]
+    assert graph.backend == "torchscript" and not graph.note, graph

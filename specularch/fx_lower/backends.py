@@ -229,9 +229,12 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
 
 def _not_split(gm: torch.fx.GraphModule) -> str | None:
     """Why ``split.py`` does not take ``gm`` (whose number outputs it returns as numbers);
-    None where it does. (AOT autograd's own form returns tensors only.)"""
+    None where it does. (AOT autograd's own form returns tensors only.) Dynamic sizes are
+    not a reason here: tiering compiles such a graph for the sizes of most calls, where the
+    split takes it (``tiering/hot_sizes.py``); where it cannot, the compile fails and says
+    why, and ``fx`` runs the graph."""
     from .split import refusal
-    return refusal(gm)
+    return refusal(gm, fixed_sizes=True)
 
 
 def spent_outputs(gm: torch.fx.GraphModule) -> list | str:
