@@ -73,3 +73,12 @@ def hot_at_once(monkeypatch, tmp_path):
     with specularch.config.patch(tier_min_hits=3, tier_min_seconds=1e-6, tier_trial_calls=2):
         yield lambda *names: monkeypatch.setattr(policy, "CANDIDATES", names)
     tiering.wait(timeout=120)
+
+
+@pytest.fixture
+def promoted(hot_at_once, monkeypatch):
+    """Graphs hot after 3 calls, TorchScript the one candidate, always measured faster (the
+    promotion sweeps, ``promotion.py``)."""
+    from specularch.tiering import policy
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)

@@ -18,96 +18,12 @@ from torch import nn
 
 import specularch
 from specularch import tiering
-from specularch.tiering import policy
 
 from differential import assert_same
+from promotion import RTOL, ATOL, Recurrent, Twins, assert_promoted, classified
 
-RTOL, ATOL = 1e-4, 1e-6
 HOT_SIZES = "compiled for the sizes of most calls where "
 EVERY_SIZE = "compiled for every size where "
-
-
-@pytest.fixture
-def promoted(hot_at_once, monkeypatch):
-    """Graphs hot after 3 calls, TorchScript the one candidate, always measured faster."""
-    hot_at_once("torchscript")
-    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
-
-
-class _Twins:
-    """``make_model()`` optimized beside an eager twin with its state; an Adam for each."""
-
-    def __init__(self, make_model, lr=0.01):
-        torch.manual_seed(0)
-        self.model, self.twin = make_model(), make_model()
-        self.twin.load_state_dict(self.model.state_dict())
-        self.opt = specularch.optimize(self.model)
-        self.adams = [torch.optim.Adam(m.parameters(), lr=lr) for m in (self.twin, self.model)]
-
-    def sides(self):
-        """(net to call, the module itself, its Adam): the eager twin's first."""
-        return ((self.twin, self.twin, self.adams[0]), (self.opt, self.model, self.adams[1]))
-
-    def run(self, steps, step_fn, seed=1000):
-        """``step_fn(net, module, adam, step)`` on each side from the same generator state;
-        what it returns, the generator state after it and the models compared each step;
-        at the end every step's results again (a compiled graph must not reuse the memory of
-        results it returned)."""
-        kept = []
-        for step in range(steps):
-            results, states = [], []
-            for net, module, adam in self.sides():
-                torch.manual_seed(seed + step)
-                results.append(step_fn(net, module, adam, step))
-                states.append(torch.get_rng_state())
-            assert_same(results[0], results[1], f"step {step}: result", rtol=RTOL, atol=ATOL)
-            assert torch.equal(*states), f"step {step}: the generator drew other numbers than eager's"
-            self.compare(f"step {step}")
-            kept.append(results)
-            tiering.wait(timeout=120)
-        for step, results in enumerate(kept):
-            assert_same(results[0], results[1], f"step {step}: result, at the end", rtol=RTOL, atol=ATOL)
-
-    def compare(self, where):
-        """Parameters (values and ``.grad``), buffers, train/eval mode."""
-        assert_same(self.twin, self.model, f"{where}: model", rtol=RTOL, atol=ATOL)
-        for (name, p), q in zip(self.twin.named_parameters(), self.model.parameters()):
-            assert (p.grad is None) == (q.grad is None), f"{where}: {name}.grad {p.grad} vs {q.grad}"
-            if p.grad is not None:
-                assert_same(p.grad, q.grad, f"{where}: {name}.grad", rtol=RTOL, atol=ATOL)
-        for a, b in zip(self.twin.state_dict().values(), self.model.state_dict().values()):
-            assert_same(a, b, f"{where}: state_dict", rtol=RTOL, atol=ATOL)
-
-
-class NotPromoted(AssertionError):
-    """A graph the case hits often still runs on another tier than TorchScript, kept."""
-
-
-def _kept(graph):
-    decisions = [(e.candidate, e.decision) for e in graph.tier.events] if graph.tier else []
-    return graph.backend == "torchscript" and ("torchscript", "kept") in decisions
-
-
-def _busiest(fn, share):
-    """``explain(fn)`` and its graphs that ran at least ``share`` of all graph calls."""
-    report = specularch.explain(fn)
-    assert report.graphs, f"no graph captured\n{report}"
-    total = sum(g.hits for g in report.graphs)
-    return report, [g for g in report.graphs if g.hits >= share * total]
-
-
-def _assert_promoted(fn, share=0.25, sizes=None):
-    """Every graph of ``fn`` running at least ``share`` of its graphs' calls runs on
-    TorchScript, kept; with ``sizes`` (``HOT_SIZES`` / ``EVERY_SIZE``), compiled for those
-    sizes as ``explain()``'s sizes line says. Returns those graphs."""
-    report, busiest = _busiest(fn, share)
-    for graph in busiest:
-        if not _kept(graph):
-            raise NotPromoted(f"not promoted: backend={graph.backend} tiers={graph.tiers} "
-                              f"note={graph.note!r}\n{report}")
-        if sizes is not None and not graph.sizes.startswith(sizes):
-            raise NotPromoted(f"sizes line {graph.sizes!r}, not {sizes!r}\n{report}")
-    return busiest
 
 
 def _fx_calls(graph):
@@ -142,18 +58,11 @@ def test_mlp_forward_with_a_short_last_batch(promoted):
     eager): the batch dimension becomes dynamic at the first short batch; the dynamic graph
     is compiled for batches of 8 (the sizes of most calls) and the short batches run its
     ``fx`` code."""
-    twins = _Twins(_MLP)
+    twins = Twins(_MLP)
     batches = _loader(32)
 
-    def step(net, module, adam, i):
-        x, labels = batches[i]
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    twins.run(len(batches), step)
-    (graph,) = _assert_promoted(twins.opt, sizes=HOT_SIZES)
+    twins.run(len(batches), classified(batches))
+    (graph,) = assert_promoted(twins.opt, sizes=HOT_SIZES)
     assert _fx_calls(graph) > 0, graph.sizes
 
 
@@ -189,7 +98,7 @@ def test_whole_training_step_with_a_short_last_batch(promoted):
             assert_same(p.grad, q.grad, f"step {i}: {name}.grad", rtol=RTOL, atol=ATOL)
         assert_same(adams[0].state_dict(), adams[1].state_dict(), f"step {i}: Adam", rtol=RTOL, atol=ATOL)
         tiering.wait(timeout=120)
-    _assert_promoted(steps[1])
+    assert_promoted(steps[1])
 
 
 # --------------------------------------------------------------------------- batch norm, tiny batches
@@ -210,35 +119,17 @@ def test_batch_norm_cnn_with_batches_of_one_and_two(promoted):
     """Conv2d + BatchNorm2d + pool + Linear in training over batches of 4, 4, 1, 4, 2, 4:
     running statistics and ``num_batches_tracked`` follow eager's at batches of 1 and 2
     too."""
-    twins = _Twins(_CNN)
+    twins = Twins(_CNN)
     g = torch.Generator().manual_seed(3)
     sizes = [4, 4, 1, 4, 2, 4] * 5
     data = [(torch.randn(n, 2, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
 
-    def step(net, module, adam, i):
-        x, labels = data[i]
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    twins.run(len(data), step)
-    _assert_promoted(twins.opt, sizes=HOT_SIZES)
+    twins.run(len(data), classified(data))
+    assert_promoted(twins.opt, sizes=HOT_SIZES)
     assert twins.model.bn.num_batches_tracked.item() == len(sizes)
 
 
 # --------------------------------------------------------------------------- sequence models
-
-
-class _Recurrent(nn.Module):
-    def __init__(self, cell):
-        super().__init__()
-        self.rnn = cell(6, 8, batch_first=True)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        out, _ = self.rnn(x)
-        return self.head(out[:, -1])
 
 
 @pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
@@ -246,21 +137,14 @@ class _Recurrent(nn.Module):
 def test_recurrent_classifier_over_varying_sizes(promoted, cell, varying):
     """An LSTM / GRU classified from ``out[:, -1]``: lengths 5, 7, 3, 6 (batch 4), or batches
     4, 6, 2, 3 (length 5). No size is most calls': the graph compiles for every size."""
-    twins = _Twins(lambda: _Recurrent(cell))
+    twins = Twins(lambda: Recurrent(cell))
     g = torch.Generator().manual_seed(5)
     cycle = [5, 7, 3, 6] if varying == "length" else [4, 6, 2, 3]
     shapes = [(4, n) if varying == "length" else (n, 5) for n in cycle * 6]
     data = [(torch.randn(b, t, 6, generator=g), torch.randint(0, 3, (b,), generator=g)) for b, t in shapes]
 
-    def step(net, module, adam, i):
-        x, labels = data[i]
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    twins.run(len(data), step)
-    _assert_promoted(twins.opt, sizes=EVERY_SIZE)
+    twins.run(len(data), classified(data))
+    assert_promoted(twins.opt, sizes=EVERY_SIZE)
 
 
 class _CausalEncoder(nn.Module):
@@ -278,20 +162,13 @@ def test_causal_transformer_layer_over_varying_lengths(promoted):
     """``TransformerEncoderLayer`` (dropout 0.1, ``batch_first``) with its causal mask made
     in the forward from ``x.size(1)``, lengths 6, 6, 4, 6, 9: dropout masks are eager's at
     every length (each step's seed the same on both sides)."""
-    twins = _Twins(_CausalEncoder)
+    twins = Twins(_CausalEncoder)
     g = torch.Generator().manual_seed(9)
     lengths = [6, 6, 4, 6, 9] * 5
     data = [(torch.randn(3, t, 8, generator=g), torch.randint(0, 3, (3,), generator=g)) for t in lengths]
 
-    def step(net, module, adam, i):
-        x, labels = data[i]
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    twins.run(len(data), step)
-    _assert_promoted(twins.opt, sizes=HOT_SIZES)
+    twins.run(len(data), classified(data))
+    assert_promoted(twins.opt, sizes=HOT_SIZES)
 
 
 class _Bag(nn.Module):
@@ -312,7 +189,7 @@ def test_embedding_bag_classifier_over_padded_lengths(promoted):
     """Token batches padded to 5, 8, 3, 12 (0 is padding; the mean over the kept tokens):
     the embedding's gradient (its padding row none) is eager's. No length is most calls':
     the graph compiles for every length."""
-    twins = _Twins(_Bag)
+    twins = Twins(_Bag)
     g = torch.Generator().manual_seed(11)
     lengths = [5, 8, 3, 12] * 6
     data = []
@@ -322,15 +199,8 @@ def test_embedding_bag_classifier_over_padded_lengths(promoted):
             tokens[row, t - row:] = 0  # rows of length t, t-1, t-2, t-3
         data.append((tokens, torch.randint(0, 3, (4,), generator=g)))
 
-    def step(net, module, adam, i):
-        tokens, labels = data[i]
-        adam.zero_grad()
-        out = net(tokens)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    twins.run(len(data), step)
-    _assert_promoted(twins.opt, sizes=EVERY_SIZE)
+    twins.run(len(data), classified(data))
+    assert_promoted(twins.opt, sizes=EVERY_SIZE)
 
 
 # --------------------------------------------------------------------------- sizes in Python
@@ -357,7 +227,7 @@ def test_forward_viewing_by_the_batch_size_and_returning_it(promoted, returns_si
     compiled for batches of 4, the batch of 2 on ``fx``. With the number, the split's
     forward part returns it as a 0-d tensor; it was refused before the sizes of most calls
     were chosen (``backends._not_split`` asked ``split.refusal`` as for every size)."""
-    twins = _Twins(lambda: _Flat(returns_size))
+    twins = Twins(lambda: _Flat(returns_size))
     g = torch.Generator().manual_seed(13)
     sizes = [4, 4, 4, 2] * 7
     data = [(torch.randn(n, 2, 6, 6, generator=g), torch.randn(n, 2, generator=g)) for n in sizes]
@@ -371,7 +241,7 @@ def test_forward_viewing_by_the_batch_size_and_returning_it(promoted, returns_si
         adam.step()
         return out.detach(), batch, type(batch)
     twins.run(len(data), step)
-    _assert_promoted(twins.opt, sizes=HOT_SIZES)
+    assert_promoted(twins.opt, sizes=HOT_SIZES)
 
 
 class _Branches(nn.Module):
@@ -394,7 +264,7 @@ def test_forward_branching_on_a_size(promoted):
     hot). 48 steps: the second graph's trial takes no samples while the first one's
     candidate compiles (``Trial.call``: ``worker.pending()``), and after 32 both were
     still in their trials."""
-    twins = _Twins(_Branches)
+    twins = Twins(_Branches)
     g = torch.Generator().manual_seed(17)
     lengths = [4, 8, 5, 10] * 12
     data = [(torch.randn(3, t, 4, generator=g), torch.randn(3, 3, generator=g)) for t in lengths]
@@ -407,7 +277,7 @@ def test_forward_branching_on_a_size(promoted):
         adam.step()
         return out.detach()
     twins.run(len(data), step)
-    busiest = _assert_promoted(twins.opt, sizes=HOT_SIZES)
+    busiest = assert_promoted(twins.opt, sizes=HOT_SIZES)
     assert len(busiest) == 2, specularch.explain(twins.opt)
 
 
@@ -427,7 +297,7 @@ def test_batch_sizes_cycling_through_a_small_set(promoted, cycle, hits, sizes, c
     third each over 12 counted calls (hot after 11) it is compiled for every size. Hot
     after 3, only 4 calls are counted (4, 8, 16, 4): 4 is half of them, so the graph is
     compiled for batches of 4 and two thirds of the calls run ``fx``."""
-    twins = _Twins(_MLP)
+    twins = Twins(_MLP)
     g = torch.Generator().manual_seed(19)
     data = [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
             for n in (list(cycle) * 12)[:36]]
@@ -441,7 +311,7 @@ def test_batch_sizes_cycling_through_a_small_set(promoted, cycle, hits, sizes, c
         return out.detach()
     with specularch.config.patch(tier_min_hits=hits):
         twins.run(len(data), step)
-    (graph,) = _assert_promoted(twins.opt, sizes=sizes)
+    (graph,) = assert_promoted(twins.opt, sizes=sizes)
     if compiled_for is not None:
         assert f"size()[0] == {compiled_for} and" in graph.sizes and _fx_calls(graph) > 0, graph.sizes
     else:
@@ -458,7 +328,7 @@ def test_eval_passes_under_no_grad_with_another_batch_size(promoted):
     ``eval()`` pass under ``no_grad`` on a validation batch of 5 (and of 2 every 3rd step):
     the training graph and the evaluation graph promoted, the evaluation outputs eager's and
     needing no grad."""
-    twins = _Twins(_CNN)
+    twins = Twins(_CNN)
     g = torch.Generator().manual_seed(23)
     sizes = [8, 8, 8, 3] * 6
     data = [(torch.randn(n, 2, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
@@ -476,4 +346,4 @@ def test_eval_passes_under_no_grad_with_another_batch_size(promoted):
             evaluated = net(evaluation[i % 3 == 2])
         return out.detach(), evaluated, evaluated.requires_grad
     twins.run(len(data), step)
-    assert len(_assert_promoted(twins.opt)) == 2, specularch.explain(twins.opt)
+    assert len(assert_promoted(twins.opt)) == 2, specularch.explain(twins.opt)

@@ -14,96 +14,17 @@ from torch import nn
 
 import specularch
 from specularch import tiering
-from specularch.tiering import policy
 
 from differential import assert_same
+from promotion import RTOL, ATOL, Recurrent, Twins, assert_promoted, classified
 
-RTOL, ATOL = 1e-4, 1e-6
 STEPS = 24
-
-
-@pytest.fixture
-def promoted(hot_at_once, monkeypatch):
-    """Graphs hot after 3 calls, TorchScript the one candidate, always measured faster."""
-    hot_at_once("torchscript")
-    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
-
-
-class _Twins:
-    """``make_model()`` optimized beside an eager twin with its state; an Adam for each."""
-
-    def __init__(self, make_model, lr=0.01):
-        torch.manual_seed(0)
-        self.model, self.twin = make_model(), make_model()
-        self.twin.load_state_dict(self.model.state_dict())
-        self.opt = specularch.optimize(self.model)
-        self.adams = [torch.optim.Adam(m.parameters(), lr=lr) for m in (self.twin, self.model)]
-
-    def sides(self):
-        """(net to call, the module itself, its Adam): the eager twin's first."""
-        return ((self.twin, self.twin, self.adams[0]), (self.opt, self.model, self.adams[1]))
-
-    def run(self, steps, step_fn, seed=1000):
-        """``step_fn(net, module, adam, step)`` on each side from the same generator state;
-        what it returns, the generator state after it and the models compared each step;
-        at the end every step's results again (a compiled graph must not reuse the memory of
-        results it returned)."""
-        kept = []
-        for step in range(steps):
-            results, states = [], []
-            for net, module, adam in self.sides():
-                torch.manual_seed(seed + step)
-                results.append(step_fn(net, module, adam, step))
-                states.append(torch.get_rng_state())
-            assert_same(results[0], results[1], f"step {step}: result", rtol=RTOL, atol=ATOL)
-            assert torch.equal(*states), f"step {step}: the generator drew other numbers than eager's"
-            self.compare(f"step {step}")
-            kept.append(results)
-            tiering.wait(timeout=120)
-        for step, results in enumerate(kept):
-            assert_same(results[0], results[1], f"step {step}: result, at the end", rtol=RTOL, atol=ATOL)
-
-    def compare(self, where):
-        """Parameters (values and ``.grad``), buffers, public attributes, train/eval mode."""
-        assert_same(self.twin, self.model, f"{where}: model", rtol=RTOL, atol=ATOL)
-        for (name, p), q in zip(self.twin.named_parameters(), self.model.parameters()):
-            assert (p.grad is None) == (q.grad is None), f"{where}: {name}.grad {p.grad} vs {q.grad}"
-            if p.grad is not None:
-                assert_same(p.grad, q.grad, f"{where}: {name}.grad", rtol=RTOL, atol=ATOL)
-        for a, b in zip(self.twin.state_dict().values(), self.model.state_dict().values()):
-            assert_same(a, b, f"{where}: state_dict", rtol=RTOL, atol=ATOL)
-
-
-class NotPromoted(AssertionError):
-    """A graph the case hits often still runs on another tier than TorchScript, kept."""
-
-
-def _assert_promoted(fn):
-    """Every graph of ``fn`` runs on TorchScript, kept."""
-    report = specularch.explain(fn)
-    assert report.graphs, f"no graph captured\n{report}"
-    for graph in report.graphs:
-        decisions = [(e.candidate, e.decision) for e in graph.tier.events] if graph.tier else []
-        if graph.backend != "torchscript" or ("torchscript", "kept") not in decisions:
-            raise NotPromoted(f"not promoted: backend={graph.backend} tiers={graph.tiers} "
-                              f"note={graph.note!r}\n{report}")
 
 
 def _views(outputs):
     """Which outputs are views, and which share storage with which (the aliasing a user sees)."""
     storages = [t.untyped_storage().data_ptr() for t in outputs]
     return [t._base is not None for t in outputs], [storages.index(s) for s in storages]
-
-
-def _classified(x, labels):
-    """A plain classifier's training step: its outputs compared."""
-    def step(net, module, adam, i):
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
-    return step
 
 
 # --------------------------------------------------------------------------- dropout, eval
@@ -141,18 +62,18 @@ def test_dropout_mlp_training_with_eval_passes_under_no_grad(promoted):
     """Dropout in train mode (each step's seed the same on both sides: the masks must be
     eager's exactly), and after each step two ``eval()`` passes under ``no_grad`` (a
     validation set of two batches): the training graph and the evaluation graph promoted."""
-    twins = _Twins(_DropoutMLP)
+    twins = Twins(_DropoutMLP)
     twins.run(32, _dropout_with_evaluation(2))
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 
 
 def test_dropout_mlp_alternating_one_training_step_and_one_eval_pass(promoted):
     """One training step, one ``eval()`` pass under ``no_grad``, alternating strictly."""
-    twins = _Twins(_DropoutMLP)
+    twins = Twins(_DropoutMLP)
     twins.run(32, _dropout_with_evaluation(1))
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 # --------------------------------------------------------------------------- batch norm
@@ -174,7 +95,7 @@ def test_batch_norm_cnn_switching_between_train_and_eval(promoted):
     """BatchNorm2d and BatchNorm1d: running statistics and ``num_batches_tracked`` follow
     eager's in training steps, and the evaluation passes after each (``eval()``, without
     ``no_grad``: the outputs still require grad) use them."""
-    twins = _Twins(_SmallCNN)
+    twins = Twins(_SmallCNN)
     torch.manual_seed(1)
     x, labels, x_eval = torch.randn(4, 2, 8, 8), torch.randint(0, 3, (4,)), torch.randn(3, 2, 8, 8)
 
@@ -188,7 +109,7 @@ def test_batch_norm_cnn_switching_between_train_and_eval(promoted):
         evaluated = [net(x_eval), net(x_eval.flip(0))]
         return out.detach(), [t.detach() for t in evaluated], [t.requires_grad for t in evaluated]
     twins.run(32, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
     assert twins.model.bn2.num_batches_tracked.item() == 32
 
 
@@ -213,7 +134,7 @@ def test_tuple_of_views_of_an_intermediate_and_of_an_output(promoted):
     """``h[:, :k]``, ``h[:, k:]`` (views of a value not returned) and ``hidden``,
     ``hidden[:, 0]`` (a view of an output): which are views and what shares storage is
     eager's, and the gradients through all four match."""
-    twins = _Twins(_Gaussian)
+    twins = Twins(_Gaussian)
     torch.manual_seed(1)
     x = torch.randn(5, 8)
 
@@ -225,7 +146,7 @@ def test_tuple_of_views_of_an_intermediate_and_of_an_output(promoted):
         adam.step()
         return [t.detach() for t in outs], [t.requires_grad for t in outs], _views(outs)
     twins.run(STEPS, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 # --------------------------------------------------------------------------- Python state
@@ -247,7 +168,7 @@ class _Remembers(nn.Module):
 def test_forward_storing_a_detached_tensor_on_self(promoted):
     """``self.last = h.detach()`` is eager's after every call: its value, no grad, a view
     (of a value the forward does not return) as eager's is."""
-    twins = _Twins(_Remembers)
+    twins = Twins(_Remembers)
     torch.manual_seed(1)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
 
@@ -259,7 +180,7 @@ def test_forward_storing_a_detached_tensor_on_self(promoted):
         last = module.last
         return out.detach(), last, last.requires_grad, last._base is not None, last.is_contiguous()
     twins.run(STEPS, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 class _Sized(nn.Module):
@@ -276,7 +197,7 @@ class _Sized(nn.Module):
 def test_forward_returning_python_numbers_from_sizes(promoted):
     """An int and a float computed from sizes come back as Python numbers of eager's
     values (the float scales the loss)."""
-    twins = _Twins(_Sized)
+    twins = Twins(_Sized)
     torch.manual_seed(1)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
 
@@ -287,7 +208,7 @@ def test_forward_returning_python_numbers_from_sizes(promoted):
         adam.step()
         return out.detach(), count, scale
     twins.run(STEPS, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 class _Counts(_Remembers):
@@ -307,7 +228,7 @@ def test_forward_counting_its_calls_on_self(promoted):
     count is a Python number the graph computes beside results that need autograd: the
     split's forward part returns it as a 0-d tensor and the glue makes it a number again
     (refused before: "returns Python numbers computed inside the graph")."""
-    twins = _Twins(_Counts)
+    twins = Twins(_Counts)
     torch.manual_seed(1)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
 
@@ -318,7 +239,7 @@ def test_forward_counting_its_calls_on_self(promoted):
         adam.step()
         return out.detach(), module.calls, type(module.calls)
     twins.run(STEPS, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 class _Tempered(nn.Module):
@@ -333,7 +254,7 @@ class _Tempered(nn.Module):
 def test_forward_taking_a_python_float_that_varies_per_call(promoted):
     """A temperature that changes every step: each call's value is used (not the first
     one compiled in)."""
-    twins = _Twins(_Tempered)
+    twins = Twins(_Tempered)
     torch.manual_seed(1)
     x, labels = torch.randn(6, 8), torch.randint(0, 4, (6,))
 
@@ -344,7 +265,7 @@ def test_forward_taking_a_python_float_that_varies_per_call(promoted):
         adam.step()
         return out.detach()
     twins.run(30, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 # --------------------------------------------------------------------------- gradient penalty
@@ -364,7 +285,7 @@ def test_gradient_penalty_with_create_graph(promoted, p):
     """A WGAN-GP-like critic step: ``autograd.grad(create_graph=True)`` w.r.t. the input,
     the penalty's gradient w.r.t. the weights (a double backward through the promoted
     graph, replaying dropout's mask where there is one)."""
-    twins = _Twins(lambda: _Critic(p))
+    twins = Twins(lambda: _Critic(p))
     torch.manual_seed(1)
     x = torch.randn(5, 8)
 
@@ -378,32 +299,21 @@ def test_gradient_penalty_with_create_graph(promoted, p):
         adam.step()
         return out.detach(), gx.detach(), gx.requires_grad, x_.grad
     twins.run(30, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 # --------------------------------------------------------------------------- sequence models
 
 
-class _Recurrent(nn.Module):
-    def __init__(self, cell):
-        super().__init__()
-        self.rnn = cell(6, 8, batch_first=True)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        out, _ = self.rnn(x)
-        return self.head(out[:, -1])
-
-
 @pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 def test_recurrent_classifier_on_the_last_step(promoted, cell):
     """An LSTM / GRU over fixed-size sequences, classified from ``out[:, -1]``."""
-    twins = _Twins(lambda: _Recurrent(cell))
+    twins = Twins(lambda: Recurrent(cell))
     torch.manual_seed(1)
     x, labels = torch.randn(4, 5, 6), torch.randint(0, 3, (4,))
 
-    twins.run(STEPS, _classified(x, labels))
-    _assert_promoted(twins.opt)
+    twins.run(STEPS, classified([(x, labels)]))
+    assert_promoted(twins.opt)
 
 
 class _Cell(nn.Module):
@@ -422,7 +332,7 @@ def test_recurrent_cell_unrolled_by_the_caller_with_truncated_backpropagation(pr
     """Two cell calls per step, the state carried over detached between steps: the first
     call's ``h`` needs no grad, the second's does (two graphs, alternating); states,
     losses and gradients are eager's."""
-    twins = _Twins(_Cell)
+    twins = Twins(_Cell)
     torch.manual_seed(1)
     xs, ys = torch.randn(4, 3, 4), torch.randn(4, 3, 2)
     states = {}
@@ -439,7 +349,7 @@ def test_recurrent_cell_unrolled_by_the_caller_with_truncated_backpropagation(pr
         states[id(module)] = h.detach()
         return h.detach(), loss.detach()
     twins.run(30, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 class _Encoder(nn.Module):
@@ -455,12 +365,12 @@ class _Encoder(nn.Module):
 def test_transformer_encoder_layer_classifier_with_dropout(promoted):
     """``nn.TransformerEncoderLayer`` (dropout 0.1, ``batch_first``) in training: its
     attention and dropout masks are eager's."""
-    twins = _Twins(_Encoder)
+    twins = Twins(_Encoder)
     torch.manual_seed(1)
     x, labels = torch.randn(3, 5, 8), torch.randint(0, 3, (3,))
 
-    twins.run(STEPS, _classified(x, labels))
-    _assert_promoted(twins.opt)
+    twins.run(STEPS, classified([(x, labels)]))
+    assert_promoted(twins.opt)
 
 
 class _TiedLM(nn.Module):
@@ -478,7 +388,7 @@ class _TiedLM(nn.Module):
 def test_weight_tied_language_model(promoted):
     """``decoder.weight = embedding.weight``: one parameter, its gradient the sum of both
     uses, updated once, still shared after every step."""
-    twins = _Twins(_TiedLM)
+    twins = Twins(_TiedLM)
     torch.manual_seed(1)
     tokens, targets = torch.randint(0, 11, (3, 6)), torch.randint(0, 11, (3, 6))
 
@@ -489,7 +399,7 @@ def test_weight_tied_language_model(promoted):
         adam.step()
         return logits.detach(), module.decoder.weight is module.embedding.weight
     twins.run(STEPS, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 # --------------------------------------------------------------------------- training loops
@@ -526,13 +436,13 @@ def test_whole_training_step_optimized_as_a_function(promoted):
             assert_same(p.grad, q.grad, f"step {i}: {name}.grad", rtol=RTOL, atol=ATOL)
         assert_same(adams[0].state_dict(), adams[1].state_dict(), f"step {i}: Adam", rtol=RTOL, atol=ATOL)
         tiering.wait(timeout=120)
-    _assert_promoted(steps[1])
+    assert_promoted(steps[1])
 
 
 def test_gradient_accumulation_with_evaluation_in_between(promoted):
     """Two forwards with one ``backward`` each, then one Adam step; between them an
     evaluation pass under ``no_grad`` (train mode kept: dropout draws there too)."""
-    twins = _Twins(_DropoutMLP)
+    twins = Twins(_DropoutMLP)
     torch.manual_seed(1)
     xs, ys = torch.randn(2, 4, 8), torch.randn(2, 4, 3)
     x_eval = torch.randn(3, 8)
@@ -549,7 +459,7 @@ def test_gradient_accumulation_with_evaluation_in_between(promoted):
         adam.step()
         return first.detach(), second.detach(), evaluated, grads
     twins.run(32, step)
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
 
 
 # --------------------------------------------------------------------------- callers' in-place ops
@@ -610,8 +520,8 @@ def test_caller_changing_outputs_in_place(promoted, kind):
     gradients; where eager's raises (tanh saved its output) the optimized one raises too
     (it did not: the glue saved a copy of the output the compiled forward returned twice,
     whose version the caller's write did not change, and the backward read the old value)."""
-    twins = _Twins(lambda: _Outputs(kind))
+    twins = Twins(lambda: _Outputs(kind))
     torch.manual_seed(1)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     twins.run(STEPS, _in_place_step(kind, x, y))
-    _assert_promoted(twins.opt)
+    assert_promoted(twins.opt)
