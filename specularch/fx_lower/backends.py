@@ -214,9 +214,10 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
         # A flattened graph returns them as 0-d tensors (``passes.number_outputs_as_tensors``).
         if number_outputs(gm) is None:
             return "it returns a value that is neither a tensor nor a Python number"
-        if not flattened(gm) and _not_split(gm):
+        why = None if flattened(gm) else _not_split(gm)
+        if why:
             return ("it returns Python numbers computed inside the graph and results that need "
-                    f"autograd, and its forward and backward cannot be compiled apart ({_not_split(gm)})")
+                    f"autograd, and its forward and backward cannot be compiled apart ({why})")
     if gm.meta.get("scalar_inputs") and not specialises and not _scalars_only_in_arithmetic(gm):
         return "a Python-number graph input reaches a torch function (it could be specialised)"
     if flattened(gm) and gm.meta.get("outputs_require_grad"):
@@ -229,7 +230,7 @@ def flattening_reason(gm: torch.fx.GraphModule, compiler: str, *,
 
 def _not_split(gm: torch.fx.GraphModule) -> str | None:
     """Why ``split.py`` does not take ``gm`` (whose number outputs it returns as numbers);
-    None where it does. (AOT autograd's own form returns tensors only.) Dynamic sizes are
+    None where it does. (AOT autograd's own form returns tensors and sizes only.) Dynamic sizes are
     not a reason here: tiering compiles such a graph for the sizes of most calls, where the
     split takes it (``tiering/hot_sizes.py``); where it cannot, the compile fails and says
     why, and ``fx`` runs the graph."""

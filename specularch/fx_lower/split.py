@@ -49,13 +49,12 @@ def _split(backend: str, gm: torch.fx.GraphModule, examples: list):
     """``gm`` split with the partitioner ``backend``'s compile suits (Inductor: min-cut).
     Python-number inputs (which only feed arithmetic: ``refusal``) become 0-d tensor inputs
     (``passes.scalar_inputs_as_tensors``), so their values are not compiled in; the glue
-    makes them so on each call (``Split.meta["converted"]``)."""
+    makes them so on each call (``Split.meta["converted"]``). Python numbers it returns are
+    0-d tensors of the forward part, made numbers again by the glue (``["numbers"]``)."""
     converted, captured = [], gm
     if any(isinstance(v, (int, float)) for v in examples):
         gm, converted = scalar_inputs_as_tensors(gm)
         examples = [as_tensor_input(v) if i in converted else v for i, v in enumerate(examples)]
-    # Python numbers the graph returns (a count on the module, ``self.calls += 1``): 0-d
-    # tensors of the forward part, numbers again in the glue
     numbers = number_outputs(captured) if captured.meta.get("non_tensor_outputs") else []
     if numbers is None:
         from ._torch_joint import NotSplit
