@@ -42,6 +42,7 @@ import torch
 from . import frames
 from .config import config
 from .explain import explain_state
+from .fx_lower.randomness import generator_states, restore_generators
 
 _local = threading.local()
 MISMATCHES: list[str] = []
@@ -75,7 +76,7 @@ def validator(state, slots, cells, run) -> Any:
     copies, cell_copies, bindings, real_values, value_copies = copied
     reference = types.FunctionType(target.shadow_code, target.globals, target.code.co_name, None,
                                    tuple(types.CellType(c) for c in cell_copies) or None)
-    rng = _rng_state()
+    rng = generator_states()
     _bind(bindings, value_copies)
     _local.busy = True
     try:
@@ -85,7 +86,7 @@ def validator(state, slots, cells, run) -> Any:
         _local.busy = False
         expected_globals = [namespace.get(name, _ABSENT) for namespace, name in bindings]
         _bind(bindings, real_values)
-    _set_rng_state(rng)  # the optimized call draws the same random numbers
+    restore_generators(rng)  # the optimized call draws the same random numbers
     # compared bit for bit, so recursion templates and rolled loops run (and are captured)
     # in eager's order here: their default batching is only promised within float rounding
     with _output() as got_output, config.patch(templates="exact"):
@@ -283,18 +284,6 @@ def _call(fn, *args):
         return fn(*args), None
     except Exception as e:
         return None, e
-
-
-def _rng_state():
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 # --- comparing ----------------------------------------------------------------------------

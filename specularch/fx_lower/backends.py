@@ -18,6 +18,7 @@ import torch.fx
 
 from . import _torch_fx_sources as fx_sources
 from .passes import number_outputs
+from .randomness import generator_states, restore_generators
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,14 @@ def _drawing_nothing(compile_fn: Callable) -> Callable:
     otherwise advance the generators, and the call would then draw other numbers than eager."""
     @functools.wraps(compile_fn)
     def compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        cpu = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        states = generator_states()
         since = fx_sources.mark()
         try:
             with COMPILE_LOCK:
                 return compile_fn(gm, example_inputs)
         finally:
             fx_sources.release_with(gm, since)  # torch.fx's copies of the compiled code's text
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state_all(cuda)
+            restore_generators(states)
     return compile
 
 

@@ -168,12 +168,11 @@ def _not_twice(why: str) -> RuntimeError:
 class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, glued: Glued, given: tuple, *args):
-        if glued.random:  # (for create_graph only: where the replay must draw from)
-            before = generator_states()
-            results = glued.forward(*args)
+        # (for create_graph only: the states the replay starts from and must end at, _replay)
+        before = generator_states() if glued.random else None
+        results = glued.forward(*args)
+        if before is not None:
             ctx.draws = before, generator_states()
-        else:
-            results = glued.forward(*args)
         outputs = [results[i] for i in glued.direct]
         ctx.glued = glued
         saved = list(results[glued.outputs + glued.bases:])

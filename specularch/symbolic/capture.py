@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx
 
-from ..fx_lower.randomness import is_random_node
+from ..fx_lower.randomness import generator_states, is_random_node, restore_generators
 from ..fx_lower import _torch_fx_sources as fx_sources, history
 from ..guards import GuardSet
 from ..guards.sources import CellSource, LocalSource, Source
@@ -238,15 +238,12 @@ class _restore_process_state:
 
     def __enter__(self):
         self.grad = torch.is_grad_enabled()
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.rng = generator_states()
 
     def __exit__(self, *exc):
         grad_mode.unwind(self.tracer)
         torch.set_grad_enabled(self.grad)
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        restore_generators(self.rng)
         for generator, state in self.tracer.generators.values():
             generator.set_state(state)
         return False
