@@ -63,6 +63,73 @@ def compare_models(eager, optimized, where):
         assert_same(a, b, f"{where}: state_dict {name}", rtol=RTOL, atol=ATOL)
 
 
+class StepTwins:
+    """Two identical (model, optimizer[, scheduler]) and ``make_step(model, opt)``'s training
+    step of each, the second one optimized (a whole step as one graph)."""
+
+    def __init__(self, make_model, make_opt, make_step, make_sched=None):
+        torch.manual_seed(0)
+        self.models = [make_model(), make_model()]
+        self.models[1].load_state_dict(self.models[0].state_dict())
+        self.opts = [make_opt(m.parameters()) for m in self.models]
+        self.scheds = [make_sched(o) for o in self.opts] if make_sched else None
+        self.steps = [make_step(m, o) for m, o in zip(self.models, self.opts)]
+        self.steps[1] = specularch.optimize(self.steps[1])
+
+    def run(self, batches, seed=2000):
+        """Each side's step on each of ``batches`` (argument tuples) from the same generator
+        state: what it returns (values and types), the generator state after it, the models,
+        the optimizers' and schedulers' state compared after every step; every step's
+        results again at the end."""
+        kept = []
+        for i, batch in enumerate(batches):
+            results, states = [], []
+            for fn in self.steps:
+                torch.manual_seed(seed + i)
+                results.append(fn(*batch))
+                states.append(torch.get_rng_state())
+            where = f"step {i}"
+            assert_same(results[0], results[1], f"{where}: result", rtol=RTOL, atol=ATOL)
+            assert _types(results[0]) == _types(results[1]), f"{where}: result types"
+            assert torch.equal(*states), f"{where}: the generator drew other numbers than eager's"
+            if self.scheds:
+                for s in self.scheds:
+                    s.step()
+            self.compare(where)
+            kept.append(results)
+            tiering.wait(timeout=120)
+        for i, results in enumerate(kept):
+            assert_same(results[0], results[1], f"step {i}: result, at the end", rtol=RTOL, atol=ATOL)
+
+    def compare(self, where):
+        compare_models(*self.models, where)
+        assert_same(self.opts[0].state_dict(), self.opts[1].state_dict(), f"{where}: optimizer",
+                    rtol=RTOL, atol=ATOL)
+        if self.scheds:
+            assert_same(self.scheds[0].state_dict(), self.scheds[1].state_dict(), f"{where}: scheduler")
+            assert self.scheds[0].get_last_lr() == self.scheds[1].get_last_lr()
+
+
+def _types(value):
+    if isinstance(value, (tuple, list)):
+        return type(value), [_types(v) for v in value]
+    return type(value)
+
+
+def adam_step(loss_fn):
+    """``make_step`` for ``StepTwins``: ``zero_grad``, ``loss_fn(model(x), target)``,
+    ``backward``, the optimizer's ``step``, ``loss.item()``."""
+    def make(model, opt):
+        def train_step(x, target):
+            opt.zero_grad()
+            loss = loss_fn(model(x), target)
+            loss.backward()
+            opt.step()
+            return loss.item()
+        return train_step
+    return make
+
+
 def classified(batches):
     """A plain classifier's training step over ``batches`` (``(x, labels)``, cycled): its
     outputs compared."""

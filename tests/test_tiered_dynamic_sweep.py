@@ -17,10 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import specularch
-from specularch import tiering
 
-from differential import assert_same
-from promotion import RTOL, ATOL, Recurrent, Twins, assert_promoted, classified
+from promotion import Recurrent, StepTwins, Twins, adam_step, assert_promoted, classified
 
 HOT_SIZES = "compiled for the sizes of most calls where "
 EVERY_SIZE = "compiled for every size where "
@@ -70,35 +68,10 @@ def test_whole_training_step_with_a_short_last_batch(promoted):
     """The whole step (``zero_grad``, forward, loss, ``backward``, Adam, ``loss.item()``) as
     one optimized function over the same batches: losses, parameters, gradients and Adam's
     state follow eager's at every size."""
-    torch.manual_seed(0)
-    model, twin = _MLP(), _MLP()
-    twin.load_state_dict(model.state_dict())
-    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
-
-    def make_step(m, adam):
-        def train_step(x, labels):
-            adam.zero_grad()
-            loss = F.cross_entropy(m(x), labels)
-            loss.backward()
-            adam.step()
-            return loss.item()
-        return train_step
-    steps = [make_step(twin, adams[0]), specularch.optimize(make_step(model, adams[1]))]
-    for i, (x, labels) in enumerate(_loader(32)):
-        losses, states = [], []
-        for fn in steps:
-            torch.manual_seed(2000 + i)
-            losses.append(fn(x, labels))
-            states.append(torch.get_rng_state())
-        assert isinstance(losses[1], float)
-        assert_same(losses[0], losses[1], f"step {i}: loss", rtol=RTOL, atol=ATOL)
-        assert torch.equal(*states), f"step {i}: RNG"
-        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-            assert_same(p, q, f"step {i}: {name}", rtol=RTOL, atol=ATOL)
-            assert_same(p.grad, q.grad, f"step {i}: {name}.grad", rtol=RTOL, atol=ATOL)
-        assert_same(adams[0].state_dict(), adams[1].state_dict(), f"step {i}: Adam", rtol=RTOL, atol=ATOL)
-        tiering.wait(timeout=120)
-    assert_promoted(steps[1])
+    twins = StepTwins(_MLP, lambda ps: torch.optim.Adam(ps, lr=0.01), adam_step(F.cross_entropy))
+    batches = list(_loader(32))
+    twins.run(batches)
+    assert_promoted(twins.steps[1])
 
 
 # --------------------------------------------------------------------------- batch norm, tiny batches

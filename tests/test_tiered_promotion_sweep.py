@@ -12,11 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import specularch
-from specularch import tiering
-
-from differential import assert_same
-from promotion import RTOL, ATOL, Recurrent, Twins, assert_promoted, classified
+from promotion import Recurrent, StepTwins, Twins, adam_step, assert_promoted, classified
 
 STEPS = 24
 
@@ -408,35 +404,11 @@ def test_weight_tied_language_model(promoted):
 def test_whole_training_step_optimized_as_a_function(promoted):
     """``zero_grad``, forward, loss, ``backward``, Adam's ``step`` and ``loss.item()`` as
     one optimized function: losses, parameters, gradients and Adam's state follow eager's."""
-    torch.manual_seed(0)
-    model, twin = _DropoutMLP(), _DropoutMLP()
-    twin.load_state_dict(model.state_dict())
-    adams = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, model)]
+    twins = StepTwins(_DropoutMLP, lambda ps: torch.optim.Adam(ps, lr=0.01), adam_step(F.mse_loss))
     torch.manual_seed(1)
     x, y = torch.randn(6, 8), torch.randn(6, 3)
-
-    def make_step(m, adam):
-        def train_step(x, y):
-            adam.zero_grad()
-            loss = F.mse_loss(m(x), y)
-            loss.backward()
-            adam.step()
-            return loss.item()
-        return train_step
-    steps = [make_step(twin, adams[0]), specularch.optimize(make_step(model, adams[1]))]
-    for i in range(STEPS):
-        losses = []
-        for fn in steps:
-            torch.manual_seed(2000 + i)
-            losses.append(fn(x, y))
-        assert isinstance(losses[1], float)
-        assert_same(losses[0], losses[1], f"step {i}: loss", rtol=RTOL, atol=ATOL)
-        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-            assert_same(p, q, f"step {i}: {name}", rtol=RTOL, atol=ATOL)
-            assert_same(p.grad, q.grad, f"step {i}: {name}.grad", rtol=RTOL, atol=ATOL)
-        assert_same(adams[0].state_dict(), adams[1].state_dict(), f"step {i}: Adam", rtol=RTOL, atol=ATOL)
-        tiering.wait(timeout=120)
-    assert_promoted(steps[1])
+    twins.run([(x, y)] * STEPS)
+    assert_promoted(twins.steps[1])
 
 
 def test_gradient_accumulation_with_evaluation_in_between(promoted):

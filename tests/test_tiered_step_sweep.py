@@ -12,10 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import specularch
-from specularch import tiering
 
-from differential import assert_same
-from promotion import RTOL, ATOL, assert_promoted, compare_models
+from promotion import StepTwins, assert_promoted
 
 STEPS = 25
 O = torch.optim
@@ -42,59 +40,6 @@ def _batch(step, n=6):
     return torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-# --------------------------------------------------------------------------- harness
-
-
-class _Twins:
-    """Two identical (model, optimizer[, scheduler]); ``make_step(model, opt)`` builds the
-    step function of each side, the second one optimized."""
-
-    def __init__(self, make_model, make_opt, make_step, make_sched=None):
-        torch.manual_seed(0)
-        self.models = [make_model(), make_model()]
-        self.models[1].load_state_dict(self.models[0].state_dict())
-        self.opts = [make_opt(m.parameters()) for m in self.models]
-        self.scheds = [make_sched(o) for o in self.opts] if make_sched else None
-        self.steps = [make_step(m, o) for m, o in zip(self.models, self.opts)]
-        self.steps[1] = specularch.optimize(self.steps[1])
-
-    def run(self, steps=STEPS, seed=2000):
-        kept = []
-        for i in range(steps):
-            x, y, labels = _batch(i)
-            results, states = [], []
-            for fn in self.steps:
-                torch.manual_seed(seed + i)
-                results.append(fn(x, y, labels))
-                states.append(torch.get_rng_state())
-            where = f"step {i}"
-            assert_same(results[0], results[1], f"{where}: result", rtol=RTOL, atol=ATOL)
-            assert _types(results[0]) == _types(results[1]), f"{where}: result types"
-            assert torch.equal(*states), f"{where}: the generator drew other numbers than eager's"
-            if self.scheds:
-                for s in self.scheds:
-                    s.step()
-            self.compare(where)
-            kept.append(results)
-            tiering.wait(timeout=120)
-        for i, results in enumerate(kept):
-            assert_same(results[0], results[1], f"step {i}: result, at the end", rtol=RTOL, atol=ATOL)
-
-    def compare(self, where):
-        compare_models(*self.models, where)
-        assert_same(self.opts[0].state_dict(), self.opts[1].state_dict(), f"{where}: optimizer",
-                    rtol=RTOL, atol=ATOL)
-        if self.scheds:
-            assert_same(self.scheds[0].state_dict(), self.scheds[1].state_dict(), f"{where}: scheduler")
-            assert self.scheds[0].get_last_lr() == self.scheds[1].get_last_lr()
-
-
-def _types(value):
-    if isinstance(value, (tuple, list)):
-        return type(value), [_types(v) for v in value]
-    return type(value)
-
-
 def _mse_step(set_to_none=True):
     def make(model, opt):
         def train_step(x, y, labels):
@@ -108,8 +53,8 @@ def _mse_step(set_to_none=True):
 
 
 def _check(twins, steps=STEPS, cold=0):
-    twins.run(steps)
-    assert_promoted(twins.steps[1], cold)
+    twins.run([_batch(i) for i in range(steps)])
+    assert_promoted(twins.steps[1], cold=cold)
 
 
 # --------------------------------------------------------------------------- optimizers
@@ -130,7 +75,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_optimizer_step(promoted, name):
     """A plain MSE step with each optimizer, one graph each, promoted."""
-    _check(_Twins(_mlp, OPTIMIZERS[name], _mse_step()))
+    _check(StepTwins(_mlp, OPTIMIZERS[name], _mse_step()))
 
 
 def test_radam_rectification_branch_flips(promoted):
@@ -139,7 +84,7 @@ def test_radam_rectification_branch_flips(promoted):
     3 profiled calls, then 2 runs) can never get hot (3 runs) and stays on ``fx``, "not hot
     enough to compile in the background" (documented: tiering/policy.py); the second is
     promoted. The values are eager's on both."""
-    twins = _Twins(_mlp, lambda ps: O.RAdam(ps, lr=1e-2), _mse_step())
+    twins = StepTwins(_mlp, lambda ps: O.RAdam(ps, lr=1e-2), _mse_step())
     _check(twins, cold=1)
     report = specularch.explain(twins.steps[1])
     assert len(report.graphs) == 2 and report.graphs[0].hits == 2, report
@@ -160,7 +105,7 @@ def test_scheduler_stepped_between_calls(promoted, name):
     """A scheduler stepped between calls: the new lr (betas) is read, not the one compiled
     in, with no recompile; the scheduler's state and ``get_last_lr()`` are eager's."""
     make_opt, make_sched = SCHEDULERS[name]
-    twins = _Twins(_mlp, make_opt, _mse_step(), make_sched=make_sched)
+    twins = StepTwins(_mlp, make_opt, _mse_step(), make_sched=make_sched)
     _check(twins)
     assert len(specularch.explain(twins.steps[1]).graphs) == 1
 
@@ -180,13 +125,13 @@ def test_gradient_clipping_returning_the_total_norm(promoted):
             opt.step()
             return loss.item(), norm.item()
         return train_step
-    _check(_Twins(_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
+    _check(StepTwins(_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
 
 
 def test_zero_grad_keeping_the_gradient_tensors(promoted):
     """``zero_grad(set_to_none=False)``: the gradients are zeroed in place, never None
     after the first step."""
-    _check(_Twins(_mlp, lambda ps: O.SGD(ps, lr=0.05, momentum=0.9), _mse_step(set_to_none=False)))
+    _check(StepTwins(_mlp, lambda ps: O.SGD(ps, lr=0.05, momentum=0.9), _mse_step(set_to_none=False)))
 
 
 def test_two_backward_passes_accumulated_before_one_step(promoted):
@@ -203,7 +148,7 @@ def test_two_backward_passes_accumulated_before_one_step(promoted):
             opt.step()
             return total
         return train_step
-    _check(_Twins(_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
+    _check(StepTwins(_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
 
 
 def test_dropout_training_then_validation_under_no_grad(promoted):
@@ -223,13 +168,13 @@ def test_dropout_training_then_validation_under_no_grad(promoted):
             model.train()
             return loss.item(), val
         return train_step
-    _check(_Twins(_dropout_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
+    _check(StepTwins(_dropout_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
 
 
 def test_batch_norm_running_statistics(promoted):
     """BatchNorm1d in training: ``running_mean``, ``running_var`` and
     ``num_batches_tracked`` follow eager's after every step."""
-    twins = _Twins(_bn_mlp, lambda ps: O.SGD(ps, lr=0.05, momentum=0.9), _mse_step())
+    twins = StepTwins(_bn_mlp, lambda ps: O.SGD(ps, lr=0.05, momentum=0.9), _mse_step())
     _check(twins)
     assert twins.models[1][1].num_batches_tracked.item() == STEPS
 
@@ -254,7 +199,7 @@ def test_batch_norm_training_then_eval_validation(promoted):
             model.train()
             return loss.item(), val
         return train_step
-    _check(_Twins(lambda: _bn_mlp(bias=False), lambda ps: O.Adam(ps, lr=1e-2), make))
+    _check(StepTwins(lambda: _bn_mlp(bias=False), lambda ps: O.Adam(ps, lr=1e-2), make))
 
 
 def test_step_returning_several_python_values(promoted):
@@ -270,4 +215,4 @@ def test_step_returning_several_python_values(promoted):
             acc = (logits.argmax(1) == labels).float().mean().item()
             return loss.item(), acc, x.size(0)
         return train_step
-    _check(_Twins(_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
+    _check(StepTwins(_mlp, lambda ps: O.Adam(ps, lr=1e-2), make))
