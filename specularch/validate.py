@@ -32,6 +32,7 @@ import dis
 import functools
 import io
 import math
+import random
 import sys
 import threading
 import types
@@ -76,7 +77,7 @@ def validator(state, slots, cells, run) -> Any:
     copies, cell_copies, bindings, real_values, value_copies = copied
     reference = types.FunctionType(target.shadow_code, target.globals, target.code.co_name, None,
                                    tuple(types.CellType(c) for c in cell_copies) or None)
-    rng = generator_states()
+    rng, python_rng = generator_states(), random.getstate()
     _bind(bindings, value_copies)
     _local.busy = True
     try:
@@ -87,6 +88,8 @@ def validator(state, slots, cells, run) -> Any:
         expected_globals = [namespace.get(name, _ABSENT) for namespace, name in bindings]
         _bind(bindings, real_values)
     restore_generators(rng)  # the optimized call draws the same random numbers
+    expected_python_rng = random.getstate()
+    random.setstate(python_rng)  # random.random() too
     # compared bit for bit, so recursion templates and rolled loops run (and are captured)
     # in eager's order here: their default batching is only promised within float rounding
     with _output() as got_output, config.patch(templates="exact"):
@@ -104,6 +107,8 @@ def validator(state, slots, cells, run) -> Any:
         for (namespace, name), a, b in zip(bindings, expected_globals, got_globals):
             problem = problem or _first_difference(
                 a, b, f"global {namespace.get('__name__', '?')}.{name} after the call")
+    if problem is None and random.getstate() != expected_python_rng:
+        problem = "Python's random module is left in another state than eager leaves it"
     problem = (problem or _first_difference(expected_output[0], got_output[0], "printed stdout")
                or _first_difference(expected_output[1], got_output[1], "printed stderr"))
     if problem is not None:

@@ -22,6 +22,7 @@ import inspect
 import io
 import math
 import os
+import random
 import sys
 import types
 from dataclasses import dataclass
@@ -281,6 +282,7 @@ class Outcome:
     error: BaseException | None = None
     stdout: str = ""
     rng: torch.Tensor | None = None
+    python_rng: tuple | None = None  # Python's random module
     grad_enabled: bool = True
     state: Any = None
 
@@ -292,6 +294,7 @@ def _run(fn, args, kwargs, seed, state) -> Outcome:
     out = Outcome()
     buffer = io.StringIO()
     torch.manual_seed(seed)
+    random.seed(seed)
     try:
         with contextlib.redirect_stdout(buffer):
             out.value = fn(*args, **kwargs)
@@ -299,6 +302,7 @@ def _run(fn, args, kwargs, seed, state) -> Outcome:
         out.error = exc
     out.stdout = buffer.getvalue()
     out.rng = torch.get_rng_state()
+    out.python_rng = random.getstate()
     out.grad_enabled = torch.is_grad_enabled()
     torch.set_grad_enabled(grad_mode)
     if state is not None:
@@ -425,6 +429,9 @@ class Pair:
         if not torch.equal(eager.rng, opt.rng):
             raise Mismatch("global RNG state differs after the call: the optimized call drew a different "
                            "amount of random numbers than eager (ran something twice or skipped it)")
+        if eager.python_rng != opt.python_rng:
+            raise Mismatch("Python's random module is in another state after the call: the optimized "
+                           "call made another number of random.random() draws than eager")
         if eager.grad_enabled != opt.grad_enabled:
             raise Mismatch(f"grad mode after the call differs: eager {eager.grad_enabled}, "
                            f"optimized {opt.grad_enabled}")

@@ -9,7 +9,6 @@ exceptions are exactly eager's. A few programs whose eager run raises or whose o
 depends on values are checked for equality with eager only."""
 import contextlib
 import os
-import random
 import time
 
 import pytest
@@ -511,26 +510,3 @@ def test_a_capture_failing_on_tensor_values_leaves_other_values_to_graphs(monkey
             always_bad(T(4), torch.tensor([9]))
     assert len(captures) == retries + 1
     assert specularch.explain(always_bad).stats.fallback_calls == retries + 4
-
-
-def teacher_forced(x):
-    if random.random() < 0.5:  # mark
-        return x * 2
-    return x - 1
-
-
-def test_a_python_random_draw_runs_eagerly_with_eager_s_draws_and_says_what_to_do():
-    """``random.random()`` steering the path (teacher forcing, epsilon-greedy): each call
-    runs eagerly with eager's draws (the same sequence from the same seed), and the record
-    says to draw outside and pass the decision in."""
-    opt = specularch.optimize(teacher_forced)
-    for fn in (teacher_forced, opt):
-        random.seed(3)
-        results = [fn(torch.ones(2)) for _ in range(8)]
-        if fn is teacher_forced:
-            expected = results
-    assert all(torch.equal(a, b) for a, b in zip(expected, results))
-    (record,) = specularch.explain(opt).fallbacks
-    assert record.kind == "unsupported_call" and record.lineno == marker_line(teacher_forced, "mark")
-    assert "a draw from Python's random module (Random.random)" in record.explanation
-    assert "pass what it decides in as an argument" in record.hint

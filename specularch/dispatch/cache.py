@@ -14,6 +14,7 @@ from typing import Any, Callable
 from ..config import config
 from ..eager_run import FRAME_HOOK, EagerRun
 from ..entry_function import MISS, AssumptionFailed
+from ..guards import draws
 from ..records import AssumptionBroken
 from . import fallback, hooks, misses
 from .state import _STATES, CodeState, GraphEntry, state_for
@@ -66,7 +67,10 @@ def run_unwrapped(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
     return result
 
 
-def _start(state: CodeState, slots: tuple, cells: tuple | None) -> Any:
+def _start(state: CodeState, slots: tuple, cells: tuple | None, drawing: bool = False) -> Any:
+    if state.draws and not drawing:  # its code draws from Python's random module (draws.py)
+        with draws.call():
+            return _start(state, slots, cells, True)
     state.stats.calls += 1
     globals_ = state.target.globals
     builtins_ = state.builtins
@@ -107,6 +111,8 @@ def try_entry(state: CodeState, entry: GraphEntry, slots, cells, globals_, built
     if type(result) is EagerRun:  # the eager tier: its path runs the original (tiering/eager_tier.py)
         state.stats.eager_tier_calls += count_hit
         return result
+    if state.draws:  # the generator ends where this path's draws leave it
+        draws.settle(entry.capture.draws)
     state.stats.graph_hits += count_hit
     return result
 

@@ -16,6 +16,7 @@ from .. import log
 from ..config import config
 from ..eager_run import FRAME_HOOK, EagerRun
 from ..entry_function import AssumptionFailed
+from ..guards import draws
 from ..records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError, Unsupported
 from ..shadow_heap import CommitRefused
 from ..symbolic.speculation import branch_merge
@@ -118,6 +119,7 @@ def run_eager(state: CodeState, slots, cells, record: FallbackRecord,
                                     f"to eager.\n{record}") from None  # the record says why
     record.count += 1
     state.stats.fallback_calls += 1
+    draws.rewind()  # the original makes the call's random.random() draws itself
     if distributed.active():
         result = distributed.run_eager(state, slots, cells, record, reaches_backward)
     else:
@@ -185,6 +187,7 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
     what = f"the compiled graph raised {type(error).__name__}: {error}"
     if config.strict:
         raise SpecularchStrictError(f"specularch strict mode: {state.target.name}: {what}")
+    draws.rewind()
     try:
         with FRAME_HOOK.active():
             result = state.target.call_original(slots, cells)

@@ -24,6 +24,7 @@ from ..entry_function import MISS, build_entry_function
 from ..fx_lower.randomness import graph_uses_randomness
 from ..fx_lower import get_backend
 from ..fx_lower.passes import example_inputs
+from ..guards import draws
 from ..guards.guard import TensorGuard, refers_to_dead
 from ..guards.sources import LocalSource
 from ..records import RecompileRecord, SpecularchStrictError, Unsupported
@@ -42,6 +43,7 @@ def profile_call(state: CodeState, slots, cells) -> Any:
     """One of the first calls: run eagerly, remember what the arguments looked like."""
     state.stats.profiled_calls += 1
     state.profile.append(tuple(argument_fact(v) for v in slots))
+    draws.rewind()
     start = time.perf_counter()
     with FRAME_HOOK.active():
         result = state.target.call_original(slots, cells)
@@ -53,6 +55,15 @@ def miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callabl
     """The call's result after no graph's guards passed: a new graph's, or the original's.
     ``try_entry`` is the hot path's (``cache.try_entry``), handed in so that this module
     does not import the one that imports it."""
+    with draws.call(reuse=True) as call:
+        try:
+            return _miss(state, slots, cells, globals_, builtins_, try_entry)
+        finally:
+            if call.start is not None:  # (a capture that failed after drawing too: its eager
+                state.draws = True      # entry's guards read the draws)
+
+
+def _miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callable) -> Any:
     with LOCK:
         drop_dead(state)
         for entry in state.entries:  # another thread may have captured while we waited
@@ -83,6 +94,8 @@ def miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callabl
                 reaches_backward=hooks.distributed.capture_reached_backward())
         state.stats.captures += 1
         state.stats.capture_seconds += cap.seconds
+        if cap.draws:  # its first run settles the generator (cache.try_entry)
+            state.draws = True
         named = (hooks.distributed.step_state(cap, slots, cells, globals_, builtins_)
                  if cap.distributed_leaves else [])
         buffers = [t for _, t in named if not isinstance(t, torch.nn.Parameter)

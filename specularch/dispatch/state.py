@@ -84,6 +84,7 @@ class CodeState:
     value_dependent_failures: int = 0  # captures that failed on tensor values, not remembered
     eager_seconds: list = field(default_factory=list)  # profiled calls' durations (budget.py)
     exact: bool = False  # optimize(exact=True): bit-identical to eager (dispatch/exact.py)
+    draws: bool = False  # a capture drew from Python's random module: calls open a draws.Call
 
     def __post_init__(self):
         self.builtins = _builtins_of(self.target.globals)

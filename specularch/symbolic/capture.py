@@ -63,6 +63,7 @@ class Capture:
     distributed_leaves: list = field(default_factory=list)  # broadcast from rank 0 once
     assertions: list = field(default_factory=list)   # (output index, expected, where, site)
     loops: list = field(default_factory=list)        # rolled_loops.LoopReport per loop
+    draws: int = 0  # random.random() calls its path makes (guards/draws.py settles them)
 
     @property
     def code(self) -> str:
@@ -226,7 +227,8 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
     history.release(gm)
     return Capture(gm, tracer.guards, inputs, spec, time.perf_counter() - start,
                    writes=writes, assertions=assertions,
-                   distributed_leaves=tracer.distributed_leaves, loops=list(tracer.loops))
+                   distributed_leaves=tracer.distributed_leaves, loops=list(tracer.loops),
+                   draws=len(tracer.draws))
 
 
 class _restore_process_state:

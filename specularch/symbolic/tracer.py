@@ -114,6 +114,7 @@ class Tracer:
         self.inference_regions: list = []        # inference_mode blocks capture is in (grad_mode.py)
         self.handled_exception: Value | None = None  # sys.exc_info() in a handler (exceptions.py)
         self.clock_reads: list = []              # clock reads in program order (deferred.py)
+        self.draws: list = []                    # random.random() draws, SymV each (python_random.py)
         self.loops: list = []                    # rolled / unrolled loops (rolled/loops.py)
         self.loop_notes: dict = {}               # site -> unrolled loop's report (unrolled.py)
         self.rolling = 0                         # > 0 while a rolled loop's body is captured

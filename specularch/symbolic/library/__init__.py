@@ -4,5 +4,5 @@ standard library, nn.Module, optimizers, torch objects, grad mode, printing, tra
 Importing the package imports every model module, so each registers its entry points in
 ``symbolic/models.py`` (the core looks them up there instead of importing these modules)."""
 from . import (builtins, context_managers, deque, exit_stack, grad_mode, methods, nn_module, optim,  # noqa: F401
-               optim_more, printing, stdlib, stdlib_iter, stdlib_objects, torch_objects, training,
+               optim_more, printing, python_random, stdlib, stdlib_iter, stdlib_objects, torch_objects, training,
                warnings)

@@ -448,12 +448,8 @@ def call_builtin_like(tracer, fn: ObjV, args, kwargs) -> Value:
         return _concrete_call(tracer, obj, args, kwargs)
     name = getattr(obj, "__qualname__", None) or type(obj).__name__
     if isinstance(getattr(obj, "__self__", None), random.Random) or module == "random":
-        raise Unsupported(
-            "unsupported_call", f"a draw from Python's random module ({name}) inside the "
-            "optimized function: a new number every call, which a graph cannot draw",
-            "Draw it outside and pass what it decides in as an argument "
-            "(`teacher = random.random() < ratio; step(x, teacher)`: one graph per value "
-            "of a bool argument).")
+        from .python_random import not_modelled
+        raise not_modelled(name)
     raise Unsupported("unsupported_call", f"call to {module + '.' if module else ''}{name}, which "
                       "specularch cannot see into (a C function or an object it does not model)")
 

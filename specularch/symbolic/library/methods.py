@@ -2,11 +2,13 @@
 the grad-mode context managers (``with torch.no_grad():``)."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from ...records import Unsupported
 from ..exceptions import python_error
-from . import deque as deque_model, grad_mode, printing, stdlib_objects, training
+from . import deque as deque_model, grad_mode, printing, python_random, stdlib_objects, training
 from ..speculation import untracked
 from ..values.deque import DequeV
 from .exit_stack import ExitStackV
@@ -69,6 +71,11 @@ def call_method(tracer, self_v: Value, name: str, args: list[Value], kwargs: dic
             return optim_model.call(tracer, self_v, name, args, kwargs)
         if isinstance(self_v.obj, torch.nn.Module) and module_model.is_modelled(self_v.obj, name):
             return module_model.call(tracer, self_v, name, args, kwargs)
+        if python_random.is_draw(self_v.obj, name):
+            python_random.no_arguments(args, kwargs, name)
+            return python_random.draw(tracer)
+        if isinstance(self_v.obj, random.Random):  # (getrandbits inside random.randint ...)
+            raise python_random.not_modelled(f"{type(self_v.obj).__name__}.{name}")
     raise Unsupported("unsupported_call", f"method {name!r} of {type(self_v).__name__}")
 
 

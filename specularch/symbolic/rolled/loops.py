@@ -369,7 +369,8 @@ class _Loop:
             frame._step()
 
 
-_EFFECTS = {"shadow-heap writes": lambda t: t.heap, "clock reads": lambda t: t.clock_reads, "view writes": lambda t: t.view_writes,
+_EFFECTS = {"shadow-heap writes": lambda t: t.heap, "clock reads": lambda t: t.clock_reads,
+            "draws from Python's random module": lambda t: t.draws, "view writes": lambda t: t.view_writes,
             "distributed leaves": lambda t: t.distributed_leaves,
             "inference regions": lambda t: t.inference_regions,
             "optimizer state": lambda t: t.opt_state, "generators": lambda t: t.generators,
