@@ -264,6 +264,7 @@ def _guard_call_path(tracer, cls: type) -> None:
 
 def inline_function(tracer, fn: ObjV, args, kwargs, *, frame_only: bool = False) -> Value:
     func = fn.obj
+    MODELS.refuse_inlining(func)  # (random.gauss: state the graph would write; python_random.py)
     closure = ()
     if func.__closure__:
         names = func.__code__.co_freevars

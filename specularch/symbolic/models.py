@@ -33,6 +33,8 @@ DECLARED = frozenset({
     "refuse_frozen_write", "deque_check_key",
     # library/exit_stack.py: the value class, whose attributes are all methods
     "ExitStackV",
+    # library/python_random.py
+    "refuse_inlining",
 })
 
 

@@ -207,6 +207,12 @@ def _scalar(tracer, fn, args, kwargs):
     number = deferred.builtin(fn, args, kwargs)  # round(loss.item(), 4): computed at commit
     if number is not None:
         return number
+    if fn in (int, float, round) and args and isinstance(args[0], SymV) and not kwargs \
+            and len(args) <= 2 and _all_const(args[1:], {}) \
+            and type(args[0].value) in (int, float):  # int(random.random() * 4): still symbolic
+        if type(args[0].value) is int and fn is not float and len(args) == 1:
+            return args[0]  # int(n), round(n) of an int: n itself
+        return symint.convert(tracer, fn, args[0], *[a.value for a in args[1:]])
     if _all_const(args, kwargs):
         return _concrete_call(tracer, fn, args, kwargs)
     if fn is float and len(args) == 1 and not kwargs and isinstance(args[0], TensorV) \

@@ -6,11 +6,11 @@ per side); computing with it makes it a number input of the graph. ``random.unif
 is inlined as CPython's own ``a + (b - a) * self.random()`` (``methods.call_method`` sends
 ``self.random()`` here), so its value is eager's bit for bit.
 
-Refused (the call runs eagerly, with the reason): a draw in a rolled loop's body (one body
-for every iteration: ``rolled/loops.py`` unrolls that loop instead), on a side of a merged
-tensor branch (both sides are captured, one runs), in a recursion template (one path for
-every node), and every other ``random`` function or ``random.Random`` instance
-(``builtins.call_builtin_like``'s message).
+Refused (the call runs eagerly, with the reason): a draw on a side of a merged tensor branch
+(both sides are captured, one runs), in a recursion template (one path for every node), and
+every other ``random`` function (``refuse_inlining``: Python-level ones such as ``gauss``
+keep state on the generator) or ``random.Random`` instance. A rolled loop whose body draws is
+unrolled instead (``rolled/loops.py``: one body for every iteration cannot draw).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ...guards import draws
 from ...records import Unsupported
 from ..inputs import placeholder
 from ..values.symint import SymV
+from ..models import provides
 from .builtins import model
 
 
@@ -73,3 +74,15 @@ def not_modelled(name: str) -> Unsupported:
         "module's own generator are captured (a random.Random instance's are not)",
         "Use random.random() (`random.random() < p` in place of a choice between two: one "
         "graph per outcome), or draw outside and pass what it decides in as an argument.")
+
+
+_INLINED = frozenset({random.Random.uniform})  # only arithmetic on self.random()
+
+
+@provides("refuse_inlining")
+def refuse_inlining(func) -> None:
+    """The Python-level methods of ``random.Random`` (``gauss``, ``choice``, ``shuffle``,
+    ``triangular``, ...) are not inlined: they keep state on the generator (``gauss_next``)
+    that a draw record's rewind would lose, or call C methods not modelled; ``uniform`` is."""
+    if getattr(func, "__module__", None) == "random" and func not in _INLINED:
+        raise not_modelled(f"random.{func.__name__}")

@@ -98,6 +98,18 @@ def arithmetic(tracer, op, a: Value, b: Value) -> Value:
                 f"({la} {sym} {lb})" if known else "")
 
 
+def convert(tracer, fn, v: SymV, *rest) -> SymV:
+    """``int(v)``, ``float(v)``, ``round(v[, n])`` of a symbolic number, symbolic too: a loop
+    count or size made from a drawn or relaxed number is guarded as the value it gives
+    (``int(random.random() * 4) == 1``), not as the number it came from."""
+    value = fn(v.value, *rest)
+    node = tracer.graph.call_function(fn, (v.node, *rest))
+    more = "".join(f", {r!r}" for r in rest)
+    known = v.expr is not None
+    return SymV(value, node, f"{fn.__name__}({v.expr}{more})" if known else None, tracer,
+                f"{fn.__name__}({v.label}{more})" if known else "")
+
+
 def compare(tracer, op, a: Value, b: Value) -> ConstV:
     """Comparisons decide Python control flow: the outcome is guarded (or asserted)."""
     na, va, ea, la = _operand(a)
