@@ -150,13 +150,13 @@ def test_item_in_range_falls_back():
           fallback_kind="data_dependent_value", fallback_line=marker_line(f, "range"))
 
 
-def test_item_in_a_branch_falls_back():
+def test_item_in_a_branch_is_speculated_and_runs_eagerly_once_it_flips():
     def f(x, v):
         if v.item() > 0:  # branch
             return x + 1
         return x - 1
-    check(f, lambda: A(T(3), T(1)), expect="fallback",
-          fallback_kind="data_dependent_value", fallback_line=marker_line(f, "branch"))
+    check(f, lambda: A(T(3), T(1)), calls=8, expect="fallback",
+          fallback_kind="assumption_failed", fallback_line=marker_line(f, "branch"))
 
 
 def test_int_of_an_item_into_an_op():

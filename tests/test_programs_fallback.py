@@ -47,10 +47,12 @@ def item_in_python_arithmetic(x):
 
 
 def float_of_tensor(x):
-    # `float(t)` taken by an op as a value is captured (test_torch_fn_objects.py); a branch
-    # on it is not
+    # `float(t)` taken by an op as a value is captured (test_torch_fn_objects.py), a test on
+    # it speculated (test_item_speculation.py); a loop count made from it is not
     k = float(x.max())
-    return x / (abs(k) + 1) if k > 0 else x  # mark
+    for _ in range(int(abs(k))):  # mark
+        x = x / 2
+    return x
 
 
 def tolist_of_tensor(x):

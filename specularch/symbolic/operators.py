@@ -18,7 +18,7 @@ from ..records import Unsupported
 from .exceptions import python_error
 from .values import symint
 from .rolled import objects as rolled_objects
-from .speculation import untracked
+from .speculation import item_args, untracked
 from .values.symint import SymV
 from .values.scalar import ScalarV
 from .models import MODELS
@@ -136,6 +136,9 @@ def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
     op = COMPARE_OPS[symbol]
     if isinstance(a, TensorV) or isinstance(b, TensorV):  # `.item()` values: item_args.py
         return tracer.call_op("call_function", op, [a, b], {})
+    assumed = item_args.speculated(tracer, op, [a, b])  # `t.item() == EOS`: checked in the graph
+    if assumed is not None:
+        return ConstV(assumed)
     _no_item_values(a, b)
     if (isinstance(a, SymV) or isinstance(b, SymV)) and symint.is_symbolic_operand(a) \
             and symint.is_symbolic_operand(b):
@@ -225,6 +228,9 @@ def _untracked(*values: Value) -> None:
 
 
 def truth(tracer, v: Value) -> bool:
+    assumed = item_args.speculated(tracer, operator.truth, [v])
+    if assumed is not None:
+        return assumed
     _no_item_values(v)
     _untracked(v)
     if isinstance(v, ConstV):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.fx
 
+from ...records import Unsupported
 from ..values import ConstV, Value
 from ..values.scalar import ScalarV
 from ..values.symint import SymV
@@ -133,3 +134,35 @@ def _read(tracer, v) -> torch.fx.Node:
         at = at.next
     with tracer.graph.inserting_after(at):
         return tracer.graph.call_method("item", (v.node,))
+
+
+def speculated(tracer, op, operands: list) -> bool | None:
+    """``t.item() == EOS``, ``loss.item() > limit``, ``if t.item():`` (``op`` a comparison or
+    ``operator.truth``): the outcome it has now, assumed like a branch on a tensor value.
+    The graph computes the same Python operator on the same ``.item()`` numbers (exact by
+    construction) and the entry checks it before committing anything: a call where it goes
+    the other way runs the original, and the site is no longer speculated (later captures
+    fall back there, ``data_dependent_value``, as before). None where it is not speculated
+    (the caller raises its usual fallback): operands that are not numbers, inside a merged
+    tensor branch or a recursion template. In a rolled loop's body it is checked in every
+    iteration, like a tensor branch there (``rolled/loops.py``)."""
+    if not any(isinstance(v, ScalarV) for v in operands) or tracer.merging \
+            or tracer.template is not None:
+        return None
+    parts = [_number(tracer, v) if isinstance(v, ScalarV) else v for v in operands]
+    if not all(isinstance(p, (ItemNumV, SymV)) or isinstance(p, ConstV)
+               and type(p.value) in (int, float, bool) for p in parts):
+        return None
+    frame = tracer.frames[-1]
+    site = (id(frame.code), frame.ip)
+    if site in tracer.unstable_sites:
+        raise Unsupported("data_dependent_value", "this test of a `.item()` value has gone both "
+                          "ways (its assumption failed); it is no longer speculated",
+                          "Expected for tests that really flip (an early `break` on a predicted "
+                          "token): that path runs eagerly. Keep the test in tensors "
+                          "(`torch.where`) to stay in one graph.")
+    outcome = op(*[p.value for p in parts])
+    node = tracer.graph.call_function(op, tuple(_node(p) for p in parts))
+    node.meta.update(example=outcome, where=tracer.where(), mutates=False, writes=frozenset())
+    tracer.assertions.append((node, outcome, tracer.where(), site))
+    return outcome

@@ -24,9 +24,10 @@ class ScalarV(Value):
 
     def concrete(self):
         raise Unsupported("data_dependent_value",
-                          "a value from `.item()` is used in Python (arithmetic, a branch, a "
-                          "comparison, a string used as text); returning, storing, printing "
-                          "and formatting it into a string are captured")
+                          "a value from `.item()` is used where Python needs the number itself "
+                          "(a size, an index, a loop count, a string used as text); arithmetic, "
+                          "passing it to a torch op, tests on it (speculated), returning, "
+                          "storing, printing and formatting it are captured")
 
     def python_type(self):
         return type(self.value)

@@ -1,0 +1,87 @@
+"""Tests of ``.item()`` values speculated like branches on tensor values
+(``symbolic/speculation/item_args.speculated``): ``if tok.item() == EOS: break``,
+``if loss.item() > limit``, ``if flag.item():`` take the direction they have at capture, the
+graph computes the same Python test on the same number and the entry checks it before
+committing; a call where it flips runs the original (nothing written), and the site is no
+longer speculated. Every check is differential (``differential.check``)."""
+import torch
+from torch import nn
+
+from differential import A, T, check, check_module, marker_line
+
+EOS = 3
+LIMIT = 100.0
+
+
+def rarely_huge(x):
+    loss = (x * x).sum()
+    if loss.item() > LIMIT:  # test
+        return loss * 0  # skip the step
+    return loss
+
+
+def test_a_test_that_holds_is_one_graph_and_one_that_flips_runs_eagerly():
+    report = check(rarely_huge, lambda i: A(T(4) * (10 if i == 9 else 1)), calls=14)
+    assert report.stats.graph_hits >= 5, report
+    (failed,) = [f for f in report.fallbacks if f.kind == "assumption_failed"]
+    assert failed.lineno == marker_line(rarely_huge, "test")
+    later = [f for f in report.fallbacks if f.kind == "data_dependent_value"]
+    assert later and "has gone both ways" in later[0].explanation
+
+
+def truthy(flags, x):
+    if flags[0].item():
+        return x + 1
+    return x - 1
+
+
+def two_items(a, b):
+    if a.max().item() < b.max().item():
+        return a
+    return b
+
+
+def test_truth_and_two_item_values_are_speculated():
+    report = check(truthy, lambda: A(torch.tensor([True, False]), T(2)), calls=6, expect="graph")
+    assert report.stats.graph_hits == 2
+    check(two_items, lambda i: A(T(3) + i, T(3) + 2 * i), calls=8, expect="graph")
+
+
+def decode(x, steps):
+    inp = torch.tensor(0)
+    total = x.sum() * 0
+    for _ in range(steps):
+        scores = x[inp] * 2
+        inp = scores.argmax()
+        total = total + scores.sum()
+        if inp.item() == EOS:  # break
+            break
+    return total, inp
+
+
+def test_an_early_break_on_a_predicted_token_in_a_loop():
+    """Tokens that never reach EOS: every call a graph (the loop over a varying number of
+    steps, the test checked at each one); then a table that reaches EOS: eager's result."""
+    table = torch.eye(5)[[1, 2, 0, 4, 1]]  # 0 -> 1 -> 2 -> 0 ...: never 3
+    report = check(decode, lambda i: A(table.clone(), 3 + i % 3), calls=10, expect="graph")
+    assert report.stats.graph_hits >= 4
+    to_eos = torch.eye(5)[[1, 3, 0, 4, 1]]  # 0 -> 1 -> 3
+    check(decode, lambda i: A(table.clone() if i < 6 else to_eos.clone(), 4), calls=9)
+
+
+class Counter(nn.Module):
+    """A test's outcome stored on the module, not branched on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.positive = []
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.positive.append(y.sum().item() > 0)
+        return y
+
+
+def test_an_outcome_stored_is_eager_s():
+    check_module(Counter, lambda: A(T(2, 3)), calls=10)  # flips: some calls run eagerly
