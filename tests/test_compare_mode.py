@@ -2,6 +2,7 @@
 run is isolated from the real program (helpers' globals, counters, printing), gradients,
 module attributes and number globals are compared, a mismatch the test swallows still fails
 it, and the summary counts fallback calls."""
+import random
 import textwrap
 
 import pytest
@@ -287,6 +288,28 @@ def test_validator_compares_printed_text(capsys):
     with pytest.raises(validate.SpecularchMismatch, match="printed stdout: eager 'bumped 1\\\\n' "
                                                           "vs optimized ''"):
         _validate(bump, (torch.ones(2),), run_quietly)
+
+
+def draws_once(x):
+    return x * random.random()
+
+
+def test_validator_compares_python_s_random_state():
+    """Compare mode puts Python's generator back for the optimized run and compares where
+    each run leaves it (here a run that draws once more than eager)."""
+    random.seed(0)
+    got, state = _validate(draws_once, (torch.ones(2),)), random.getstate()
+    random.seed(0)
+    assert torch.equal(got, draws_once(torch.ones(2))) and random.getstate() == state
+
+    def run_drawing_twice(state, slots, cells):
+        out = dispatch.run_unwrapped(state, slots, cells)
+        random.random()
+        return out
+
+    with pytest.raises(validate.SpecularchMismatch, match="Python's random module is left in "
+                                                          "another state than eager leaves it"):
+        _validate(draws_once, (torch.ones(2),), run_drawing_twice)
 
 
 def forward_step(model, x):
