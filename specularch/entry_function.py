@@ -52,11 +52,14 @@ class AssumptionFailed:
 
     def explanation(self) -> str:
         if self.site[0] == "rolled_loop":
-            return ("an assumption inside a rolled loop's body (a size or a tensor branch) did "
-                    "not hold in a later iteration")
+            return ("an assumption inside a rolled loop's body (a size, a tensor branch or a "
+                    "test on a `.item()` value) did not hold in a later iteration")
         if self.site[0] in ("specialize", "compare"):
             return ("the graph assumed a size computed inside the function keeps the value it "
                     "had at capture (it steers Python control flow), but it changed")
+        if self.site[-1] == "item":  # (speculation/item_args.speculated)
+            return (f"the graph assumed this test on a `.item()` value is {self.expected}, "
+                    f"but it was {not self.expected}")
         return (f"the graph assumed this branch on a tensor value is {self.expected}, "
                 f"but it was {not self.expected}")
 

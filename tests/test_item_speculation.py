@@ -25,6 +25,7 @@ def test_a_test_that_holds_is_one_graph_and_one_that_flips_runs_eagerly():
     assert report.stats.graph_hits >= 5, report
     (failed,) = [f for f in report.fallbacks if f.kind == "assumption_failed"]
     assert failed.lineno == marker_line(rarely_huge, "test")
+    assert "assumed this test on a `.item()` value is False, but it was True" in failed.explanation
     later = [f for f in report.fallbacks if f.kind == "data_dependent_value"]
     assert later and "has gone both ways" in later[0].explanation
 

@@ -154,7 +154,7 @@ def speculated(tracer, op, operands: list) -> bool | None:
                and type(p.value) in (int, float, bool) for p in parts):
         return None
     frame = tracer.frames[-1]
-    site = (id(frame.code), frame.ip)
+    site = (id(frame.code), frame.ip, "item")
     if site in tracer.unstable_sites:
         raise Unsupported("data_dependent_value", "this test of a `.item()` value has gone both "
                           "ways (its assumption failed); it is no longer speculated",
