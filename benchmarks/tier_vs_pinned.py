@@ -6,9 +6,12 @@
 ``python -m specularch.bench`` interleaves its modes round by round (a round: some steps of
 one mode), and on a 4-7 ms step the shared VM's phases move a mode's round by ±10%: there the
 default mode on TorchScript measured 0.93-0.98 of pinned TorchScript. Here each step of each
-mode follows the last one's (same batch, the modes in turn), timed by CPU time, one thread;
+mode follows the last one's (same batch, the modes in turn, their order turned every step),
+timed by CPU time, one thread;
 the tiered mode's only candidate is ``--backend``, and the timing starts once every graph's
-tier is final. Prints the median ms per step and each mode's speedup over eager.
+tier is final. Prints the median ms per step and each mode's speedup over eager, twice: with
+the tiered model built before the pinned one and after it (the order alone moved the MLP's
+ratio by up to 10% either way), and the mean of the two tiered/pinned ratios.
 """
 from __future__ import annotations
 
@@ -56,24 +59,41 @@ def main(argv: list[str] | None = None) -> None:
         fn = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01))
         return fn if backend is None else specularch.optimize(fn, backend=backend)
 
-    modes = {"eager": step(), "tiered": step("auto"), f"{args.backend} pinned": step(args.backend),
-             "fx pinned": step("fx")}
+    pinned = f"{args.backend} pinned"
+    ratios = []
+    # Which model is built first moves the result by up to 10% either way on the MLP (where
+    # their tensors land): each order is measured once, and the ratio is their mean.
+    for first, second in (("tiered", pinned), (pinned, "tiered")):
+        made = {"eager": step()}
+        for name in (first, second):
+            made[name] = step("auto" if name == "tiered" else args.backend)
+        made["fx pinned"] = step("fx")
+        medians = _measure(made, batches, args.steps)
+        print(f"{args.model}, 1 thread, {args.steps} steps per mode, interleaved step by step "
+              f"(CPU time), {first} built before {second}:")
+        for name, median in medians.items():
+            print(f"  {name:22s} {median * 1e3:8.3f} ms  {medians['eager'] / median:5.3f}x eager")
+        ratios.append(medians[pinned] / medians["tiered"])
+    print(f"tiered / pinned speed: {ratios[0]:.3f} and {ratios[1]:.3f}, "
+          f"mean {statistics.fmean(ratios):.3f}")
+
+
+def _measure(modes: dict, batches: list, steps: int) -> dict:
+    """Each mode's median CPU seconds per step, the tiered mode settled first."""
     print(f"tiered: {_settle(modes['tiered'], batches)}")
     for name, fn in modes.items():  # (the pinned modes' first calls: capture, compile)
         for batch in batches:
             fn(*batch)
     times = {name: [] for name in modes}
-    for i in range(args.steps):
+    names = list(modes)
+    for i in range(steps):
         batch = batches[i % len(batches)]
-        for name, fn in modes.items():
+        # the order turns every step: each mode follows each other mode as often
+        for name in names[i % len(names):] + names[:i % len(names)]:
             start = time.thread_time()
-            fn(*batch)
+            modes[name](*batch)
             times[name].append(time.thread_time() - start)
-    eager = statistics.median(times["eager"])
-    print(f"{args.model}, 1 thread, {args.steps} steps per mode, interleaved step by step (CPU time):")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"  {name:22s} {median * 1e3:8.3f} ms  {eager / median:5.3f}x eager")
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 if __name__ == "__main__":
