@@ -27,7 +27,27 @@ def test_size_count_finds_the_sizes_of_most_calls():
     assert count.dominant() is None
     for n in (2, 3, 4, 5):
         count(None, torch.zeros(n, 3, 5))
-    assert count.dominant() is None  # (no size has half the calls)
+    assert count.dominant() is None and count.common() is None  # (each seen once)
+
+
+def test_a_few_common_sizes_get_a_form_each():
+    """No size has half the calls: the commonest (at most MAX_FORMS, each a tenth of the
+    calls and seen twice) if together they have half; else none."""
+    count = SizeCount(lambda *args: None, {0: [0]})
+    for n in [3, 5, 7] * 4 + [9]:
+        count(torch.zeros(n))
+    assert count.dominant() is None and count.common() == [(3,), (5,), (7,)]
+    count.counts.clear()
+    for n in [3] * 6 + [5] * 3 + list(range(10, 22)):  # 21 calls, a tenth: 2.1
+        count(torch.zeros(n))
+    assert count.common() is None  # sizes 3 and 5: 9 of 21 calls, not half
+    for _ in range(3):
+        count(torch.zeros(3))
+    assert count.common() == [(3,), (5,)]  # 12 of 24 (each of 10..21: one call, no form)
+    count.counts.clear()
+    for n in range(1, 30):  # sizes that vary from call to call
+        count(torch.zeros(n))
+    assert count.common() is None
 
 
 def _train_both(batches, rounds):
@@ -119,3 +139,22 @@ def test_a_whole_step_with_a_short_last_batch_compiles_for_the_full_batch(hot_at
     assert (event.decision, graph.backend) == ("kept", "torchscript"), event
     assert event.compiled_in.startswith("worker process; compiled for the sizes of most calls"), event
     assert not graph.sizes.endswith(" 0 call(s) outside ran fx"), graph.sizes
+
+
+def test_a_few_batch_sizes_compile_one_form_each_in_the_worker(hot_at_once, monkeypatch):
+    """Batches of 4, 6 and 8 rows in turn (none the size of most calls): one TorchScript form
+    per size, each call running its own, every parameter as eager's after each step."""
+    hot_at_once("torchscript")
+    monkeypatch.setattr(policy, "faster", lambda candidate, current: True)
+    torch.manual_seed(1)
+    batches = [(torch.randn(n, 8), torch.randn(n, 2)) for n in (4, 6, 8, 4, 6, 8)]
+    with specularch.config.patch(tier_min_hits=12):  # sizes counted on a dozen calls
+        opt = _train_both(batches, 8)
+    graph = specularch.explain(opt).graphs[-1]
+    (event,) = graph.tier.events
+    assert (event.decision, graph.backend) == ("kept", "torchscript"), event
+    assert event.compiled_in.startswith("worker process; compiled for the 3 commonest sizes"), event
+    assert graph.sizes.startswith("compiled for the 3 commonest sizes where "), graph.sizes
+    assert all(f"L['input'].size()[0] == {n} and L['input'].is_contiguous()" in graph.sizes
+               for n in (4, 6, 8)), graph.sizes
+    assert graph.sizes.endswith("(3 compiles, one per size); 0 call(s) outside ran fx"), graph.sizes

@@ -259,17 +259,20 @@ def test_forward_branching_on_a_size(promoted):
 
 @pytest.mark.parametrize("cycle, hits, sizes, compiled_for", [
     ((8, 4, 8, 16), 3, HOT_SIZES, 8),
-    ((4, 8, 16), 11, EVERY_SIZE, None),
+    ((4, 8, 16), 11, "compiled for the 3 commonest sizes where ", None),
     ((4, 8, 16), 3, HOT_SIZES, 4),
-], ids=["one_size_half_the_calls", "no_majority", "no_majority_counted_over_four_calls"])
+    (tuple(range(4, 16)), 11, EVERY_SIZE, None),
+], ids=["one_size_half_the_calls", "no_majority", "no_majority_counted_over_four_calls",
+        "a_new_size_every_call"])
 def test_batch_sizes_cycling_through_a_small_set(promoted, cycle, hits, sizes, compiled_for):
     """Batches cycling through ``cycle`` for 36 steps, the graph hot after ``hits`` calls.
     Where one size is half the calls counted before the graph got hot (``SizeCount``: the
     calls up to the hit on which hotness is sampled, ``trial.SAMPLE``), the graph is
     compiled for it and the other sizes run ``fx`` in the same graph; with three sizes of a
-    third each over 12 counted calls (hot after 11) it is compiled for every size. Hot
-    after 3, only 4 calls are counted (4, 8, 16, 4): 4 is half of them, so the graph is
-    compiled for batches of 4 and two thirds of the calls run ``fx``."""
+    third each over 12 counted calls (hot after 11) it is compiled once for each of them
+    (``SizeCount.common``), and with a new size every call (12 sizes) for every size. Hot after 3, only 4 calls are counted (4, 8, 16, 4): 4 is
+    half of them, so the graph is compiled for batches of 4 and two thirds of the calls run
+    ``fx``."""
     twins = Twins(_MLP)
     g = torch.Generator().manual_seed(19)
     data = [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
@@ -287,10 +290,12 @@ def test_batch_sizes_cycling_through_a_small_set(promoted, cycle, hits, sizes, c
     (graph,) = assert_promoted(twins.opt, sizes=sizes)
     if compiled_for is not None:
         assert f"size()[0] == {compiled_for} and" in graph.sizes and _fx_calls(graph) > 0, graph.sizes
-    else:
+    elif sizes == EVERY_SIZE:
         (event,) = graph.tier.events
-        assert "(it has dynamic sizes: 3 different sizes in 12 calls, the commonest in 4)" in \
+        assert "(it has dynamic sizes: 12 different sizes in 12 calls, the commonest in 1)" in \
             event.compiled_in, event
+    else:  # one form per size: no call runs fx
+        assert "(3 compiles, one per size)" in graph.sizes and _fx_calls(graph) == 0, graph.sizes
 
 
 # --------------------------------------------------------------------------- evaluation

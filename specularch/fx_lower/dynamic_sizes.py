@@ -81,7 +81,19 @@ def describe(graph_fn: Callable, inputs: list[str]) -> str:
     where = " | ".join(dict.fromkeys(_torch_shapes.named(f.expression, inputs) for f in forms))
     per_value = f" ({len(forms)} compiles, one per value of a number)" if len(forms) > 1 else ""
     misses = sum(f.misses for f in forms)
+    chain = _chain(forms[0])
+    if len(chain) > 1:  # forms for a few common sizes (tiering/hot_sizes.checked)
+        where = " | ".join(_torch_shapes.named(f.expression, inputs) for f in chain)
+        per_value, misses = f" ({len(chain)} compiles, one per size)", chain[-1].misses
     return f"compiled for {forms[0].scope} where {where}{per_value}; {misses} call(s) outside ran fx"
+
+
+def _chain(form: SizeChecked) -> list[SizeChecked]:
+    """``form`` and the forms its other sizes go to, in turn (the last one's misses ran fx)."""
+    chain = [form]
+    while isinstance(chain[-1].fallback, SizeChecked):
+        chain.append(chain[-1].fallback)
+    return chain
 
 
 def _size_checked(graph_fn: Callable) -> list[SizeChecked]:

@@ -7,7 +7,7 @@ candidate is timed on live calls against the current tier and kept only if faste
 * ``process.py``, ``job.py``, ``compile_worker.py`` — that thread's compiles run in a worker
   process: the job file, the child's entry point, loading what it compiled;
 * ``trial.py`` — the per-graph ``Tier`` (counting, trials, swapping the entry's function);
-* ``hot_sizes.py`` — a graph with dynamic sizes compiled for those of most calls;
+* ``hot_sizes.py`` — a graph with dynamic sizes compiled for those of most calls (or one form per few common sizes);
 * ``remembered.py`` — rejections kept in the compile cache for the next runs;
 * ``history.py`` — what ``explain()`` shows of each graph's tiers.
 """

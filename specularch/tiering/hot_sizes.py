@@ -9,13 +9,14 @@ background thread, holding the GIL for seconds beside the program's steps (a tra
 forward: steps up to 113x eager's, docs/tiering.md). A flattened graph (a whole step)
 compiled in the worker for every size, symbolically.
 
-Yet most calls have one size. While a graph is not yet hot, its ``Tier`` counts the sizes
-of its dynamic dimensions on each call (``SizeCount``, wrapped around the ``fx`` code; gone
-once the graph is hot). Where one set of sizes is at least ``SHARE`` of those calls
-(``SizeCount.dominant``), each candidate the worker compiles is compiled for those sizes
-(``examples``; the job says ``fixed_sizes``) and checked before each call (``checked``): a
-call of other sizes (the short batch) runs the graph's ``fx`` code, which computes any
-size. Elsewhere (sizes that vary from call to call: a sequence model's lengths) the
+Yet most calls have one size, or one of a few. While a graph is not yet hot, its ``Tier``
+counts the sizes of its dynamic dimensions on each call (``SizeCount``, wrapped around the
+``fx`` code; gone once the graph is hot). Where one set of sizes is at least ``SHARE`` of
+those calls, or a few (at most ``MAX_FORMS``, each ``FORM_SHARE`` of them: an LSTM's few
+sequence lengths) are together (``SizeCount.common``), each candidate the worker compiles is
+compiled for each of those sizes (``examples``; the job says ``fixed_sizes``) and the call's
+sizes pick the form (``checked``): a call of other sizes (the short batch) runs the graph's
+``fx`` code, which computes any size. Elsewhere (sizes that vary from call to call) the
 candidates compile for every size as before.
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ from ..fx_lower import compile_cache
 from ..fx_lower.dynamic_sizes import SizeChecked, dynamic_inputs
 from ..fx_lower.passes import example_inputs
 
-SHARE = 0.5  # the share of the counted calls one set of sizes needs to be compiled for
+SHARE = 0.5  # the share of the counted calls the sizes compiled for must have
+MAX_FORMS = 4  # fixed-size forms of one graph at most (one compile each)
+FORM_SHARE = 0.1  # the counted calls a size needs for a form of its own, where none has SHARE
 
 
 class SizeCount:
@@ -54,11 +57,22 @@ class SizeCount:
     def dominant(self) -> tuple[int, ...] | None:
         """The sizes (one per counted dimension, in ``dims`` order) of at least ``SHARE`` of
         the counted calls, or None."""
+        common = self.common()
+        return common[0] if common is not None and len(common) == 1 else None
+
+    def common(self) -> list[tuple[int, ...]] | None:
+        """The sizes to compile fixed-size forms for: those of at least ``SHARE`` of the
+        counted calls (one form); else the commonest sizes, at most ``MAX_FORMS``, each of
+        at least ``FORM_SHARE`` of the calls (and seen twice), if together they have ``SHARE`` of them (a
+        few sequence lengths, bucketed batches: one form each); None where no such few do
+        (sizes that vary from call to call: candidates compile for every size)."""
         total = sum(self.counts.values())
-        if not total:
-            return None
-        sizes, calls = self.counts.most_common(1)[0]
-        return sizes if calls >= SHARE * total else None
+        top = self.counts.most_common(MAX_FORMS)
+        if top and top[0][1] >= SHARE * total:
+            return [top[0][0]]
+        chosen = [(sizes, n) for sizes, n in top if n >= max(FORM_SHARE * total, 2)]
+        return [sizes for sizes, _ in chosen] \
+            if chosen and sum(n for _, n in chosen) >= SHARE * total else None
 
 
 def counted(gm: torch.fx.GraphModule) -> dict[int, list[int]] | None:
@@ -98,13 +112,18 @@ def expression(gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> str:
     return " and ".join(terms + [f"L['t{i}'].is_contiguous()" for i in sorted(dynamic)])
 
 
-def checked(compiled: Callable, gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> Callable:
-    """``compiled`` (``gm`` compiled for ``sizes``) where a call's inputs have them, else
-    ``gm``'s ``fx`` code; keeps the compile cache's mark."""
-    out = SizeChecked(compiled, expression(gm, sizes), gm.forward,
-                      scope="the sizes of most calls", note="compiled for the sizes of most "
-                      "calls, others run fx (explain's sizes line)")
-    if compile_cache.from_cache(compiled):
+def checked(forms: list[tuple[tuple[int, ...], Callable]], gm: torch.fx.GraphModule) -> Callable:
+    """``forms`` (``(sizes, gm compiled for them)`` pairs, commonest first): a call runs the
+    first whose sizes its inputs have, else ``gm``'s ``fx`` code (a chain of
+    ``SizeChecked``); cached in the compile cache's sense where every form was."""
+    scope, note = ("the sizes of most calls", "compiled for the sizes of most calls") \
+        if len(forms) == 1 else (f"the {len(forms)} commonest sizes",
+                                 f"compiled for the {len(forms)} commonest sizes")
+    out = gm.forward
+    for sizes, compiled in reversed(forms):
+        out = SizeChecked(compiled, expression(gm, sizes), out, scope=scope,
+                          note=f"{note}, others run fx (explain's sizes line)")
+    if all(compile_cache.from_cache(compiled) for _, compiled in forms):
         compile_cache.mark_cached(out)
     return out
 

@@ -80,7 +80,7 @@ class Tier:
         # then those of most calls, if any, which its candidates are compiled for (hot_sizes.py)
         dynamic = hot_sizes.counted(gm)
         self.size_count = SizeCount(self.reference, dynamic) if dynamic else None
-        self.sizes: tuple[int, ...] | None = None  # (set when the graph is hot)
+        self.sizes: list[tuple[int, ...]] | None = None  # (set when the graph is hot)
         if self.size_count is not None:
             self.fn = build(self.size_count)[0]
         entry.fn = self
@@ -121,7 +121,7 @@ class Tier:
         self.submitted = True
         self.history.submitted_at = time.perf_counter()
         if self.size_count is not None:  # counted enough: fx's own entry again
-            self.sizes = self.size_count.dominant()
+            self.sizes = self.size_count.common()
             self.fn = self.build(self.reference)[0]
         with self.lock:
             for name, refusal in policy.candidates(self.gm):
@@ -157,15 +157,13 @@ class Tier:
         try:
             graph_fn = None
             if why_not is None:
-                fixed = examples if sizes is None else hot_sizes.examples(self.gm, sizes)
                 try:
-                    graph_fn = process.compile_candidate(name, self.gm, fixed, process.TIMEOUT,
-                                                         fixed_sizes=sizes is not None)
+                    if sizes is None:
+                        graph_fn = process.compile_candidate(name, self.gm, examples, process.TIMEOUT)
+                    else:  # one form per common size (other sizes: fx)
+                        graph_fn, examples = self._forms(name, sizes)
                 except process.NotSplit as e:
                     where = f"thread: its AOT-autograd form cannot be sent ({e})"
-                else:
-                    if sizes is not None:  # (other sizes: fx)
-                        graph_fn, examples = hot_sizes.checked(graph_fn, self.gm, sizes), fixed
             if graph_fn is None:
                 graph_fn = compile_in_background(get_backend(name), self.gm, examples, worker.submit)
             if compile_cache.from_cache(graph_fn):
@@ -191,6 +189,23 @@ class Tier:
             self.ready.append(Candidate(name, fn, graph_fn, source, time.perf_counter() - start,
                                         where, checked_fn))
             self._next_trial()
+
+    def _forms(self, name: str, sizes: list) -> tuple[Callable, list]:
+        """(On the worker thread.) ``name``'s form of the graph for each of ``sizes``,
+        compiled by the worker one after the other and chosen by each call's sizes
+        (``hot_sizes.checked``), and the example inputs of the first. The forms after the
+        first are warmed up here, each on its own sizes (the first with the whole)."""
+        forms, first = [], None
+        for each in sizes:
+            fixed = hot_sizes.examples(self.gm, each)
+            compiled = process.compile_candidate(name, self.gm, fixed, process.TIMEOUT,
+                                                 fixed_sizes=True)
+            if first is None:
+                first = fixed
+            elif not self.random:  # (see _compile)
+                worker.warm_up(compiled, fixed)
+            forms.append((each, compiled))
+        return hot_sizes.checked(forms, self.gm), first
 
     def _earlier(self) -> dict[str, dict]:
         """(On the worker thread.) The rejections earlier runs left for this graph, read once."""
