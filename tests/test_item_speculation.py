@@ -86,3 +86,33 @@ class Counter(nn.Module):
 
 def test_an_outcome_stored_is_eager_s():
     check_module(Counter, lambda: A(T(2, 3)), calls=10)  # flips: some calls run eagerly
+
+
+def guarded_division(v, x):
+    if v.item() != 0 and 1.0 / v.item() > 0.5:  # guard
+        return x * 2
+    return x
+
+
+def flag_is_true(flag, x):
+    if flag.item() is True:
+        return x + 1
+    return x - 1
+
+
+def test_a_graph_that_raises_past_a_flipped_test_is_that_test_s_failure():
+    """``v != 0`` held at capture; where it flips, the graph raises in the division eager
+    never reaches: the call runs eagerly and the record is the test's failure (with its own
+    hint), not a backend error."""
+    report = check(guarded_division, lambda i: A(torch.tensor(0.0 if i >= 6 else 1.0), T(2)),
+                   calls=9, expect="fallback", fallback_kind="assumption_failed",
+                   fallback_line=marker_line(guarded_division, "guard"))
+    (failed,) = [f for f in report.fallbacks if f.kind == "assumption_failed"]
+    assert "the graph raised on the path it assumed" in failed.explanation
+    assert "no longer speculated" in failed.hint and "both sides" not in failed.hint
+    assert not [f for f in report.fallbacks if f.kind == "backend_error"], report
+
+
+def test_identity_of_an_item_is_eager_s():
+    check(flag_is_true, lambda i: A(torch.tensor(i < 5), T(2)), calls=8)
+    check(lambda a, b: a.item() is b.item(), lambda: A(torch.tensor(1), torch.tensor(1)), calls=4)

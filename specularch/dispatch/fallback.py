@@ -20,6 +20,7 @@ from ..guards import draws
 from ..records import FALLBACK_KINDS, FallbackRecord, SpecularchStrictError, Unsupported
 from ..shadow_heap import CommitRefused
 from ..symbolic.speculation import branch_merge
+from ..symbolic.speculation.raising_branch import raising_nodes
 from ..symbolic import exceptions
 from . import hooks
 from ..templates.family import TemplateMiss
@@ -142,7 +143,7 @@ def assumption_failed(state: CodeState, entry: GraphEntry, failure: AssumptionFa
         if failure.site[0] in ("specialize", "compare"):  # a size of an intermediate tensor
             state.general.sizes_steer_python(failure.where)
     filename, _, line = failure.where.rpartition(":")
-    error = Unsupported("assumption_failed", failure.explanation())
+    error = Unsupported("assumption_failed", failure.explanation(), _hint(failure))
     error.filename, error.lineno, error.function = filename, int(line or 0), state.target.name
     return fallback(state, slots, cells, error)
 
@@ -200,10 +201,60 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
         failure, outcome = _eager_did_not_raise(entry, error, what), None
         if isinstance(error, CommitRefused):
             failure = Unsupported("side_effect", f"{error}; the call ran eagerly")
+        else:
+            assumed = _assumed_before(entry, error)
+            if assumed is not None:  # (eager took the other way: `if v != 0 and 1 / v > 1`)
+                return _assumed_wrongly(state, entry, assumed, result)
     record = note_fallback(state, failure, at_def=True, ran=True)
     if outcome is not None:
         raise outcome
     log.warn_fallback(record)
+    return result
+
+
+def _hint(failure: AssumptionFailed) -> str | None:
+    """The kind's own hint (a tensor branch: merged from the next call on), except for a test
+    on a ``.item()`` value, which is not merged."""
+    if failure.site[-1] != "item":
+        return None
+    return ("Expected for tests that really flip (an early `break` on a predicted token): this "
+            "test is no longer speculated, its path runs eagerly. Keep it in tensors "
+            "(torch.where, masking) to stay in one graph.")
+
+
+def _assumed_before(entry: GraphEntry, error: Exception) -> AssumptionFailed | None:
+    """The in-graph assumption (a tensor branch, a test on a ``.item()`` value) computed last
+    before the op that raised, where the graph raised at an op after one and eager did not:
+    that assumption cannot have held (the graph went on down the path it assumed, eager took
+    the other, where nothing raises); None where no assumption comes before the raise."""
+    gm = entry.capture.graph_module
+    raised = [n for n in raising_nodes(error, [gm]) if n.graph is gm.graph]
+    if not raised or not entry.capture.assertions:
+        return None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    before = [(order[outputs[index]], where, site, expected)
+              for index, expected, where, site in entry.capture.assertions
+              if isinstance(outputs[index], torch.fx.Node) and order[outputs[index]] < order[raised[-1]]]
+    if not before:
+        return None
+    _, where, site, expected = max(before, key=lambda b: b[0])
+    return AssumptionFailed(where, site, expected)
+
+
+def _assumed_wrongly(state: CodeState, entry: GraphEntry, failure: AssumptionFailed,
+                     result: Any) -> Any:
+    """``assumption_failed`` for a call whose original already ran (and returned ``result``)."""
+    with LOCK:
+        if entry in state.entries:
+            state.entries.remove(entry)
+        state.unstable_sites.add(failure.site)
+        state.stats.assumption_failures += 1
+    filename, _, line = failure.where.rpartition(":")
+    error = Unsupported("assumption_failed", f"{failure.explanation()} (the graph raised on the "
+                        "path it assumed; the call ran eagerly)", _hint(failure))
+    error.filename, error.lineno, error.function = filename, int(line or 0), state.target.name
+    log.warn_fallback(note_fallback(state, error, ran=True))
     return result
 
 

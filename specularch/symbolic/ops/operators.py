@@ -6,11 +6,12 @@ import operator
 
 from ...records import Unsupported
 from ..rolled import while_loops as rolled_while
-from ..speculation import branch_merge
+from ..speculation import branch_merge, item_args
 from .. import operators as ops
 from ..library import printing
 from .registry import handles
 from ..values import ConstV, TensorV, is_const
+from ..values.scalar import ScalarV
 
 
 @handles("BINARY_OP")
@@ -54,7 +55,15 @@ def _is(frame, ins):
     branch = frame.tracer.merged_aliases.identity(a, b)
     if branch is not None:  # eager may give one tensor where the merged graph has two
         raise branch_merge.refuse("`is` compares the identity of a merged tensor", branch)
-    same = ops.identical(a, b)
+    if a is not b and (isinstance(a, ScalarV) or isinstance(b, ScalarV)) \
+            and not any(isinstance(v, ConstV) and v.value is None for v in (a, b)):
+        # ``flag.item() is True``: the in-graph number's identity, as eager's (small ints
+        # and bools are shared objects); ``is None`` of a number is False without a check
+        same = item_args.speculated(frame.tracer, operator.is_, [a, b])
+        if same is None:
+            (a if isinstance(a, ScalarV) else b).concrete()  # (raises data_dependent_value)
+    else:
+        same = ops.identical(a, b)
     frame.push(ConstV(same != bool(ins.arg)))
 
 

@@ -137,8 +137,8 @@ def _read(tracer, v) -> torch.fx.Node:
 
 
 def speculated(tracer, op, operands: list) -> bool | None:
-    """``t.item() == EOS``, ``loss.item() > limit``, ``if t.item():`` (``op`` a comparison or
-    ``operator.truth``): the outcome it has now, assumed like a branch on a tensor value.
+    """``t.item() == EOS``, ``loss.item() > limit``, ``if t.item():``, ``flag.item() is True``
+    (``op`` a comparison, ``operator.truth`` or ``operator.is_``): the outcome it has now, assumed like a branch on a tensor value.
     The graph computes the same Python operator on the same ``.item()`` numbers (exact by
     construction) and the entry checks it before committing anything: a call where it goes
     the other way runs the original, and the site is no longer speculated (later captures
@@ -161,7 +161,10 @@ def speculated(tracer, op, operands: list) -> bool | None:
                           "Expected for tests that really flip (an early `break` on a predicted "
                           "token): that path runs eagerly. Keep the test in tensors "
                           "(`torch.where`) to stay in one graph.")
-    outcome = op(*[p.value for p in parts])
+    try:
+        outcome = op(*[p.value for p in parts])
+    except Exception:  # (``c.item() < 1`` of a complex number: eager's TypeError, not assumed)
+        return None
     node = tracer.graph.call_function(op, tuple(_node(p) for p in parts))
     node.meta.update(example=outcome, where=tracer.where(), mutates=False, writes=frozenset())
     tracer.assertions.append((node, outcome, tracer.where(), site))
