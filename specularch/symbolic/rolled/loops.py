@@ -192,7 +192,7 @@ def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
     if site in tracer.assumptions.unrolled_loops:
         return "refused before"  # the report of the refusal is kept by capture
     if ("rolled_loop", *site) in tracer.unstable_sites:
-        return "an assumption its body made (a size, a tensor branch) failed at run time"
+        return "an assumption its body made (a size, a tensor branch, a test on a `.item()` value) failed at run time"
     if tracer.merging:
         return "inside a tensor branch whose two sides are merged"
     if tracer.template is not None:
