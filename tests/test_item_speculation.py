@@ -116,3 +116,17 @@ def test_a_graph_that_raises_past_a_flipped_test_is_that_test_s_failure():
 def test_identity_of_an_item_is_eager_s():
     check(flag_is_true, lambda i: A(torch.tensor(i < 5), T(2)), calls=8)
     check(lambda a, b: a.item() is b.item(), lambda: A(torch.tensor(1), torch.tensor(1)), calls=4)
+
+
+def validated(x):
+    if x.min().item() < 0:  # validation
+        raise ValueError("x must be non-negative")
+    return x.sqrt()
+
+
+def test_a_validation_test_is_speculated_again_after_a_call_that_fails_it():
+    """Like a tensor branch whose side raises (raising_branch.py): one invalid call raises
+    eager's error, the valid calls after it run a graph again."""
+    report = check(validated, lambda i: A(T(3).abs() * (-1 if i == 4 else 1)), calls=12)
+    assert report.stats.graph_hits >= 6, report
+    assert not [f for f in report.fallbacks if f.kind == "data_dependent_value"], report

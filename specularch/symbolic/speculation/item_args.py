@@ -26,6 +26,7 @@ from ...records import Unsupported
 from ..values import ConstV, Value
 from ..values.scalar import ScalarV
 from ..values.symint import SymV
+from . import raising_branch
 from .deferred import ClockV, NumV
 from ..values import ListV, TupleV
 
@@ -155,7 +156,7 @@ def speculated(tracer, op, operands: list) -> bool | None:
         return None
     frame = tracer.frames[-1]
     site = (id(frame.code), frame.ip, "item")
-    if site in tracer.unstable_sites:
+    if site in tracer.unstable_sites and not raising_branch.validates(frame):
         raise Unsupported("data_dependent_value", "this test of a `.item()` value has gone both "
                           "ways (its assumption failed); it is no longer speculated",
                           "Expected for tests that really flip (an early `break` on a predicted "

@@ -32,6 +32,20 @@ def _raises_from(info, index: int) -> bool:
     return False
 
 
+def validates(frame) -> bool:
+    """Whether the test being made in ``frame`` decides a conditional jump with a side that
+    raises (``if loss.item() < 0: raise ValueError(...)``): the jump running now (a truth
+    test made by it) or the one right after (a comparison). Speculated again after a call
+    that fails it, like ``keep_speculating``'s tensor branches."""
+    info = frame.info
+    for index in (frame.ip - 1, frame.ip):
+        if 0 <= index < len(info.instructions):
+            ins = info.instructions[index]
+            if ins.opname.startswith("POP_JUMP") and ins.opname.endswith(("TRUE", "FALSE")):
+                return _raises_from(info, index + 1) or _raises_from(info, info.index_of[ins.argval])
+    return False
+
+
 def keep_speculating(frame, ins) -> None:
     """Speculate the branch ``ins`` again (an assumption the graph checks) when a side raises."""
     if side_raises(frame, ins):
