@@ -130,3 +130,14 @@ def test_a_validation_test_is_speculated_again_after_a_call_that_fails_it():
     report = check(validated, lambda i: A(T(3).abs() * (-1 if i == 4 else 1)), calls=12)
     assert report.stats.graph_hits >= 6, report
     assert not [f for f in report.fallbacks if f.kind == "data_dependent_value"], report
+
+
+def member(t, x):
+    if t.item() not in (1, 2.5):
+        return x + 1
+    return x - 1
+
+
+def test_membership_in_a_constant_tuple_is_speculated():
+    report = check(member, lambda i: A(torch.tensor(1 if i < 6 else 3), T(2)), calls=9)
+    assert report.stats.graph_hits >= 2 and report.stats.assumption_failures == 1, report

@@ -72,6 +72,11 @@ def _contains(frame, ins):
     container, item = frame.pop(), frame.pop()
     if isinstance(container, TensorV):
         raise Unsupported("data_dependent_branch", "`in` on a tensor compares tensor values")
+    if isinstance(item, ScalarV) and isinstance(container, ConstV):  # ``t.item() in (1, 2)``
+        found = item_args.speculated(frame.tracer, operator.contains, [container, item])
+        if found is not None:
+            frame.push(ConstV(found != bool(ins.arg)))
+            return None
     frame.push(ConstV(ops.contains(frame.tracer, item, container) != bool(ins.arg)))
 
 

@@ -137,9 +137,17 @@ def _read(tracer, v) -> torch.fx.Node:
         return tracer.graph.call_method("item", (v.node,))
 
 
+def _plain(value) -> bool:
+    """A number, or a tuple/frozenset of numbers (``t.item() in (1, 2)``)."""
+    if type(value) in (tuple, frozenset):
+        return all(type(v) in (int, float, bool) for v in value)
+    return type(value) in (int, float, bool)
+
+
 def speculated(tracer, op, operands: list) -> bool | None:
-    """``t.item() == EOS``, ``loss.item() > limit``, ``if t.item():``, ``flag.item() is True``
-    (``op`` a comparison, ``operator.truth`` or ``operator.is_``): the outcome it has now, assumed like a branch on a tensor value.
+    """``t.item() == EOS``, ``loss.item() > limit``, ``if t.item():``, ``flag.item() is True``,
+    ``t.item() in (1, 2)`` (``op`` a comparison, ``operator.truth``, ``operator.is_`` or
+    ``operator.contains``, the container first): the outcome it has now, assumed like a branch on a tensor value.
     The graph computes the same Python operator on the same ``.item()`` numbers (exact by
     construction) and the entry checks it before committing anything: a call where it goes
     the other way runs the original, and the site is no longer speculated (later captures
@@ -151,8 +159,8 @@ def speculated(tracer, op, operands: list) -> bool | None:
             or tracer.template is not None:
         return None
     parts = [_number(tracer, v) if isinstance(v, ScalarV) else v for v in operands]
-    if not all(isinstance(p, (ItemNumV, SymV)) or isinstance(p, ConstV)
-               and type(p.value) in (int, float, bool) for p in parts):
+    if not all(isinstance(p, (ItemNumV, SymV)) or isinstance(p, ConstV) and _plain(p.value)
+               for p in parts):
         return None
     frame = tracer.frames[-1]
     site = (id(frame.code), frame.ip, "item")
