@@ -159,10 +159,18 @@ def _reads_what_it_appends(x, w, h):
     return torch.stack(outs)
 
 
+def _appends_numbers(x, w, h):
+    sums = []
+    for t in range(x.shape[0]):
+        sums.append((x[t] @ w).sum().item())
+    return (x.sum(0) + h) * sum(sums)
+
+
 @pytest.mark.parametrize("fn, why", [
     (_index_steers_python, "loop index as a Python value"),
     (_carried_shape_grows, "changes shape"),
     (_reads_what_it_appends, "reads a list it appends to"),
+    (_appends_numbers, "`sums` is appended a `.item()` value, not a tensor"),  # (user words)
 ])
 def test_an_irregular_loop_is_unrolled_equal_to_eager_and_explained(fn, why):
     report = check(fn, _length_args, calls=5, grad=True)

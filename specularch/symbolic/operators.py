@@ -23,7 +23,7 @@ from .values.symint import SymV
 from .values.scalar import ScalarV
 from .models import MODELS
 from .values import (ConstV, DictV, DictViewV, FuncV, GradModeV, IterV, ListV, MethodV, ModuleSliceV, NewObjV, ObjV, SetV,
-                     TensorV, TupleV, UntrackedContainerV, Value, contains_tensor, is_const)
+                     TensorV, TupleV, UntrackedContainerV, Value, contains_tensor, is_const, kind)
 from ..guards.sources import AttrSource
 from .attrs import load_attr
 from .calls import call
@@ -87,7 +87,7 @@ def binary(tracer, op, a: Value, b: Value) -> Value:
         if isinstance(a, (TupleV, ListV)) or isinstance(b, (TupleV, ListV)):
             return _sequence_op(tracer, op, a, b)
     raise Unsupported("unsupported_call",
-                      f"operator {op.__name__} on {_kind(a)} and {_kind(b)} is not supported")
+                      f"operator {op.__name__} on {kind(a)} and {kind(b)} is not supported")
 
 
 def _sequence_op(tracer, op, a, b) -> Value:
@@ -103,7 +103,7 @@ def _sequence_op(tracer, op, a, b) -> Value:
     if op in (operator.mul, operator.imul) and isinstance(b, ConstV) and isinstance(b.value, int):
         items = a.items * b.value
         return ListV(items) if isinstance(a, ListV) else TupleV(items)
-    raise Unsupported("unsupported_call", f"operator {op.__name__} on {_kind(a)} and {_kind(b)}")
+    raise Unsupported("unsupported_call", f"operator {op.__name__} on {kind(a)} and {kind(b)}")
 
 
 def _inplace_container(tracer, op, a, b) -> Value:
@@ -154,7 +154,7 @@ def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
     if symbol in ("==", "!=") and _identity_comparable(a) and _identity_comparable(b):
         same = identical(a, b)
         return ConstV(same if symbol == "==" else not same)
-    raise Unsupported("unsupported_call", f"comparison {symbol} of {_kind(a)} and {_kind(b)}")
+    raise Unsupported("unsupported_call", f"comparison {symbol} of {kind(a)} and {kind(b)}")
 
 
 def _sequence_items(v: Value) -> tuple[type, list] | None:
@@ -262,7 +262,7 @@ def truth(tracer, v: Value) -> bool:
             name = "__bool__" if hasattr(v.cls, "__bool__") else "__len__"
             return truth(tracer, call(tracer, load_attr(tracer, None, v, name), [], {}))
         return True
-    raise Unsupported("unsupported_call", f"truth value of {_kind(v)}")
+    raise Unsupported("unsupported_call", f"truth value of {kind(v)}")
 
 
 def unary(tracer, op, v: Value) -> Value:
@@ -276,7 +276,7 @@ def unary(tracer, op, v: Value) -> Value:
         return symint.arithmetic(tracer, operator.sub, ConstV(0), v)
     if is_const(v):
         return concrete_op(tracer, op, v)
-    raise Unsupported("unsupported_call", f"{op.__name__} of {_kind(v)}")
+    raise Unsupported("unsupported_call", f"{op.__name__} of {kind(v)}")
 
 
 # ---- subscripts --------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def getitem(tracer, container: Value, key: Value) -> Value:
         # `list[int]`, `typing.List[int]` (torch.jit.annotate(list[int], []) in
         # ConvTranspose's output_size): a type annotation, made as Python makes it
         return ObjV(container.obj[_annotation(key)])
-    raise Unsupported("unsupported_call", f"subscript of {_kind(container)}")
+    raise Unsupported("unsupported_call", f"subscript of {kind(container)}")
 
 
 _GENERIC_BUILTINS = (list, tuple, dict, set, frozenset, type)
@@ -398,7 +398,7 @@ def setitem(tracer, container: Value, key: Value, value: Value) -> None:
             raise Unsupported("unsupported_call", "dict keys must be constants")
         container.items[key.concrete()] = value
         return
-    raise Unsupported("side_effect", f"item assignment on {_kind(container)}")
+    raise Unsupported("side_effect", f"item assignment on {kind(container)}")
 
 
 def delitem(tracer, container: Value, key: Value) -> None:
@@ -411,7 +411,7 @@ def delitem(tracer, container: Value, key: Value) -> None:
         except Exception as e:
             raise Unsupported("exception_handling", f"del raised {type(e).__name__}") from None
         return
-    raise Unsupported("side_effect", f"del of an item of {_kind(container)}")
+    raise Unsupported("side_effect", f"del of an item of {kind(container)}")
 
 
 def contains(tracer, item: Value, container: Value) -> bool:
@@ -436,7 +436,7 @@ def contains(tracer, item: Value, container: Value) -> bool:
     if isinstance(container, ObjV) and isinstance(container.obj, nn.ModuleDict):
         _guard_keys(tracer, container, "_modules")
         return item.concrete() in container.obj._modules
-    raise Unsupported("unsupported_call", f"`in` on {_kind(container)}")
+    raise Unsupported("unsupported_call", f"`in` on {kind(container)}")
 
 
 # ---- iteration ---------------------------------------------------------------------------
@@ -470,7 +470,7 @@ def iterate(tracer, v: Value) -> IterV:
             table = "_modules" if isinstance(m, nn.ModuleDict) else "_parameters"
             _guard_keys(tracer, v, table)
             return IterV([ConstV(k) for k in getattr(m, table)])
-    raise Unsupported("unsupported_call", f"iterating over {_kind(v)}")
+    raise Unsupported("unsupported_call", f"iterating over {kind(v)}")
 
 
 def _list_items(v: ListV):
@@ -549,14 +549,5 @@ def length(tracer, v: Value) -> int:
         if isinstance(v.obj, (nn.ModuleDict, nn.ParameterDict)):
             return len(iterate(tracer, v).items)
         return len(module_items(tracer, v))
-    raise Unsupported("unsupported_call", f"len() of {_kind(v)}")
+    raise Unsupported("unsupported_call", f"len() of {kind(v)}")
 
-
-def _kind(v: Value) -> str:
-    if isinstance(v, TensorV):
-        return "a tensor"
-    if isinstance(v, ObjV):
-        return f"a {type(v.obj).__name__}"
-    if isinstance(v, ConstV):
-        return f"a {type(v.value).__name__}"
-    return type(v).__name__.replace("V", "").lower()

@@ -12,6 +12,7 @@ import collections
 
 from .objects import RowV
 from ..values.rolled import ItemNumberV, LoopIndexV, RolledListV
+from ..values import kind
 from ..values.symint import SymV
 from ..values import (CellV, ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,
                      TupleV)
@@ -186,8 +187,8 @@ class Match:
                 and h.expr == a.expr:
             set_slot(*slot, h)  # the same number in every iteration (an inner loop's last index)
         elif h is not a or not isinstance(a, _PLAIN_LEAVES):
-            self.loop.refuse(f"`{path}` changes per iteration ({type(h).__name__} -> "
-                             f"{type(a).__name__}) in a way the rolled loop cannot carry")
+            self.loop.refuse(f"`{path}` changes per iteration ({kind(h)} -> {kind(a)}) in a "
+                             "way the rolled loop cannot carry")
 
     def _container(self, h, a, path: str) -> None:
         if (id(h), id(a)) in self._pairs:
@@ -200,7 +201,7 @@ class Match:
             if len(ai) != len(hi) + 1 or not all(x is y for x, y in zip(hi, ai)):
                 self.loop.refuse(f"`{path}` does not grow by one item per iteration")
             if not isinstance(ai[-1], TensorV):
-                self.loop.refuse(f"`{path}` is appended a {type(ai[-1]).__name__}, not a tensor")
+                self.loop.refuse(f"`{path}` is appended {kind(ai[-1])}, not a tensor")
             self.appends.append((a, hi, ai[-1]))
             return
         if getattr(h, "cls", None) is not getattr(a, "cls", None) or (

@@ -19,6 +19,8 @@ from ...guards.sources import Source
 
 class Value:
     source: Source | None = None
+    kind_text = ""  # what a message calls such a value (``kind``), where its class says more
+
 
     def concrete(self) -> Any:
         """The real Python object this value stands for at capture time."""
@@ -518,3 +520,19 @@ def leaves(v: Value):
 def contains_tensor(v: Value) -> bool:
     return any(isinstance(leaf, TensorV) or getattr(leaf, "holds_tensors", False)
                for leaf in leaves(v))
+
+
+def kind(v: Value) -> str:
+    """What ``v`` is, in the user's words, for messages (never a ``…V`` class name)."""
+    if isinstance(v, TensorV):
+        return "a tensor"
+    if isinstance(v, ObjV):
+        return f"a {type(v.obj).__name__}"
+    if isinstance(v, ConstV):
+        return f"a {type(v.value).__name__}"
+    if v.kind_text:
+        return v.kind_text
+    try:
+        return f"a {v.python_type().__name__}"
+    except Exception:  # (no concrete value: its class's name, without the V)
+        return "a " + type(v).__name__.removesuffix("V").lower()

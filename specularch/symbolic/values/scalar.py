@@ -17,6 +17,7 @@ class ScalarV(Value):
     or formatted into a string (it is read from the graph's output after the run; see
     printing.py), but not computed on or branched on."""
 
+    kind_text = "a `.item()` value"
     node: torch.fx.Node
     value: Any
     # the graph's last node when ``.item()`` was called (keyword: subclasses add positionals)

@@ -36,6 +36,7 @@ COMPARISONS = {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, 
 
 @dataclass(eq=False, repr=False)
 class SymV(Value):
+    kind_text = "a number that varies between calls (a size, a number argument, a draw)"
     value: Any
     node: torch.fx.Node
     expr: str | None      # code over the frame roots, or None (known only inside the graph)
