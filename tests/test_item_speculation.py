@@ -20,14 +20,36 @@ def rarely_huge(x):
     return loss
 
 
-def test_a_test_that_holds_is_one_graph_and_one_that_flips_runs_eagerly():
-    report = check(rarely_huge, lambda i: A(T(4) * (10 if i == 9 else 1)), calls=14)
-    assert report.stats.graph_hits >= 5, report
+def test_a_test_that_holds_is_one_graph_and_one_that_flips_is_merged():
+    """The flip runs eagerly once; the next capture takes both sides (two returns, no side
+    effects) and selects with torch.where, so calls either way are graph hits again."""
+    report = check(rarely_huge, lambda i: A(T(4) * (10 if i in (9, 12) else 1)), calls=16)
+    assert report.stats.graph_hits == 16 - 3 - 2 - 1, report  # (profiled, captures, the flip)
     (failed,) = [f for f in report.fallbacks if f.kind == "assumption_failed"]
     assert failed.lineno == marker_line(rarely_huge, "test")
     assert "assumed this test on a `.item()` value is False, but it was True" in failed.explanation
-    later = [f for f in report.fallbacks if f.kind == "data_dependent_value"]
-    assert later and "has gone both ways" in later[0].explanation
+    assert "torch.where" in failed.hint
+    assert len(report.fallbacks) == 1 and "torch.where(" in report.graphs[-1].code, report
+
+
+LOG = []
+
+
+def logs_when_positive(v, x):
+    if v.sum().item() > 0:  # logs
+        LOG.append(1)
+        return x * 2
+    return x - 1
+
+
+def test_a_flipped_test_whose_side_writes_state_runs_eagerly_and_says_why():
+    LOG.clear()
+    report = check(logs_when_positive, lambda i: A(T(3) + (5 if i % 2 else -5), T(2)), calls=8,
+                   expect="fallback", fallback_kind="data_dependent_branch",
+                   fallback_line=marker_line(logs_when_positive, "logs"))
+    (record,) = [f for f in report.fallbacks if f.kind == "data_dependent_branch"]
+    assert "both directions of this test on a `.item()` value" in record.explanation
+    assert "a side writes state that outlives the call" in record.explanation
 
 
 def truthy(flags, x):
@@ -109,7 +131,7 @@ def test_a_graph_that_raises_past_a_flipped_test_is_that_test_s_failure():
                    fallback_line=marker_line(guarded_division, "guard"))
     (failed,) = [f for f in report.fallbacks if f.kind == "assumption_failed"]
     assert "the graph raised on the path it assumed" in failed.explanation
-    assert "no longer speculated" in failed.hint and "both sides" not in failed.hint
+    assert "its path runs eagerly" in failed.hint
     assert not [f for f in report.fallbacks if f.kind == "backend_error"], report
 
 

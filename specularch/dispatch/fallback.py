@@ -217,9 +217,10 @@ def _hint(failure: AssumptionFailed) -> str | None:
     on a ``.item()`` value, which is not merged."""
     if failure.site[-1] != "item":
         return None
-    return ("Expected for tests that really flip (an early `break` on a predicted token): this "
-            "test is no longer speculated, its path runs eagerly. Keep it in tensors "
-            "(torch.where, masking) to stay in one graph.")
+    return ("Expected for tests that really flip. A plain if/else on it whose sides have no side "
+            "effects is captured with both sides (torch.where) from the next call on; otherwise "
+            "(an early `break` on a predicted token) its path runs eagerly: keep the test in "
+            "tensors (torch.where, masking) to stay in one graph.")
 
 
 def _assumed_before(entry: GraphEntry, error: Exception) -> AssumptionFailed | None:

@@ -136,7 +136,9 @@ def compare(tracer, symbol: str, a: Value, b: Value) -> Value:
     op = COMPARE_OPS[symbol]
     if isinstance(a, TensorV) or isinstance(b, TensorV):  # `.item()` values: item_args.py
         return tracer.call_op("call_function", op, [a, b], {})
-    assumed = item_args.speculated(tracer, op, [a, b])  # `t.item() == EOS`: checked in the graph
+    assumed = item_args.speculated(tracer, op, [a, b], mergeable=True)  # `t.item() == EOS`
+    if isinstance(assumed, TensorV):  # (gone both ways: a merged branch's predicate)
+        return assumed
     if assumed is not None:
         return ConstV(assumed)
     _no_item_values(a, b)

@@ -67,12 +67,17 @@ def join_point(frame, ins) -> tuple[int, int] | None:
     return start, join
 
 
+ITEM_TEST = "item_test"  # node meta of a predicate made from a test on a `.item()` value
+
+
 def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
     """Run both sides of the branch at ``ins`` and merge them; return the index to resume
     at (the join). Raises ``Unsupported`` when the branch cannot be merged."""
+    what = "test on a `.item()` value" if predicate.node.meta.get(ITEM_TEST) else \
+        "branch on a tensor value"  # (item_args.speculated made the predicate)
     shape = join_point(frame, ins)
     if shape is None:
-        raise refuse("it is not a plain if/else", frame.tracer.user_position())
+        raise refuse("it is not a plain if/else", frame.tracer.user_position(), what)
     fall_through, join = shape
     target = frame.info.index_of[ins.argval]
     # the side taken when the jump does NOT happen starts right after it
@@ -114,19 +119,19 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
         frame.stack = [select(a, b) for a, b in zip(true_stack, false_stack)]
     except _NoMerge as e:
         frame.locals, frame.stack, frame.result = saved_locals, saved_stack, None
-        raise refuse(str(e), at) from None
+        raise refuse(str(e), at, what) from None
     except Unsupported as e:
         frame.locals, frame.stack, frame.result = saved_locals, saved_stack, None
-        raise refuse(f"a side cannot be captured ({e.explanation})", at) from None
+        raise refuse(f"a side cannot be captured ({e.explanation})", at, what) from None
     finally:
         tracer.merging -= 1
     return join
 
 
-def refuse(why: str, at: tuple) -> Unsupported:
-    error = Unsupported("data_dependent_branch", "both directions of this branch on a tensor "
-                        f"value have been seen, and the two sides cannot be merged into one "
-                        f"graph ({why}); it is no longer speculated")
+def refuse(why: str, at: tuple, what: str = "branch on a tensor value") -> Unsupported:
+    error = Unsupported("data_dependent_branch", f"both directions of this {what} have been "
+                        f"seen, and the two sides cannot be merged into one graph ({why}); it "
+                        "is no longer speculated")
     error.filename, error.lineno, error.function = at
     return error
 

@@ -20,13 +20,14 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx
 
 from ...records import Unsupported
 from ..values import ConstV, Value
 from ..values.scalar import ScalarV
 from ..values.symint import SymV
-from . import raising_branch
+from . import branch_merge, raising_branch
 from .deferred import ClockV, NumV
 from ..values import ListV, TupleV
 
@@ -144,7 +145,7 @@ def _plain(value) -> bool:
     return type(value) in (int, float, bool)
 
 
-def speculated(tracer, op, operands: list) -> bool | None:
+def speculated(tracer, op, operands: list, mergeable: bool = False):
     """``t.item() == EOS``, ``loss.item() > limit``, ``if t.item():``, ``flag.item() is True``,
     ``t.item() in (1, 2)`` (``op`` a comparison, ``operator.truth``, ``operator.is_`` or
     ``operator.contains``, the container first): the outcome it has now, assumed like a branch on a tensor value.
@@ -154,7 +155,11 @@ def speculated(tracer, op, operands: list) -> bool | None:
     fall back there, ``data_dependent_value``, as before). None where it is not speculated
     (the caller raises its usual fallback): operands that are not numbers, inside a merged
     tensor branch or a recursion template. In a rolled loop's body it is checked in every
-    iteration, like a tensor branch there (``rolled/loops.py``)."""
+    iteration, like a tensor branch there (``rolled/loops.py``). ``mergeable`` (a
+    comparison): once the site has gone both ways, a test deciding the forward jump right
+    after it is a 0-d bool tensor of its in-graph outcome instead, and that jump a tensor
+    branch seen both ways: both sides are captured and selected with ``torch.where`` where
+    they allow it (``branch_merge.py``), refused with its reason where not."""
     if not any(isinstance(v, ScalarV) for v in operands) or tracer.merging \
             or tracer.template is not None:
         return None
@@ -164,7 +169,8 @@ def speculated(tracer, op, operands: list) -> bool | None:
         return None
     frame = tracer.frames[-1]
     site = (id(frame.code), frame.ip, "item")
-    if site in tracer.unstable_sites and not raising_branch.validates(frame):
+    both_ways = site in tracer.unstable_sites and not raising_branch.validates(frame)
+    if both_ways and not (mergeable and _decides_jump(frame)):
         raise Unsupported("data_dependent_value", "this test of a `.item()` value has gone both "
                           "ways (its assumption failed); it is no longer speculated",
                           "Expected for tests that really flip (an early `break` on a predicted "
@@ -176,5 +182,20 @@ def speculated(tracer, op, operands: list) -> bool | None:
         return None
     node = tracer.graph.call_function(op, tuple(_node(p) for p in parts))
     node.meta.update(example=outcome, where=tracer.where(), mutates=False, writes=frozenset())
+    if both_ways:  # the jump after it: a tensor branch seen both ways (branch_merge.py)
+        tracer.unstable_sites.add((id(frame.code), frame.ip + 1))
+        predicate = tracer.call_op("call_function", torch.tensor, [ItemNumV(node, outcome)],
+                                   {"dtype": ConstV(torch.bool)})
+        predicate.node.meta[branch_merge.ITEM_TEST] = True
+        return predicate
     tracer.assertions.append((node, outcome, tracer.where(), site))
     return outcome
+
+
+def _decides_jump(frame) -> bool:
+    """Whether the instruction after the test is a forward conditional jump on its outcome."""
+    index = frame.ip
+    if index >= len(frame.info.instructions):
+        return False
+    name = frame.info.instructions[index].opname
+    return name.startswith("POP_JUMP_FORWARD_IF_") and name.endswith(("TRUE", "FALSE"))
