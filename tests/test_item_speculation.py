@@ -163,3 +163,20 @@ def member(t, x):
 def test_membership_in_a_constant_tuple_is_speculated():
     report = check(member, lambda i: A(torch.tensor(1 if i < 6 else 3), T(2)), calls=9)
     assert report.stats.graph_hits >= 2 and report.stats.assumption_failures == 1, report
+
+
+def safe_pick(idx, x):
+    if idx.item() < 4:
+        return x[idx] * 2
+    return x.sum()
+
+
+def test_a_merged_test_whose_other_side_raises_returns_eager_s_result():
+    """Merged, both sides run in the graph: ``x[idx]`` raises for an index the test keeps
+    eager away from; the call returns eager's result (the other side's), recorded as the
+    branch's side, not as an assumption that failed."""
+    report = check(safe_pick, lambda i: A(torch.tensor(1 if i % 3 else 9), T(4)), calls=12)
+    assert report.stats.assumption_failures == 1, report
+    assert [f.kind for f in report.fallbacks].count("assumption_failed") == 1, report
+    (side,) = [f for f in report.fallbacks if f.kind == "data_dependent_branch"]
+    assert "the side this call does not take raised IndexError" in side.explanation

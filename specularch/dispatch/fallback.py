@@ -201,7 +201,7 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
         failure, outcome = _eager_did_not_raise(entry, error, what), None
         if isinstance(error, CommitRefused):
             failure = Unsupported("side_effect", f"{error}; the call ran eagerly")
-        else:
+        elif failure.kind != "data_dependent_branch":  # (not a merged branch's other side)
             assumed = _assumed_before(entry, error)
             if assumed is not None:  # (eager took the other way: `if v != 0 and 1 / v > 1`)
                 return _assumed_wrongly(state, entry, assumed, result)
