@@ -281,3 +281,11 @@ def test_stacked_cells_reading_the_raw_hidden_state_roll_once_for_twenty_lengths
     report = specularch.explain(opt)
     assert report.stats.captures == captures == 1 and not report.fallbacks, report
     assert report.graphs[0].loops[0].rolled, report
+
+
+def test_messages_name_values_in_the_user_s_words():
+    """``values.kind`` (rolled loops' refusals, operator refusals): raw items of a container
+    snapshot too (a None in a closure's dict made a capture fail with an internal error)."""
+    from specularch.symbolic.values import ConstV, ListV, TensorV, kind
+    assert [kind(v) for v in (None, 3, ConstV(2.0), TensorV(None, torch.zeros(1)),
+                                ListV([]))] == ["None", "an int", "a float", "a tensor", "a list"]

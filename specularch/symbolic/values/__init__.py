@@ -524,15 +524,21 @@ def contains_tensor(v: Value) -> bool:
 
 def kind(v: Value) -> str:
     """What ``v`` is, in the user's words, for messages (never a ``…V`` class name)."""
+    if not isinstance(v, Value):  # (a container snapshot's raw item: rolled/match.py)
+        return "None" if v is None else _a(type(v).__name__)
     if isinstance(v, TensorV):
         return "a tensor"
     if isinstance(v, ObjV):
-        return f"a {type(v.obj).__name__}"
+        return _a(type(v.obj).__name__)
     if isinstance(v, ConstV):
-        return f"a {type(v.value).__name__}"
+        return "None" if v.value is None else _a(type(v.value).__name__)
     if v.kind_text:
         return v.kind_text
     try:
-        return f"a {v.python_type().__name__}"
+        return _a(v.python_type().__name__)
     except Exception:  # (no concrete value: its class's name, without the V)
-        return "a " + type(v).__name__.removesuffix("V").lower()
+        return _a(type(v).__name__.removesuffix("V").lower())
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
