@@ -180,3 +180,17 @@ def test_a_merged_test_whose_other_side_raises_returns_eager_s_result():
     assert [f.kind for f in report.fallbacks].count("assumption_failed") == 1, report
     (side,) = [f for f in report.fallbacks if f.kind == "data_dependent_branch"]
     assert "the side this call does not take raised IndexError" in side.explanation
+
+
+def flagged(flag, x):
+    if flag.item():
+        y = x * 2
+    else:
+        y = x - 1
+    return y + 1
+
+
+def test_a_truth_test_that_flipped_is_merged_too():
+    report = check(flagged, lambda i: A(torch.tensor(i < 6 or i % 2 == 0), T(2)), calls=14)
+    assert report.stats.assumption_failures == 1 and len(report.fallbacks) == 1, report
+    assert "torch.where(" in report.graphs[-1].code, report

@@ -3,14 +3,17 @@ on a tensor's value is ``data_dependent_branch``); loops are unrolled by iterati
 known at capture time. Exceptions (raise, try/except, with) are in ``ops_exceptions``."""
 from __future__ import annotations
 
+import operator
+
 from ...records import Unsupported
 from ..operators import iterate, truth
 from ..rolled import (lists as rolled_lists, loops as rolled_loops, objects as rolled_objects,
                       unrolled as loop_notes, walk as rolled_walk)
-from ..speculation import branch_merge, raising_branch
+from ..speculation import branch_merge, item_args, raising_branch
 from .registry import handles
 from ..values.rolled import SymRangeIterV
 from ..values import ConstV, TensorV
+from ..values.scalar import ScalarV
 
 
 @handles("JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT")
@@ -35,6 +38,12 @@ def _pop_jump_if_false(frame, ins):
 
 def _branch(frame, ins, jump_if: bool):
     v = frame.pop()
+    if isinstance(v, ScalarV):  # ``if flag.item():`` speculated, or merged once it flipped
+        tested = item_args.speculated(frame.tracer, operator.truth, [v], mergeable=True,
+                                      at_jump=True)
+        if isinstance(tested, bool):
+            return ins.argval if tested is jump_if else None
+        v = tested if tested is not None else v
     if isinstance(v, TensorV) and frame.tracer.speculation_stopped(frame):
         raising_branch.keep_speculating(frame, ins)  # validation: an assumption, not a merge
     if isinstance(v, TensorV) and (frame.tracer.speculation_stopped(frame) or frame.tracer.merging) \

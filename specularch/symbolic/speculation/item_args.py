@@ -145,7 +145,7 @@ def _plain(value) -> bool:
     return type(value) in (int, float, bool)
 
 
-def speculated(tracer, op, operands: list, mergeable: bool = False):
+def speculated(tracer, op, operands: list, mergeable: bool = False, at_jump: bool = False):
     """``t.item() == EOS``, ``loss.item() > limit``, ``if t.item():``, ``flag.item() is True``,
     ``t.item() in (1, 2)`` (``op`` a comparison, ``operator.truth``, ``operator.is_`` or
     ``operator.contains``, the container first): the outcome it has now, assumed like a branch on a tensor value.
@@ -156,8 +156,9 @@ def speculated(tracer, op, operands: list, mergeable: bool = False):
     (the caller raises its usual fallback): operands that are not numbers, inside a merged
     tensor branch or a recursion template. In a rolled loop's body it is checked in every
     iteration, like a tensor branch there (``rolled/loops.py``). ``mergeable`` (a
-    comparison): once the site has gone both ways, a test deciding the forward jump right
-    after it is a 0-d bool tensor of its in-graph outcome instead, and that jump a tensor
+    comparison, or ``at_jump``: the truth test a jump makes itself): once the site has gone
+    both ways, a test deciding the forward jump right after it (or being it) is a 0-d bool
+    tensor of its in-graph outcome instead, and that jump a tensor
     branch seen both ways: both sides are captured and selected with ``torch.where`` where
     they allow it (``branch_merge.py``), refused with its reason where not."""
     if not any(isinstance(v, ScalarV) for v in operands) or tracer.merging \
@@ -170,7 +171,8 @@ def speculated(tracer, op, operands: list, mergeable: bool = False):
     frame = tracer.frames[-1]
     site = (id(frame.code), frame.ip, "item")
     both_ways = site in tracer.unstable_sites and not raising_branch.validates(frame)
-    if both_ways and not (mergeable and _decides_jump(frame)):
+    jump = frame.ip - 1 if at_jump else frame.ip  # (``at_jump``: the test is the jump's own)
+    if both_ways and not (mergeable and _forward_jump(frame, jump)):
         raise Unsupported("data_dependent_value", "this test of a `.item()` value has gone both "
                           "ways (its assumption failed); it is no longer speculated",
                           "Expected for tests that really flip (an early `break` on a predicted "
@@ -183,7 +185,7 @@ def speculated(tracer, op, operands: list, mergeable: bool = False):
     node = tracer.graph.call_function(op, tuple(_node(p) for p in parts))
     node.meta.update(example=outcome, where=tracer.where(), mutates=False, writes=frozenset())
     if both_ways:  # the jump after it: a tensor branch seen both ways (branch_merge.py)
-        tracer.unstable_sites.add((id(frame.code), frame.ip + 1))
+        tracer.unstable_sites.add((id(frame.code), jump + 1))
         predicate = tracer.call_op("call_function", torch.tensor, [ItemNumV(node, outcome)],
                                    {"dtype": ConstV(torch.bool)})
         predicate.node.meta[branch_merge.ITEM_TEST] = True
@@ -192,10 +194,9 @@ def speculated(tracer, op, operands: list, mergeable: bool = False):
     return outcome
 
 
-def _decides_jump(frame) -> bool:
-    """Whether the instruction after the test is a forward conditional jump on its outcome."""
-    index = frame.ip
-    if index >= len(frame.info.instructions):
+def _forward_jump(frame, index: int) -> bool:
+    """Whether instruction ``index`` is a forward conditional jump (on the test's outcome)."""
+    if not 0 <= index < len(frame.info.instructions):
         return False
     name = frame.info.instructions[index].opname
     return name.startswith("POP_JUMP_FORWARD_IF_") and name.endswith(("TRUE", "FALSE"))
