@@ -180,6 +180,7 @@ def test_a_merged_test_whose_other_side_raises_returns_eager_s_result():
     assert [f.kind for f in report.fallbacks].count("assumption_failed") == 1, report
     (side,) = [f for f in report.fallbacks if f.kind == "data_dependent_branch"]
     assert "the side this call does not take raised IndexError" in side.explanation
+    assert side.explanation.startswith("the test on a `.item()` value at "), side
 
 
 def flagged(flag, x):

@@ -275,10 +275,10 @@ def _eager_did_not_raise(entry: GraphEntry, error: Exception, what: str) -> Unsu
     side = branch_merge.side_not_taken(error, graphs)
     if side is None:
         return exceptions.eager_did_not_raise(error, graphs, what)
-    (filename, lineno, function), op_at = side
+    (filename, lineno, function), op_at, tested = side
     failure = Unsupported(
         "data_dependent_branch",
-        f"the branch on a tensor value at {filename}:{lineno} is captured with both sides "
+        f"the {tested} at {filename}:{lineno} is captured with both sides "
         f"(selected with torch.where); the side this call does not take raised "
         f"{type(error).__name__}: {error} (at {op_at or 'an op of that side'}), where eager "
         f"never runs it; the call ran eagerly and returned eager's result",

@@ -167,7 +167,9 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
                 specs.outputs[i].meta["example"] for i in specs.as_values
                 if isinstance(specs.outputs[i].meta.get("example"), torch.Tensor)])
             if seen is not None:
-                raise branch_merge.refuse(*seen)
+                why, at = seen
+                raise branch_merge.refuse(why, at, tracer.merged_aliases.what.get(
+                    at, "branch on a tensor value"))
             assertions = [(specs.out(node).index, expected, where, site)
                           for node, expected, where, site in tracer.assertions]
             view_writes.check(tracer, specs.outputs)  # views read after a deferred write

@@ -68,6 +68,7 @@ def join_point(frame, ins) -> tuple[int, int] | None:
 
 
 ITEM_TEST = "item_test"  # node meta of a predicate made from a test on a `.item()` value
+WHAT_META = "merged_what"  # node meta of a side's node: what its branch tests
 
 
 def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
@@ -100,7 +101,8 @@ def merge(frame, ins, predicate: TensorV, jump_if: bool) -> int:
         if sides[second][0] != returned:
             raise _NoMerge("one side returns and the other does not")
         before.check(tracer)
-        before.tag_sides(tracer, at)
+        before.tag_sides(tracer, at, what)
+        tracer.merged_aliases.what[at] = what  # (a refusal at the capture's end names it)
         _, true_locals, true_stack, true_result = sides[taken_when_true]
         _, false_locals, false_stack, false_result = sides[taken_when_false]
         cond = tracer.call_op("call_method", "bool", [predicate], {}, name="bool")
@@ -216,12 +218,13 @@ class _Mark:
         nodes = list(tracer.graph.nodes)
         return nodes[nodes.index(self.last_node) + 1:] if self.last_node is not None else nodes
 
-    def tag_sides(self, tracer, at: tuple) -> None:
+    def tag_sides(self, tracer, at: tuple, what: str) -> None:
         """Mark the nodes both sides added: the graph runs them whichever side is taken,
         so one of them raising says nothing about a bug (see ``side_not_taken``). An inner
         merged branch keeps its own (more precise) mark."""
         for node in self.new_nodes(tracer):
-            node.meta.setdefault(SIDE_META, at)
+            if SIDE_META not in node.meta:
+                node.meta[SIDE_META], node.meta[WHAT_META] = at, what
 
     def check(self, tracer) -> None:
         if len(tracer.heap) != self.heap:
@@ -279,10 +282,11 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def side_not_taken(error: BaseException, graphs: list) -> tuple | None:
     """When a graph raised ``error`` and eager did not: ``(branch position, where the op
-    is)`` if the op that raised belongs to a merged branch's side (the graph computes both
+    is, what the branch tests)`` if the op that raised belongs to a merged branch's side (the graph computes both
     sides, eager only the one taken: an index out of range or an integer division by zero on
     the other side is no bug of ours), else None."""
     for node in raising_nodes(error, graphs):
         if SIDE_META in node.meta:
-            return node.meta[SIDE_META], node.meta.get("where", "")
+            return node.meta[SIDE_META], node.meta.get("where", ""), \
+                node.meta.get(WHAT_META, "branch on a tensor value")
     return None

@@ -45,6 +45,7 @@ class MergedAliases:
         self.merged: dict[int, tuple] = {}      # merged result's storage -> (where node, branch)
         self.outside_sides: list[tuple] = []    # (TensorV, its node at the branch, branch)
         self._before: set[int] | None = None    # storages before the outermost merged branch
+        self.what: dict[tuple, str] = {}        # branch -> what it tests (branch_merge.merge)
 
     # ---- while merging ------------------------------------------------------------------
     def begin(self, tracer) -> None:
