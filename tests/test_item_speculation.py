@@ -195,3 +195,21 @@ def test_a_truth_test_that_flipped_is_merged_too():
     report = check(flagged, lambda i: A(torch.tensor(i < 6 or i % 2 == 0), T(2)), calls=14)
     assert report.stats.assumption_failures == 1 and len(report.fallbacks) == 1, report
     assert "torch.where(" in report.graphs[-1].code, report
+
+
+def nested(a, b, x):
+    if a.item() > 0:
+        if b.item() > 0:
+            y = x * 2
+        else:
+            y = x * 3
+    else:
+        y = x - 1
+    return y + 1
+
+
+def test_a_test_inside_a_merged_side_is_merged_too():
+    report = check(nested, lambda i: A(T(()) if i > 5 else torch.tensor(1.0), T(()), T(2)),
+                   calls=24)
+    assert not [f for f in report.fallbacks if f.kind != "assumption_failed"], report
+    assert report.graphs[-1].code.count("torch.where(") == 2, report

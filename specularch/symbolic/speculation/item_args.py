@@ -153,25 +153,27 @@ def speculated(tracer, op, operands: list, mergeable: bool = False, at_jump: boo
     construction) and the entry checks it before committing anything: a call where it goes
     the other way runs the original, and the site is no longer speculated (later captures
     fall back there, ``data_dependent_value``, as before). None where it is not speculated
-    (the caller raises its usual fallback): operands that are not numbers, inside a merged
-    tensor branch or a recursion template. In a rolled loop's body it is checked in every
+    (the caller raises its usual fallback): operands that are not numbers, inside a
+    recursion template, or inside a merged branch's side unless it decides a branch there
+    (merged too, as a tensor branch there is). In a rolled loop's body it is checked in every
     iteration, like a tensor branch there (``rolled/loops.py``). ``mergeable`` (a
     comparison, or ``at_jump``: the truth test a jump makes itself): once the site has gone
     both ways, a test deciding the forward jump right after it (or being it) is a 0-d bool
     tensor of its in-graph outcome instead, and that jump a tensor
     branch seen both ways: both sides are captured and selected with ``torch.where`` where
     they allow it (``branch_merge.py``), refused with its reason where not."""
-    if not any(isinstance(v, ScalarV) for v in operands) or tracer.merging \
-            or tracer.template is not None:
+    if not any(isinstance(v, ScalarV) for v in operands) or tracer.template is not None:
         return None
+    frame = tracer.frames[-1]
+    jump = frame.ip - 1 if at_jump else frame.ip  # (``at_jump``: the test is the jump's own)
+    if tracer.merging and not (mergeable and _forward_jump(frame, jump)):
+        return None  # (in a merged side: a test deciding a branch there is merged too)
     parts = [_number(tracer, v) if isinstance(v, ScalarV) else v for v in operands]
     if not all(isinstance(p, (ItemNumV, SymV)) or isinstance(p, ConstV) and _plain(p.value)
                for p in parts):
         return None
-    frame = tracer.frames[-1]
     site = (id(frame.code), frame.ip, "item")
-    both_ways = site in tracer.unstable_sites and not raising_branch.validates(frame)
-    jump = frame.ip - 1 if at_jump else frame.ip  # (``at_jump``: the test is the jump's own)
+    both_ways = tracer.merging or site in tracer.unstable_sites and not raising_branch.validates(frame)
     if both_ways and not (mergeable and _forward_jump(frame, jump)):
         raise Unsupported("data_dependent_value", "this test of a `.item()` value has gone both "
                           "ways (its assumption failed); it is no longer speculated",
