@@ -135,6 +135,14 @@ def assumption_failed(state: CodeState, entry: GraphEntry, failure: AssumptionFa
     """An in-graph assumption failed (nothing was committed): drop the graph, remember the
     site so the next capture does not assume it again, run the original."""
     torch.set_grad_enabled(entry.grad_enabled)
+    return fallback(state, slots, cells, _forget(state, entry, failure))
+
+
+def _forget(state: CodeState, entry: GraphEntry, failure: AssumptionFailed,
+            more: str = "") -> Unsupported:
+    """Drop ``entry``, remember its failed site so the next capture does not assume it
+    again; the fallback to record, at the assumption's line (``more``: added to its
+    explanation)."""
     with LOCK:
         if entry in state.entries:
             state.entries.remove(entry)
@@ -143,9 +151,9 @@ def assumption_failed(state: CodeState, entry: GraphEntry, failure: AssumptionFa
         if failure.site[0] in ("specialize", "compare"):  # a size of an intermediate tensor
             state.general.sizes_steer_python(failure.where)
     filename, _, line = failure.where.rpartition(":")
-    error = Unsupported("assumption_failed", failure.explanation(), _hint(failure))
+    error = Unsupported("assumption_failed", failure.explanation() + more, _hint(failure))
     error.filename, error.lineno, error.function = filename, int(line or 0), state.target.name
-    return fallback(state, slots, cells, error)
+    return error
 
 
 def template_missed(state: CodeState, entry: GraphEntry, miss: Exception, slots, cells) -> Any:
@@ -213,8 +221,8 @@ def graph_raised(state: CodeState, entry: GraphEntry, error: Exception, slots, c
 
 
 def _hint(failure: AssumptionFailed) -> str | None:
-    """The kind's own hint (a tensor branch: merged from the next call on), except for a test
-    on a ``.item()`` value, which is not merged."""
+    """The kind's own hint (a tensor branch), except for a test on a ``.item()`` value, whose
+    hint names its usual unmergeable case (an early ``break``)."""
     if failure.site[-1] != "item":
         return None
     return ("Expected for tests that really flip. A plain if/else on it whose sides have no side "
@@ -246,15 +254,8 @@ def _assumed_before(entry: GraphEntry, error: Exception) -> AssumptionFailed | N
 def _assumed_wrongly(state: CodeState, entry: GraphEntry, failure: AssumptionFailed,
                      result: Any) -> Any:
     """``assumption_failed`` for a call whose original already ran (and returned ``result``)."""
-    with LOCK:
-        if entry in state.entries:
-            state.entries.remove(entry)
-        state.unstable_sites.add(failure.site)
-        state.stats.assumption_failures += 1
-    filename, _, line = failure.where.rpartition(":")
-    error = Unsupported("assumption_failed", f"{failure.explanation()} (the graph raised on the "
-                        "path it assumed; the call ran eagerly)", _hint(failure))
-    error.filename, error.lineno, error.function = filename, int(line or 0), state.target.name
+    error = _forget(state, entry, failure, " (the graph raised on the path it assumed; the "
+                    "call ran eagerly)")
     log.warn_fallback(note_fallback(state, error, ran=True))
     return result
 

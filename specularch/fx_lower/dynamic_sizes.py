@@ -78,14 +78,15 @@ def describe(graph_fn: Callable, inputs: list[str]) -> str:
     forms = _size_checked(graph_fn)
     if not forms:
         return ""
-    where = " | ".join(dict.fromkeys(_torch_shapes.named(f.expression, inputs) for f in forms))
-    per_value = f" ({len(forms)} compiles, one per value of a number)" if len(forms) > 1 else ""
-    misses = sum(f.misses for f in forms)
     chain = _chain(forms[0])
     if len(chain) > 1:  # forms for a few common sizes (tiering/hot_sizes.checked)
         where = " | ".join(_torch_shapes.named(f.expression, inputs) for f in chain)
-        per_value, misses = f" ({len(chain)} compiles, one per size)", chain[-1].misses
-    return f"compiled for {forms[0].scope} where {where}{per_value}; {misses} call(s) outside ran fx"
+        count, misses = f" ({len(chain)} compiles, one per size)", chain[-1].misses
+    else:
+        where = " | ".join(dict.fromkeys(_torch_shapes.named(f.expression, inputs) for f in forms))
+        count = f" ({len(forms)} compiles, one per value of a number)" if len(forms) > 1 else ""
+        misses = sum(f.misses for f in forms)
+    return f"compiled for {forms[0].scope} where {where}{count}; {misses} call(s) outside ran fx"
 
 
 def _chain(form: SizeChecked) -> list[SizeChecked]:

@@ -54,14 +54,9 @@ class SizeCount:
         return f"{len(self.counts)} different sizes in {total} calls, the commonest in " \
                f"{max(self.counts.values(), default=0)}"
 
-    def dominant(self) -> tuple[int, ...] | None:
-        """The sizes (one per counted dimension, in ``dims`` order) of at least ``SHARE`` of
-        the counted calls, or None."""
-        common = self.common()
-        return common[0] if common is not None and len(common) == 1 else None
-
     def common(self) -> list[tuple[int, ...]] | None:
-        """The sizes to compile fixed-size forms for: those of at least ``SHARE`` of the
+        """The sizes (each one per counted dimension, in ``dims`` order) to compile
+        fixed-size forms for: those of at least ``SHARE`` of the
         counted calls (one form); else the commonest sizes, at most ``MAX_FORMS``, each of
         at least ``FORM_SHARE`` of the calls (and seen twice), if together they have ``SHARE`` of them (a
         few sequence lengths, bucketed batches: one form each); None where no such few do

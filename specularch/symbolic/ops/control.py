@@ -43,7 +43,8 @@ def _branch(frame, ins, jump_if: bool):
                                       at_jump=True)
         if isinstance(tested, bool):
             return ins.argval if tested is jump_if else None
-        v = tested if tested is not None else v
+        if tested is not None:  # (the predicate of a merged branch)
+            v = tested
     if isinstance(v, TensorV) and frame.tracer.speculation_stopped(frame):
         raising_branch.keep_speculating(frame, ins)  # validation: an assumption, not a merge
     if isinstance(v, TensorV) and (frame.tracer.speculation_stopped(frame) or frame.tracer.merging) \

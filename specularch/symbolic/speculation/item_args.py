@@ -198,7 +198,5 @@ def speculated(tracer, op, operands: list, mergeable: bool = False, at_jump: boo
 
 def _forward_jump(frame, index: int) -> bool:
     """Whether instruction ``index`` is a forward conditional jump (on the test's outcome)."""
-    if not 0 <= index < len(frame.info.instructions):
-        return False
-    name = frame.info.instructions[index].opname
-    return name.startswith("POP_JUMP_FORWARD_IF_") and name.endswith(("TRUE", "FALSE"))
+    ins = raising_branch.conditional_jump(frame.info, index)
+    return ins is not None and ins.opname.startswith("POP_JUMP_FORWARD")

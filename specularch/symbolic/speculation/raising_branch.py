@@ -19,8 +19,22 @@ _ENDS_BLOCK = {"RETURN_VALUE", "RERAISE"} | {dis.opname[op] for op in dis.hasjre
 def side_raises(frame, ins) -> bool:
     """Whether a side of the conditional jump ``ins`` (just executed in ``frame``) raises an
     exception that nothing in the frame catches, before any other control flow."""
-    info = frame.info
-    return _raises_from(info, frame.ip) or _raises_from(info, info.index_of[ins.argval])
+    return _jump_raises(frame.info, frame.info.index_of[ins.offset])
+
+
+def conditional_jump(info, index: int):
+    """The instruction at ``index`` if it is a conditional jump on a value's truth
+    (``POP_JUMP_{FORWARD,BACKWARD}_IF_{TRUE,FALSE}``), else None."""
+    if not 0 <= index < len(info.instructions):
+        return None
+    ins = info.instructions[index]
+    return ins if ins.opname.startswith("POP_JUMP") and ins.opname.endswith(("TRUE", "FALSE")) else None
+
+
+def _jump_raises(info, index: int) -> bool:
+    """Whether a side of the conditional jump at instruction ``index`` raises (``side_raises``)."""
+    target = info.index_of[info.instructions[index].argval]
+    return _raises_from(info, index + 1) or _raises_from(info, target)
 
 
 def _raises_from(info, index: int) -> bool:
@@ -37,12 +51,9 @@ def validates(frame) -> bool:
     raises (``if loss.item() < 0: raise ValueError(...)``): the jump running now (a truth
     test made by it) or the one right after (a comparison). Speculated again after a call
     that fails it, like ``keep_speculating``'s tensor branches."""
-    info = frame.info
     for index in (frame.ip - 1, frame.ip):
-        if 0 <= index < len(info.instructions):
-            ins = info.instructions[index]
-            if ins.opname.startswith("POP_JUMP") and ins.opname.endswith(("TRUE", "FALSE")):
-                return _raises_from(info, index + 1) or _raises_from(info, info.index_of[ins.argval])
+        if conditional_jump(frame.info, index) is not None:
+            return _jump_raises(frame.info, index)
     return False
 
 
