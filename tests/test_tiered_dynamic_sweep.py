@@ -270,23 +270,15 @@ def test_batch_sizes_cycling_through_a_small_set(promoted, cycle, hits, sizes, c
     calls up to the hit on which hotness is sampled, ``trial.SAMPLE``), the graph is
     compiled for it and the other sizes run ``fx`` in the same graph; with three sizes of a
     third each over 12 counted calls (hot after 11) it is compiled once for each of them
-    (``SizeCount.common``), and with a new size every call (12 sizes) for every size. Hot after 3, only 4 calls are counted (4, 8, 16, 4): 4 is
-    half of them, so the graph is compiled for batches of 4 and two thirds of the calls run
-    ``fx``."""
+    (``SizeCount.common``), and with a new size every call (12 sizes) for every size. Hot
+    after 3, only 4 calls are counted (4, 8, 16, 4): 4 is half of them, so the graph is
+    compiled for batches of 4 and two thirds of the calls run ``fx``."""
     twins = Twins(_MLP)
     g = torch.Generator().manual_seed(19)
     data = [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
             for n in (list(cycle) * 12)[:36]]
-
-    def step(net, module, adam, i):
-        x, labels = data[i]
-        adam.zero_grad()
-        out = net(x)
-        F.cross_entropy(out, labels).backward()
-        adam.step()
-        return out.detach()
     with specularch.config.patch(tier_min_hits=hits):
-        twins.run(len(data), step)
+        twins.run(len(data), classified(data))
     (graph,) = assert_promoted(twins.opt, sizes=sizes)
     if compiled_for is not None:
         assert f"size()[0] == {compiled_for} and" in graph.sizes and _fx_calls(graph) > 0, graph.sizes
