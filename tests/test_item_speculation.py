@@ -165,6 +165,45 @@ def test_membership_in_a_constant_tuple_is_speculated():
     assert report.stats.graph_hits >= 2 and report.stats.assumption_failures == 1, report
 
 
+STOP_IDS = [2, 5]
+
+
+class Stopper(nn.Module):
+    """Stop tokens in a list attribute and a global list: ``tok.item() in self.stop_ids``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stop_ids = [3, 7]
+
+    def forward(self, t, x):
+        if t.item() in self.stop_ids:
+            x = x + 1
+        else:
+            x = x * 2
+        if t.argmax().item() not in STOP_IDS:
+            return x * 3
+        return x - 1
+
+
+def test_membership_in_a_list_of_the_program_is_speculated_then_merged_and_guarded():
+    """Speculated against the list's items (guarded like any read of them); once it flips,
+    merged like a comparison; the lists changed between calls recapture, with eager's
+    answer every call."""
+    def between(m, i):
+        if i == 9:
+            m.stop_ids.append(4)
+        if i == 11:
+            STOP_IDS.append(1)
+    STOP_IDS[:] = [2, 5]
+    try:
+        report = check_module(Stopper, lambda i: A(torch.tensor(i % 4 + 1), T(2)), calls=14,
+                              between=between)
+    finally:
+        STOP_IDS[:] = [2, 5]
+    assert report.stats.assumption_failures == 1 and len(report.fallbacks) == 1, report
+    assert report.stats.graph_hits >= 6 and "torch.where(" in report.graphs[-1].code, report
+
+
 def safe_pick(idx, x):
     if idx.item() < 4:
         return x[idx] * 2

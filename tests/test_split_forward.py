@@ -110,6 +110,18 @@ def test_an_output_the_backward_reads_changed_in_place_raises_as_in_eager():
             out.sum().backward()
 
 
+def test_an_output_the_backward_reads_is_returned_once_by_the_forward_part():
+    """The forward part does not return ``tanh``'s output a second time as a saved tensor
+    (its compiled form would copy it every call, and the glue would not use the copy): the
+    glue puts the output in, and the backward still gets what eager's gets."""
+    inputs = _leaves((3, 4), (3,), (2, 4), grad=(True, True, False))
+    parts = joint.split(torch.fx.symbolic_trace(_tanh_layer), inputs, min_cut=False)
+    returned = [joint._undetached(v) for v in
+                next(n for n in parts.forward.graph.nodes if n.op == "output").args[0]]
+    assert len(returned) == len(set(returned)) and parts.meta["saved_outputs"]
+    _compare(_tanh_layer, inputs, lambda out: (out[0] ** 2).sum().backward())
+
+
 def test_double_backward_runs_the_graph_again_and_matches_eager():
     inputs = _leaves((32, 16), (32,), (4, 32), (4,), (8, 16))
     glued = _glued(_mlp, inputs)

@@ -28,7 +28,8 @@ class Split:
     """``forward`` and ``backward`` (ATen graphs; each placeholder's ``meta["example"]`` a
     zero-filled tensor of its layout) and ``meta`` (plain values, what ``glue.Glued`` needs):
     ``outputs``, the graph's output count (the forward returns them, then ``bases``
-    intermediate bases, then the saved tensors); ``direct``, the outputs and bases the glue's
+    intermediate bases, then the saved tensors but those in ``saved_outputs``, ``[saved
+    position, output position]`` of each that is an output); ``direct``, the outputs and bases the glue's
     autograd node returns (positions ``outputs`` onwards are the bases; ``aliases``: the
     other outputs, views it makes again from their bases; ``base_layouts``, each base's
     ``[size, stride]``); ``differentiable``, the positions in ``direct`` of the
@@ -91,9 +92,11 @@ def split(gm: torch.fx.GraphModule, example_inputs: list, *, min_cut: bool) -> S
     if len(tangent_inputs) != len(differentiable):
         raise NotSplit("the backward's inputs are not the saved tensors and the gradients")
     base_values = _output_values(joint)[outputs:outputs + bases]
+    saved_outputs = _saved_outputs(forward, direct, outputs + bases)
+    _drop_saved(forward, outputs + bases, {k for k, _ in saved_outputs})
     return Split(forward, backward, {
         "outputs": outputs, "bases": bases, "direct": direct, "aliases": aliases,
-        "saved_outputs": _saved_outputs(forward, direct, outputs + bases),
+        "saved_outputs": saved_outputs,
         "base_layouts": [[list(v.shape), list(v.stride())] for v in base_values],
         "differentiable": differentiable, "inputs": len(example_inputs),
         "gradients": gradients, "passthrough": passthrough,
@@ -112,6 +115,21 @@ def _saved_outputs(forward: torch.fx.GraphModule, direct: list[int], returned: i
     for i in direct:
         first.setdefault(values[i], i)
     return [[k, first[_undetached(v)]] for k, v in enumerate(values[returned:]) if _undetached(v) in first]
+
+
+def _drop_saved(forward: torch.fx.GraphModule, returned: int, dropped: set[int]) -> None:
+    """The forward part without the saved tensors at ``dropped`` (positions among the saved
+    ones, after the ``returned`` outputs and bases): outputs the glue saves itself
+    (``_saved_outputs``). Returned twice, the compiled form would copy the second (each
+    output is its own object: ``captured_outputs``), an output-sized copy per call that
+    the glue would not use."""
+    if not dropped:
+        return
+    output = _output(forward)
+    values = list(output.args[0])
+    output.args = (values[:returned] + [v for k, v in enumerate(values[returned:]) if k not in dropped],)
+    forward.graph.eliminate_dead_code()
+    forward.recompile()
 
 
 def _undetached(value):

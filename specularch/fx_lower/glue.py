@@ -70,6 +70,16 @@ class Glued:
         self.artefact_note = "; ".join(filter(None, (getattr(forward, "artefact_note", ""),
                                                      getattr(backward, "artefact_note", ""))))
 
+    def saved(self, results) -> list:
+        """What the backward reads: the forward's results after the outputs and bases, with
+        each output it reads put in at its place (the forward does not return it twice:
+        ``_torch_joint._drop_saved``), the object the program gets, so that changing it in
+        place before the backward raises, as in eager."""
+        rest = iter(results[self.outputs + self.bases:])
+        outputs = dict(self.saved_outputs)
+        count = len(results) - self.outputs - self.bases + len(outputs)
+        return [results[outputs[k]] if k in outputs else next(rest) for k in range(count)]
+
     def _replayed(self, ctx, grads: tuple) -> list:
         """The inputs' gradients with history (``create_graph``), from the ``fx`` code run
         again on the call's inputs."""
@@ -175,9 +185,7 @@ class _Node(torch.autograd.Function):
             ctx.draws = before, generator_states()
         outputs = [results[i] for i in glued.direct]
         ctx.glued = glued
-        saved = list(results[glued.outputs + glued.bases:])
-        for k, i in glued.saved_outputs:
-            saved[k] = results[i]
+        saved = glued.saved(results)
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[outputs[i] for i in glued.not_differentiable])
         # (for create_graph only: references, and the versions to check them against)

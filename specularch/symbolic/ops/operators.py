@@ -72,10 +72,15 @@ def _contains(frame, ins):
     container, item = frame.pop(), frame.pop()
     if isinstance(container, TensorV):
         raise Unsupported("data_dependent_branch", "`in` on a tensor compares tensor values")
-    if isinstance(item, ScalarV) and isinstance(container, ConstV):  # ``t.item() in (1, 2)``
-        found = item_args.speculated(frame.tracer, operator.contains, [container, item])
+    numbers = item_args.members(container) if isinstance(item, ScalarV) else None
+    if numbers is not None:  # ``t.item() in (1, 2)``, ``tok.item() in self.stop_ids``
+        op = item_args.not_contains if ins.arg else operator.contains
+        found = item_args.speculated(frame.tracer, op, [numbers, item], mergeable=True)
+        if isinstance(found, TensorV):  # (gone both ways: a merged branch's predicate)
+            frame.push(found)
+            return None
         if found is not None:
-            frame.push(ConstV(found != bool(ins.arg)))
+            frame.push(ConstV(found))
             return None
     frame.push(ConstV(ops.contains(frame.tracer, item, container) != bool(ins.arg)))
 

@@ -29,7 +29,7 @@ from ..values.scalar import ScalarV
 from ..values.symint import SymV
 from . import branch_merge, raising_branch
 from .deferred import ClockV, NumV
-from ..values import ListV, TupleV
+from ..values import ListV, SetV, TupleV
 
 # Operators and torch functions/methods (by name) whose number arguments are plain values.
 _OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
@@ -143,6 +143,27 @@ def _plain(value) -> bool:
     if type(value) in (tuple, frozenset):
         return all(type(v) in (int, float, bool) for v in value)
     return type(value) in (int, float, bool)
+
+
+def not_contains(container, item) -> bool:
+    """``item not in container`` (a graph node's target: ``t.item() not in (1, 2)``)."""
+    return item not in container
+
+
+def members(container: Value) -> ConstV | None:
+    """A container of plain numbers (a constant tuple or frozenset; a list, tuple or set of
+    the program's whose items capture holds as constants, guarded as any read of them is) as
+    a constant tuple, which an ``in`` test of a ``.item()`` value is speculated against (for
+    numbers, membership in each is the same test: identity, then ``==``); None otherwise."""
+    if isinstance(container, ConstV):
+        return container if _plain(container.value) else None
+    if isinstance(container, (ListV, TupleV)) and type(container) in (ListV, TupleV):
+        if all(isinstance(i, ConstV) for i in container.items):
+            values = tuple(i.value for i in container.items)
+            return ConstV(values) if _plain(values) else None
+    if isinstance(container, SetV) and _plain(tuple(container.items)):
+        return ConstV(tuple(container.items))
+    return None
 
 
 def speculated(tracer, op, operands: list, mergeable: bool = False, at_jump: bool = False):
