@@ -289,3 +289,50 @@ def test_messages_name_values_in_the_user_s_words():
     from specularch.symbolic.values import ConstV, ListV, TensorV, kind
     assert [kind(v) for v in (None, 3, ConstV(2.0), TensorV(None, torch.zeros(1)),
                                 ListV([]))] == ["None", "an int", "a float", "a tensor", "a list"]
+
+
+def _item_scaled(x, w, h):
+    s = x.abs().max().item()  # before the loop: the same number in every iteration
+    for t in range(x.shape[0]):
+        h = torch.tanh(x[t] @ w * s + h * (s / 2 + 1))
+    return h
+
+
+def _item_as_a_bound(x, w, h):
+    s = w.abs().sum().item()
+    for t in range(x.shape[0]):
+        h = torch.clamp(x[t] @ w + h, -s, s).tanh()
+    return h
+
+
+def _item_tested_in_the_loop(x, w, h):
+    s = x.mean().item()
+    for t in range(x.shape[0]):
+        h = torch.tanh(x[t] @ w + h)
+        if s > 10:  # never: speculated, checked in every iteration
+            h = h * 0
+    return h
+
+
+@pytest.mark.parametrize("fn", [_item_scaled, _item_as_a_bound, _item_tested_in_the_loop])
+def test_a_item_value_read_before_the_loop_does_not_stop_it_rolling(fn):
+    """A ``.item()`` value from before the loop is a loop invariant (its graph number reads
+    the tensor where ``.item()`` was called, though made at its first use in iteration 0):
+    the loop rolls, one graph for every trip count (before: "`s` changes per iteration", one
+    graph per length)."""
+    report = check(fn, _length_args, calls=8, grad=True, expect="graph")
+    assert report.stats.captures == 1 and report.graphs[0].loops[0].rolled, report
+
+
+def _item_accumulated(x, w, h):
+    total = 0.0
+    for t in range(x.shape[0]):
+        h = torch.tanh(x[t] @ w + h)
+        total = total + h.sum().item()  # changes per iteration: not carried by a rolled loop
+    return h * total
+
+
+def test_a_item_value_that_changes_per_iteration_still_unrolls_and_says_why():
+    report = check(_item_accumulated, _length_args, calls=8, grad=True)
+    loop = report.graphs[0].loops[0]
+    assert not loop.rolled and "`total` changes per iteration" in loop.why, report

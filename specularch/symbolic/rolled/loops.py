@@ -255,6 +255,7 @@ class _Loop:
         reports = len(self.tracer.loops)
         before_first = _effects(self.tracer), len(self.tracer.assertions)
         self._iterate(self.start)                  # iteration 0: into the graph, as unrolled
+        before_loop |= _numbers_before(self.graph, before_loop)
         self._after_first()
         self._nested(reports, f"in the first iteration of the loop at {self.where}")
         head = Snapshot(self.frame, self.tracer)
@@ -376,6 +377,23 @@ _EFFECTS = {"shadow-heap writes": lambda t: t.heap, "clock reads": lambda t: t.c
             "optimizer state": lambda t: t.opt_state, "generators": lambda t: t.generators,
             "recursion template calls": lambda t: t.template_calls,
             "object inputs": lambda t: t.object_inputs}
+
+
+def _numbers_before(graph: torch.fx.Graph, before_loop: set) -> set:
+    """The nodes iteration 0 made that are numbers of values from before the loop: a
+    ``.item()`` value read before it (its graph number is made where it is first used, but
+    reads the tensor where ``.item()`` was called: ``speculation/item_args._read``) and
+    Python arithmetic on such numbers only. They are the same in every iteration (loop
+    invariants, not iteration 0's values)."""
+    found = set()
+    for node in graph.nodes:
+        if node in before_loop or node.op != "call_function" and not (
+                node.op == "call_method" and node.target == "item"):
+            continue
+        if type(node.meta.get("example")) in (int, float, bool) and not node.meta.get("mutates") \
+                and all(n in before_loop or n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def _depends_on(node: torch.fx.Node, on: torch.fx.Node) -> bool:

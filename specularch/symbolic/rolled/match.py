@@ -13,12 +13,13 @@ import collections
 from .objects import RowV
 from ..values.rolled import ItemNumberV, LoopIndexV, RolledListV
 from ..values import kind
+from ..values.scalar import ScalarV
 from ..values.symint import SymV
 from ..values import (CellV, ConstV, DictV, FuncV, IterV, ListV, MethodV, NewObjV, NullV, ObjV, TensorV,
                      TupleV)
 
 CONTAINERS = (TupleV, ListV, DictV, NewObjV, CellV)
-_PLAIN_LEAVES = (ObjV, FuncV, MethodV, ConstV, SymV, NullV, TensorV, RolledListV)
+_PLAIN_LEAVES = (ObjV, FuncV, MethodV, ConstV, SymV, NullV, TensorV, RolledListV, ScalarV)
 
 class append_only:
     """While iteration 1 runs, the lists that grew by one in iteration 0 can only be appended
