@@ -204,6 +204,32 @@ def test_membership_in_a_list_of_the_program_is_speculated_then_merged_and_guard
     assert report.stats.graph_hits >= 6 and "torch.where(" in report.graphs[-1].code, report
 
 
+class SetStopper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stop_set, self.skip = {3, 7}, frozenset({1.5})
+
+    def forward(self, t, x):
+        if t.item() in self.skip:
+            return x
+        if t.item() in self.stop_set:
+            return x + 1
+        return x * 2
+
+
+def test_membership_in_a_set_of_the_program_is_guarded_on_its_contents():
+    """A set attribute: speculated against its members, the entry guarded on the set being
+    equal to what it was (a member added between calls recaptures; eager's answer always)."""
+    def between(m, i):
+        if i == 8:
+            m.stop_set.add(4)
+        if i == 11:
+            m.stop_set.discard(3)
+    report = check_module(SetStopper, lambda i: A(torch.tensor(i % 4 + 3), T(2)), calls=14,
+                          between=between)
+    assert report.stats.graph_hits >= 5 and report.stats.recompiles >= 2, report
+
+
 def safe_pick(idx, x):
     if idx.item() < 4:
         return x[idx] * 2

@@ -72,7 +72,7 @@ def _contains(frame, ins):
     container, item = frame.pop(), frame.pop()
     if isinstance(container, TensorV):
         raise Unsupported("data_dependent_branch", "`in` on a tensor compares tensor values")
-    numbers = item_args.members(container) if isinstance(item, ScalarV) else None
+    numbers = item_args.members(frame.tracer, container) if isinstance(item, ScalarV) else None
     if numbers is not None:  # ``t.item() in (1, 2)``, ``tok.item() in self.stop_ids``
         op = item_args.not_contains if ins.arg else operator.contains
         found = item_args.speculated(frame.tracer, op, [numbers, item], mergeable=True)

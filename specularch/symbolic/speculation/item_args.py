@@ -29,7 +29,8 @@ from ..values.scalar import ScalarV
 from ..values.symint import SymV
 from . import branch_merge, raising_branch
 from .deferred import ClockV, NumV
-from ..values import ListV, SetV, TupleV
+from ...guards import ValueGuard
+from ..values import ListV, ObjV, SetV, TupleV
 
 # Operators and torch functions/methods (by name) whose number arguments are plain values.
 _OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
@@ -150,11 +151,19 @@ def not_contains(container, item) -> bool:
     return item not in container
 
 
-def members(container: Value) -> ConstV | None:
-    """A container of plain numbers (a constant tuple or frozenset; a list, tuple or set of
-    the program's whose items capture holds as constants, guarded as any read of them is) as
-    a constant tuple, which an ``in`` test of a ``.item()`` value is speculated against (for
-    numbers, membership in each is the same test: identity, then ``==``); None otherwise."""
+def members(tracer, container: Value) -> ConstV | None:
+    """A container of plain numbers (a constant tuple or frozenset; a list or tuple of the
+    program's whose items capture holds as constants, guarded as any read of them is; a set
+    built in the call; a set or frozenset of the program's, guarded equal to what it is now)
+    as a constant tuple, which an ``in`` test of a ``.item()`` value is speculated against
+    (for numbers, membership in each is the same test: identity, then ``==``; equal sets
+    answer it alike); None otherwise."""
+    obj = getattr(container, "obj", None)
+    if isinstance(container, ObjV) and type(obj) in (set, frozenset) and container.source is not None:
+        if not obj or not _plain(tuple(obj)):
+            return None
+        tracer.add_guard(ValueGuard, container.source, type(obj)(obj))
+        return ConstV(tuple(obj))
     if isinstance(container, ConstV):
         return container if _plain(container.value) else None
     if isinstance(container, (ListV, TupleV)) and type(container) in (ListV, TupleV):
