@@ -112,8 +112,8 @@ def _saved_outputs(forward: torch.fx.GraphModule, direct: list[int], returned: i
     would read the old value.)"""
     values = _output(forward).args[0]
     first = {}
-    for i in direct:
-        first.setdefault(values[i], i)
+    for i in direct:  # (an output ``h.detach()`` is ``detach(tanh)``: saved ``tanh`` is it)
+        first.setdefault(_undetached(values[i]), i)
     return [[k, first[_undetached(v)]] for k, v in enumerate(values[returned:]) if _undetached(v) in first]
 
 

@@ -196,6 +196,7 @@ class _Node(torch.autograd.Function):
     def backward(ctx, *grads):
         glued = ctx.glued
         if torch.is_grad_enabled():  # create_graph=True: gradients with history
+            ctx.saved_tensors  # (what eager saved changed in place since: raises, as eager does)
             got = glued._replayed(ctx, grads)
         else:
             got = glued.backward(*ctx.saved_tensors, *glued.tangents(grads))
