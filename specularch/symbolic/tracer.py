@@ -27,6 +27,7 @@ from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
 from . import budget
 from .speculation import item_args, view_writes
+from .speculation import exit_tests
 from . import inputs
 from .assumptions import Assumptions
 from .speculation.leaf_writes import connect_reads
@@ -100,6 +101,10 @@ class Tracer:
         # speculated again (raising_branch.py)
         self.unstable_sites: set = set(assumptions.unstable_sites)
         self.merging = 0  # > 0 while branch_merge runs both sides of a branch
+        # (id(code), index) of the exit jumps of the rolled loops being captured, and the
+        # assertion the test deciding one just made (rolled/exits.py)
+        self.exit_jumps: set = set()
+        self.exit_test: tuple | None = None
         self.merged_aliases = MergedAliases()  # what merged branches must not let be seen
         self._external: dict[int, TensorV] = {}  # storage key -> tensor that outlives the call
         self.viewed: set[int] = set()            # external storages two inputs share
@@ -489,10 +494,13 @@ class Tracer:
 
     def assume_truth(self, v: TensorV) -> bool:
         """Speculate a branch on a tensor's value in the direction it takes now; the graph
-        computes the predicate and the entry checks it before committing anything."""
+        computes the predicate and the entry checks it before committing anything. At a
+        rolled loop's exit jump it is the loop's exit test (``rolled/exits.py``), speculated
+        whether or not the site has gone both ways."""
         frame = self.frames[-1]
         site = (id(frame.code), frame.ip)
-        if site in self.unstable_sites:
+        exit_ = exit_tests.is_exit(self, frame, frame.ip - 1)
+        if site in self.unstable_sites and not exit_:
             raise Unsupported("data_dependent_branch",
                               "both directions of this branch on a tensor value have been seen; "
                               "it is no longer speculated")
@@ -503,7 +511,11 @@ class Tracer:
                 outcome = bool(v.example)
         except Exception as e:
             raise Unsupported("data_dependent_branch", f"bool() of a tensor raised {e}") from None
+        if exit_:
+            outcome = exit_tests.no_break(frame, frame.ip - 1)
         self.assertions.append((v.node, outcome, self.where(), site))
+        if exit_:
+            exit_tests.record(self, frame.ip - 1, self.assertions[-1])
         return outcome
 
     def wrap_output(self, node: torch.fx.Node, result: Any) -> Value:

@@ -9,7 +9,7 @@ from ...records import Unsupported
 from ..operators import iterate, truth
 from ..rolled import (lists as rolled_lists, loops as rolled_loops, objects as rolled_objects,
                       unrolled as loop_notes, walk as rolled_walk)
-from ..speculation import branch_merge, item_args, raising_branch
+from ..speculation import branch_merge, exit_tests, item_args, raising_branch
 from .registry import handles
 from ..values.rolled import SymRangeIterV
 from ..values import ConstV, TensorV
@@ -45,6 +45,8 @@ def _branch(frame, ins, jump_if: bool):
             return ins.argval if tested is jump_if else None
         if tested is not None:  # (the predicate of a merged branch)
             v = tested
+    if isinstance(v, TensorV) and exit_tests.is_exit(frame.tracer, frame, frame.ip - 1):
+        return ins.argval if truth(frame.tracer, v) is jump_if else None  # (rolled/exits.py)
     if isinstance(v, TensorV) and frame.tracer.speculation_stopped(frame):
         raising_branch.keep_speculating(frame, ins)  # validation: an assumption, not a merge
     if isinstance(v, TensorV) and (frame.tracer.speculation_stopped(frame) or frame.tracer.merging) \

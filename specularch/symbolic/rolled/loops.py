@@ -32,11 +32,12 @@ import torch.fx
 
 from ...fx_lower.randomness import is_random_node
 from ...records import AssumptionBroken, Unsupported
-from . import (fast as rolled_fast, first as rolled_first, hoist as rolled_hoist,
-               lists as rolled_lists)
+from . import (exits as rolled_exits, fast as rolled_fast, first as rolled_first,
+               hoist as rolled_hoist, lists as rolled_lists)
 from .match import Match, Snapshot, append_only, set_slot
 from ..values.rolled import (INDEX_AS_PYTHON as _INDEX_AS_PYTHON, LoopIndexV, RolledListV,
                              RollRefused, SymRangeIterV, become_rolled)
+from ..values.scalar import ScalarV
 from ..values.symint import SymV, arithmetic, compare
 from ..values import ConstV, TensorV, TupleV, Value
 
@@ -93,8 +94,12 @@ class RolledLoop:
         self.prepare = None       # per call: (n, invariants) -> the body's (fast.py)
         self.run_body = None      # or the body compiled (fx_lower/rolled/compiled.py)
         self.first = 1            # 0 where iteration 0 runs in the body too
+        self.exit = None          # the position of its exit check among the checks (exits.py)
+        self.first_expected = True  # iteration 0's exit test's no-break outcome (exits.py)
 
-    def __call__(self, n: int, carried: tuple, invariants: tuple) -> tuple:
+    def __call__(self, n: int, carried: tuple, invariants: tuple, stopped=None) -> tuple:
+        if self.exit is not None:
+            return rolled_exits.run_until_exit(self, n, carried, invariants, stopped)
         self.report.trips.append(n)
         if self.run_body is None and self.prepare is not None:
             whole = self.prepare.whole(n, carried, invariants)  # (fast.py: a stack)
@@ -146,13 +151,16 @@ def symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
 
 def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
     if not 1 <= len(args) <= 3 or kwargs or not tracer.frames \
-            or not any(isinstance(a, SymV) for a in args[:2]) \
             or not all(isinstance(a, (SymV, ConstV)) and type(a.value) is int for a in args):
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
     if frame.ip + 1 >= len(code) or code[frame.ip].opname != "GET_ITER" \
             or code[frame.ip + 1].opname != "FOR_ITER":
+        return None
+    # a constant trip count: rolled only where the loop may stop early (exits.py)
+    exits = rolled_exits.exit_jump(code, frame.ip + 1, frame.info.index_of[code[frame.ip + 1].argval])
+    if not any(isinstance(a, SymV) for a in args[:2]) and (exits is None or len(args) > 1):
         return None
     step = args[2].concrete() if len(args) == 3 else 1  # a symbolic step: specialised
     if step == 0:
@@ -161,7 +169,7 @@ def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
     site = (id(frame.code), code[frame.ip + 1].offset)
     where = f"{frame.code.co_filename}:{frame.lineno}"
     n = _trip_count(tracer, start, stop, step)
-    why = _why_not_roll(tracer, site, n)
+    why = _why_not_roll(tracer, site, n, exits is not None)
     if why is not None:
         if site not in tracer.assumptions.unrolled_loops:
             tracer.loops.append(LoopReport(where, False, why, site=site, form=_form(args)))
@@ -188,7 +196,7 @@ def _trip_count(tracer, start: Value, stop: Value, step: int) -> Value:
     return arithmetic(tracer, operator.floordiv, span, ConstV(step))
 
 
-def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
+def _why_not_roll(tracer, site: tuple, n: Value, exits: bool = False) -> str | None:
     if site in tracer.assumptions.unrolled_loops:
         return "refused before"  # the report of the refusal is kept by capture
     if ("rolled_loop", *site) in tracer.unstable_sites:
@@ -197,7 +205,8 @@ def _why_not_roll(tracer, site: tuple, n: SymV) -> str | None:
         return "inside a tensor branch whose two sides are merged"
     if tracer.template is not None:
         return "inside a recursion template (templates/)"
-    if not isinstance(n, SymV) or not isinstance(n.value, int) or n.value < 2:
+    if not isinstance(n, SymV) and not (exits and isinstance(n, ConstV)) \
+            or not isinstance(n.value, int) or n.value < 2:
         return f"its trip count at capture ({n.value!r}) gives no second iteration to compare"
     return None
 
@@ -228,6 +237,8 @@ def for_iter(frame, ins, it: SymRangeIterV):
 
 # ---- one loop ----------------------------------------------------------------------------------
 class _Loop:
+    exit_at = None  # the index of the jump of the ``if ...: break`` ending the body (exits.py)
+
     def __init__(self, frame, ins, it: SymRangeIterV):
         self.frame, self.tracer, self.n = frame, frame.tracer, it.n
         self.start, self.step = it.start, it.step
@@ -236,6 +247,9 @@ class _Loop:
         self.count_from = getattr(it, "count_from", 0)  # ``enumerate(xs, start)``
         self.zipped = getattr(it, "zipped", ())         # ``zip(xs, ys)``: every list
         self.counter = None                           # the ``k`` of iteration 1
+        self.exit_at = None if self.items is not None or not self.plain() else \
+            rolled_exits.exit_jump(frame.info.instructions, frame.ip - 1,
+                                   frame.info.index_of[ins.argval])  # its ``break`` test
         self.form = rolled_lists.form(self.items.source, self.enumerated, self.count_from,
                                       self.zipped) if self.items is not None else _form(it.bounds or [it.n])
         self.first = None                             # what iteration 0 bound the target to
@@ -249,6 +263,10 @@ class _Loop:
         raise RollRefused(self.site, self.where, why, self.form)
 
     def run(self) -> None:
+        with rolled_exits.Exits(self.tracer, self.frame.code, self.exit_at) as self.exits:
+            self._run()
+
+    def _run(self) -> None:
         self._check_bytecode()
         before_loop = set(self.graph.nodes)
         first = Snapshot(self.frame, self.tracer)
@@ -291,7 +309,7 @@ class _Loop:
         after.hidden_unchanged(head, match.visited, self)
         body_nodes = [n for n in self.graph.nodes if n not in before_body]
         _Roll(self, match, body_nodes, before_loop, before_body, index_node, checks,
-              (first_nodes, first_checks)).apply()
+              (first_nodes, first_checks), self.exits.found).apply()
 
     def _nested(self, since: int, within: str) -> None:
         """Loops met in an iteration are inner loops: their reports say of which."""
@@ -367,7 +385,9 @@ class _Loop:
         while frame.ip != self.head:
             if frame.result is not None or not self.head < frame.ip < self.exit:
                 self.refuse("an iteration leaves the loop (break, return or an exception)")
+            at = frame.ip
             frame._step()
+            self.exits.stepped(at)
 
 
 _EFFECTS = {"shadow-heap writes": lambda t: t.heap, "clock reads": lambda t: t.clock_reads,
@@ -419,7 +439,8 @@ def _effects(tracer) -> dict:
 # ---- from iteration 1 to a body and one graph node -----------------------------------------
 class _Roll:
     def __init__(self, loop: _Loop, match: Match, new_nodes: list, before_loop: set,
-                 before_body: set, index_node: torch.fx.Node, checks: list, first: tuple):
+                 before_body: set, index_node: torch.fx.Node, checks: list, first: tuple,
+                 exits: list = ()):
         self.loop, self.match, self.tracer = loop, match, loop.tracer
         self.graph = loop.graph
         self.body_nodes = [n for n in new_nodes if n.op not in ("placeholder", "get_attr")]
@@ -453,11 +474,26 @@ class _Roll:
             self.folded = rolled_first.fold(*first, new_nodes, index_node, 0, self.entries,
                                             match.appends, self.tracer.assertions, checks)
         self.first = rolled_first.first_row(self.folded)
+        self._exits(list(exits) + [None, None])
+
+    def _exits(self, found: list) -> None:
+        """The exit check's position among the body's checks, and iteration 0's exit test
+        where the graph runs it before the loop (``exits.py``)."""
+        body = found[1]
+        self.exit = next((i for i, c in enumerate(self.checks) if c is body), None)
+        self.first_exit = None
+        if self.exit is None:
+            return
+        if self.match.appends or self.match.row_slots or self.per_iteration:
+            self.loop.refuse(rolled_exits.EARLY_APPENDS)
+        if self.folded is None and found[0] is not None:
+            self.first_exit = found[0]  # (taken out of the entry's checks in ``apply``)
 
     def apply(self) -> None:
         body, outputs = self._body()
         n = self.loop.n
-        compare(self.tracer, operator.ge, n, ConstV(1))  # iteration 0 is in the graph
+        if isinstance(n, SymV):  # (a constant one, of a loop that may stop early, is >= 2)
+            compare(self.tracer, operator.ge, n, ConstV(1))  # iteration 0 is in the graph
         report = LoopReport(self.loop.where, True, site=self.loop.site, form=self.loop.form,
                             body_ops=len(self.kept),
                             carried=len(self.entries), outputs=len(self.match.appends),
@@ -473,12 +509,22 @@ class _Roll:
                             tuple(expected for _, expected, _, _ in self.checks), report,
                             (self.loop.where, site))
         target.first = self.first
+        stopped = ()
+        if self.exit is not None:
+            target.exit = self.exit
+            report.faster += "; stops where its `break` test says so"
+            if self.first_exit is not None:  # iteration 0's test: the runner's, not the entry's
+                self.tracer.assertions[:] = [a for a in self.tracer.assertions
+                                             if a is not self.first_exit]
+                target.first_expected = self.first_exit[1]
+                stopped = (self.first_exit[0],)
         if not self.tracer.assumptions.exact_loops:
             target.prepare = rolled_fast.speed_up(body, self.invariants, report, self.first,
                                                   (target.carried, target.outputs, target.expected))
         carried = tuple(h.node for h, _, _ in self.entries) if self.folded is None \
             else tuple(self.folded.initial)
-        node = self.graph.call_function(target, (n.node, carried, tuple(self.invariants)))
+        node = self.graph.call_function(target, (n.node if isinstance(n, SymV) else n.value, carried,
+                                                 tuple(self.invariants), *stopped))
         node.meta["where"] = self.loop.where
         node.meta["draws_random"] = any(m.meta.get("draws_random") or _random(m)
                                         for m in body.graph.nodes)
@@ -545,8 +591,13 @@ class _Roll:
             value = TensorV(out, a.example, dynamic=True)
             for holder, key in slots:
                 set_slot(holder, key, value)
-        last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
-        index = self.loop.last_index(last) if self.match.index_slots else None
+        if self.exit is not None:  # where it stopped: a number the graph produces
+            last = self.graph.call_function(operator.getitem, (node, len(self.entries) + 1))
+            last.meta["example"] = torch.tensor(self.loop.n.value - 1)
+            index = ScalarV(last, self.loop.n.value - 1, read_after=last)
+        else:
+            last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
+            index = self.loop.last_index(last) if self.match.index_slots else None
         for holder, key in self.match.index_slots:
             set_slot(holder, key, index)
         for (holder, key), (lst, part) in self.match.row_slots:

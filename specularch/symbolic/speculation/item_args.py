@@ -28,6 +28,7 @@ from ..values import ConstV, Value
 from ..values.scalar import ScalarV
 from ..values.symint import SymV
 from . import branch_merge, raising_branch
+from . import exit_tests
 from .deferred import ClockV, NumV
 from ...guards import ValueGuard
 from ..values import ListV, ObjV, SetV, TupleV
@@ -203,7 +204,9 @@ def speculated(tracer, op, operands: list, mergeable: bool = False, at_jump: boo
                for p in parts):
         return None
     site = (id(frame.code), frame.ip, "item")
-    both_ways = tracer.merging or site in tracer.unstable_sites and not raising_branch.validates(frame)
+    exit_ = exit_tests.is_exit(tracer, frame, jump)  # a rolled loop's ``if ...: break``
+    both_ways = not exit_ and (tracer.merging or site in tracer.unstable_sites
+                               and not raising_branch.validates(frame))
     if both_ways and not (mergeable and _forward_jump(frame, jump)):
         raise Unsupported("data_dependent_value", "this test of a `.item()` value has gone both "
                           "ways (its assumption failed); it is no longer speculated",
@@ -214,6 +217,8 @@ def speculated(tracer, op, operands: list, mergeable: bool = False, at_jump: boo
         outcome = op(*[p.value for p in parts])
     except Exception:  # (``c.item() < 1`` of a complex number: eager's TypeError, not assumed)
         return None
+    if exit_:
+        outcome = exit_tests.no_break(frame, jump)
     node = tracer.graph.call_function(op, tuple(_node(p) for p in parts))
     node.meta.update(example=outcome, where=tracer.where(), mutates=False, writes=frozenset())
     if both_ways:  # the jump after it: a tensor branch seen both ways (branch_merge.py)
@@ -223,6 +228,8 @@ def speculated(tracer, op, operands: list, mergeable: bool = False, at_jump: boo
         predicate.node.meta[branch_merge.ITEM_TEST] = True
         return predicate
     tracer.assertions.append((node, outcome, tracer.where(), site))
+    if exit_:
+        exit_tests.record(tracer, jump, tracer.assertions[-1])
     return outcome
 
 
