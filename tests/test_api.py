@@ -733,3 +733,44 @@ def test_demo_shows_what_the_readme_says(capsys):
     trees = out.split("TreeLSTM training step on a new random tree every step")[1]
     graphs = int(trees.split(" graph(s) for 40 trees")[0].rsplit(" ", 1)[1])
     assert graphs <= 2 and "within rtol 1e-4: True" in trees, out  # (the first step's .grad is None)
+
+
+def test_torch_compile_runs_while_specularch_traces_on_its_background_thread(dynamo):
+    """``torch.fx``'s "is tracing" flag is a process-wide global that a trace on specularch's
+    background compile thread sets: a ``torch.compile``'d function the program calls
+    meanwhile raised "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function" (found by the benchmark running both side by side). It is
+    answered per thread now (``fx_lower/_torch_background.py``)."""
+    import threading
+
+    from torch.fx import _symbolic_trace
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from specularch.fx_lower._torch_background import background_tracing
+
+    cg = torch.compile(sin2, backend="eager")
+    x = torch.randn(4)
+    assert torch.equal(cg(x), sin2(x))
+    tracing, done = threading.Event(), threading.Event()
+
+    def traced(t):
+        tracing.set()
+        done.wait(10)
+        return t + 1
+
+    def background():
+        with background_tracing():
+            make_fx(traced)(torch.ones(2))
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        assert tracing.wait(10)
+        assert not _symbolic_trace.is_fx_symbolic_tracing()
+        assert torch.equal(cg(x), sin2(x))
+    finally:
+        done.set()
+        thread.join()
+    seen = []
+    make_fx(lambda t: seen.append(_symbolic_trace.is_fx_tracing()) or t * 2)(torch.ones(2))
+    assert seen == [True] and not _symbolic_trace.is_fx_tracing()  # this thread's own trace

@@ -3,7 +3,10 @@ background thread, two process-wide effects of torch's tracing are skipped on th
 ``torch.fx``'s module patches (``torch.fx._symbolic_trace._new_patcher``) and the random-number
 state AOT autograd and Inductor put back after tracing (``torch.random.set_rng_state``,
 ``torch.cuda.set_rng_state``). Both are replaced once, by wrappers that call the original on
-every other thread.
+every other thread. And ``torch.fx``'s "is tracing" flag, a module global that
+``Tracer.trace`` sets while it runs, is answered per thread: a ``torch.compile``'d function
+the user's thread calls while the background thread traces would otherwise raise
+("Detected that you are using FX to symbolically trace a dynamo-optimized function").
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ def background_tracing(later: Callable[[Callable[[], None]], None] | None = None
     of that thread once it meets what it was not compiled for)."""
     _install_thread_aware_patcher()
     _install_thread_aware_rng_restore()
+    _install_thread_aware_tracing_flag()
     _BACKGROUND.active, _BACKGROUND.later = True, later
     try:
         yield
@@ -72,6 +76,48 @@ def _install_thread_aware_rng_restore() -> None:
                 return _original(*args, **kwargs)
             set_rng_state.__specularch__ = True
             module.set_rng_state = set_rng_state
+
+
+_TRACING = threading.local()  # .depth: ``Tracer.trace`` calls running on this thread
+
+# What ``is_fx_tracing`` and ``is_fx_symbolic_tracing`` of ``torch.fx._symbolic_trace`` say,
+# per thread: their code is replaced (not the functions, which ``torch.compile`` binds when it
+# wraps a function), and runs in that module's globals.
+_PER_THREAD = """
+def is_fx_tracing():
+    is_fx_tracing_warning()
+    return _specularch_tracing_here()
+
+def is_fx_symbolic_tracing():
+    return _specularch_tracing_here() and not torch.compiler.is_compiling()
+"""
+
+
+def _tracing_here() -> bool:
+    return getattr(_TRACING, "depth", 0) > 0
+
+
+def _install_thread_aware_tracing_flag() -> None:
+    from torch.fx import _symbolic_trace as st
+    with _PATCHER_INSTALLED:
+        if getattr(st.Tracer.trace, "__specularch__", False):
+            return
+        original = st.Tracer.trace
+
+        def trace(self, *args, **kwargs):
+            _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _TRACING.depth -= 1
+        trace.__specularch__, trace.__wrapped__ = True, original
+        trace.__doc__, trace.__name__, trace.__qualname__ = original.__doc__, "trace", original.__qualname__
+        st._specularch_tracing_here = _tracing_here
+        made: dict = {}
+        exec(_PER_THREAD, made)
+        for name in ("is_fx_tracing", "is_fx_symbolic_tracing"):
+            getattr(st, name).__code__ = made[name].__code__
+        st.Tracer.trace = trace
 
 
 def _install_thread_aware_patcher() -> None:
