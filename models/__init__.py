@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import big_lm, inception, lenet, lstm_lm, resnet, tree_lstm, tree_rnn
+from . import big_lm, greedy_decoder, inception, lenet, lstm_lm, resnet, tree_lstm, tree_rnn
 
 
 @dataclass(frozen=True)
@@ -25,4 +25,4 @@ class Workload:
 
 
 WORKLOADS = {m.NAME: Workload(m.NAME, m.build, m.make_batch, m.loss, m.UNIT, m.items, m.PRESETS)
-             for m in (lenet, resnet, inception, lstm_lm, big_lm, tree_rnn, tree_lstm)}
+             for m in (lenet, resnet, inception, lstm_lm, big_lm, tree_rnn, tree_lstm, greedy_decoder)}

@@ -109,3 +109,21 @@ def test_never_seen_regime_with_torch_compile(tmp_path, capsys):
     # preset has none): the report shows the parameters drifting from eager's
     assert tc["max_param_diff"] > 0 and tc["params_close"] is False, tc
     assert "| lstm_lm | torch.compile |" in capsys.readouterr().out
+
+
+def test_the_greedy_decoder_trains_like_eager_in_one_graph():
+    """Free-running decoding that stops at EOS (a rolled loop with an exit test,
+    ``symbolic/rolled/exits.py``) and a source of a new length per step: one graph, no
+    fallback, parameters equal to eager's within float rounding."""
+    w = WORKLOADS["greedy_decoder"]
+    modes = never_seen.build_modes(w, never_seen.PRESET, "cpu", ["fx"], with_compile=False)
+    batches = never_seen.make_batches(w, never_seen.PRESET, 16, "cpu")
+    for i, batch in enumerate(batches):
+        for mode in modes:
+            mode.run(batch, seed=i, device="cpu")
+    report = specularch.explain(modes[1].step)
+    assert not report.fallbacks and len(report.graphs) == 1, report
+    decode = report.graphs[0].loops[-1]
+    assert decode.rolled and "break" in str(decode) and len(set(decode.trips)) > 2, decode
+    worst, close = never_seen.param_difference(modes[1].model, modes[0].model)
+    assert close and worst < 1e-5, worst

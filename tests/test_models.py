@@ -22,7 +22,7 @@ def test_workload_trains_one_step_at_tiny_size(name):
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     # never_seen: the sizes of the benchmark's never-seen-structure regime (varying structure)
-    varying = {"never_seen"} if name in ("tree_rnn", "tree_lstm", "lstm_lm") else set()
+    varying = {"never_seen"} if name in ("tree_rnn", "tree_lstm", "lstm_lm", "greedy_decoder") else set()
     assert w.items(batch) > 0 and set(w.presets) == {"tiny", "cpu", "paper"} | varying
 
 
@@ -131,6 +131,8 @@ def test_workload_creates_tensors_on_its_device(name):
                 self.calls.add(getattr(func, "__name__", str(func)))
             return out
 
+    if name == "greedy_decoder":
+        pytest.skip("its decoder reads a token with .item(), which meta tensors do not have")
     w = WORKLOADS[name]
     model = w.build("tiny").to("meta")
     batch = to_device(w.make_batch("tiny", torch.Generator().manual_seed(0)), "meta")

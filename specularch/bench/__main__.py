@@ -16,7 +16,7 @@ note, printed below the table); everything is written to JSON. Progress goes to 
 ``--profile DIR`` writes PyTorch profiler traces (TensorBoard, torch-tb-profiler).
 
 That cycle regime measures only the cache for workloads whose structure varies per batch.
-Those (tree_rnn, tree_lstm, lstm_lm) run in the never-seen regime (``never_seen.py``) unless
+Those (tree_rnn, tree_lstm, lstm_lm, greedy_decoder) run in the never-seen regime (``never_seen.py``) unless
 ``--regime cycle`` says otherwise: every timed step a structure no earlier step had.
 """
 from __future__ import annotations
@@ -243,8 +243,8 @@ def _parser(workloads) -> argparse.ArgumentParser:
     parser.add_argument("--workloads", default=",".join(workloads), help="comma-separated names")
     parser.add_argument("--regime", default="auto", choices=("auto", "cycle", "never-seen"),
                         help="cycle: the same few batches repeated (measures the cache); "
-                             "never-seen: every step a new tree / BPTT length (tree_rnn, "
-                             "tree_lstm, lstm_lm); auto: never-seen where a workload has it")
+                             "never-seen: every step a new tree / BPTT length / decoding "
+                             "length (tree_rnn, tree_lstm, lstm_lm, greedy_decoder); auto: never-seen where a workload has it")
     parser.add_argument("--preset", default=None, choices=("tiny", "cpu", "paper", never_seen.PRESET),
                         help="workload sizes (tiny: a smoke run); default: cpu for the cycle "
                              f"regime, {never_seen.PRESET} for the never-seen one")
