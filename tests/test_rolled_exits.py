@@ -179,3 +179,35 @@ def test_a_greedy_decoder_training_step_stops_where_eager_does(templates):
         report = check_module(Decoder, make, calls=16, grad=True)
     loop = _one_rolled_graph(report)
     assert len(set(loop.trips)) >= 2, loop
+
+
+class TeacherForced(nn.Module):
+    """Fed the reference tokens (``embed(tokens[t])``, computed from the index alone), stopping
+    once the loss passes a limit: eager never reads the tokens past where it stops."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.cell, self.out = nn.Embedding(4, 6), nn.LSTMCell(6, 6), nn.Linear(6, 4)
+
+    def forward(self, tokens, n, limit):
+        h = c = torch.zeros(1, 6)
+        loss = 0.0
+        for t in range(n):
+            h, c = self.cell(self.embed(tokens[t]), (h, c))
+            loss = loss + nn.functional.cross_entropy(self.out(h), tokens[t + 1])
+            if loss.item() > limit:
+                break
+        return loss
+
+
+def test_a_loop_that_stops_early_reads_no_row_past_where_it_stops():
+    """No prelude (``rolled/fast.py``: rows computed for every iteration before the loop) for
+    a loop that may stop early: ``tokens`` shorter than ``n`` allows would make it raise
+    where eager, stopping first, does not (the call then ran eagerly, recorded as a
+    ``backend_error``). (Within rounding: the default mode's fused LSTM cell sums its
+    gradients in another order, ``rolled/fast.py``.)"""
+    def make(i):
+        g = torch.Generator().manual_seed(i)
+        return A(torch.randint(0, 4, (5, 1), generator=g), 6, 0.5 + (i % 4))
+    report = check_module(TeacherForced, make, calls=14, grad=True, rtol=1e-5, atol=1e-7)
+    assert not report.fallbacks and report.stats.captures == 1, report

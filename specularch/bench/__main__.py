@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         print(header)
         print(table(results))
     if fresh_results:
-        print(f"\nnever-seen structures: each step a new tree / BPTT length, modes interleaved, "
+        print(f"\nnever-seen structures: each step a new structure (tree, BPTT length, decoding length), modes interleaved, "
               f"threads={torch.get_num_threads()}, medians over all {args.structures} steps")
         print(never_seen.table(fresh_results))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

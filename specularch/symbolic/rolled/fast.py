@@ -93,15 +93,17 @@ class Prepare:
 
 
 def speed_up(body: torch.fx.GraphModule, invariants: list, report, first: int = 1,
-             results: tuple = (0, 0, ())) -> Prepare | None:
+             results: tuple = (0, 0, ()), every_row: bool = True) -> Prepare | None:
     """Rewrite ``body`` in place (see the module docstring) and say so in the loop's
     ``report``; ``invariants``: the outer graph's nodes the body's ``invariant_<k>``
     placeholders stand for; ``first``: the first iteration the body runs; ``results``: how
     many carried values and per-iteration outputs the body returns, and what its checks are
-    expected to be. None when nothing changed."""
+    expected to be; ``every_row``: whether the loop runs to its trip count (a loop that may
+    stop early, ``exits.py``, gets no prelude: rows past where it stops may not exist, and
+    eager never reads them). None when nothing changed."""
     names = [f"invariant_{k + 1}" for k in range(len(invariants))]
-    split = rolled_project.split(body.graph, names)
-    prelude, reads = _prelude(body, names, first)
+    split = every_row and rolled_project.split(body.graph, names)
+    prelude, reads = _prelude(body, names, first) if every_row else (None, ())
     projected = rolled_project.unsplit(body.graph) if split else 0
     if split:
         body.recompile()

@@ -520,7 +520,8 @@ class _Roll:
                 stopped = (self.first_exit[0],)
         if not self.tracer.assumptions.exact_loops:
             target.prepare = rolled_fast.speed_up(body, self.invariants, report, self.first,
-                                                  (target.carried, target.outputs, target.expected))
+                                                  (target.carried, target.outputs, target.expected),
+                                                  every_row=self.exit is None)
         carried = tuple(h.node for h, _, _ in self.entries) if self.folded is None \
             else tuple(self.folded.initial)
         node = self.graph.call_function(target, (n.node if isinstance(n, SymV) else n.value, carried,
