@@ -80,6 +80,8 @@ class Explanation:
     stats: object = None
     relaxations: list[str] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)  # recursion templates (templates/)
+    # loops left unrolled in graphs dropped since or captures that fell back (each why)
+    unrolled: list = field(default_factory=list)
     verbose: bool = field(default=False, compare=False)  # str() lists guards and graph code
 
     @property
@@ -104,6 +106,9 @@ class Explanation:
         not run as one graph, and there are few of them (fallback records are capped)."""
         out = [f"fallbacks: {len(self.fallbacks)}"]
         out += [f"  {line}" for f in self.fallbacks for line in str(f).splitlines()]
+        if self.unrolled:
+            out.append("loops not rolled, in graphs dropped since or captures that fell back:")
+            out += [f"  {loop}" for loop in self.unrolled]
         out.append(f"recompiles: {len(self.recompiles)}")
         out += [f"  {r}" for r in self.recompiles]
         out.append(f"relaxations: {len(self.relaxations)}")
@@ -128,6 +133,8 @@ def explain_state(state, verbose: bool = False) -> Explanation:
                           sizes=describe(e.graph_fn, [str(s) for s in e.capture.input_sources]))
               for e in reversed(state.entries)]
     templates = template_lines([e.capture.graph_module for e in state.entries])
+    shown = {loop.site for g in graphs for loop in g.loops}
+    unrolled = [loop for site, loop in state.unrolled.items() if site not in shown]
     return Explanation(state.target.name, graphs, [replace(f) for f in state.fallbacks.values()],
                        list(state.recompiles), replace(state.stats),
-                       list(state.general.relaxations), templates, verbose)
+                       list(state.general.relaxations), templates, unrolled, verbose)

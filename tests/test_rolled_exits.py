@@ -211,3 +211,25 @@ def test_a_loop_that_stops_early_reads_no_row_past_where_it_stops():
         return A(torch.randint(0, 4, (5, 1), generator=g), 6, 0.5 + (i % 4))
     report = check_module(TeacherForced, make, calls=14, grad=True, rtol=1e-5, atol=1e-7)
     assert not report.fallbacks and report.stats.captures == 1, report
+
+
+def counted(x, h, n):
+    k = 0
+    for di in range(n):
+        h = torch.tanh(h @ x)
+        k += 2  # a Python number carried: not a rolled loop's
+        if h.argmax().item() == EOS:
+            break
+    return h * k
+
+
+@pytest.mark.parametrize("fn, why", [
+    (counted, "`k` is a Python value that changes per iteration"),
+    (index_as_a_size, "capture failed with it rolled")])
+def test_why_a_loop_stayed_unrolled_outlives_its_graph(fn, why):
+    """Unrolled, the ``break`` is speculated and the graph is dropped once a call breaks (or
+    the capture falls back): ``explain()`` still says why the loop was not rolled."""
+    report = check(fn, _args, calls=12)
+    assert not report.graphs or all(not loop.rolled for loop in _loops(report)), report
+    assert any(why in loop.why for loop in report.unrolled + _loops(report)), report
+    assert "loops not rolled" in str(report) or report.graphs, report

@@ -146,6 +146,7 @@ def _forget(state: CodeState, entry: GraphEntry, failure: AssumptionFailed,
     with LOCK:
         if entry in state.entries:
             state.entries.remove(entry)
+            state.keep_unrolled(getattr(entry.capture, "loops", ()))
         state.unstable_sites.add(failure.site)
         state.stats.assumption_failures += 1
         if failure.site[0] in ("specialize", "compare"):  # a size of an intermediate tensor

@@ -84,6 +84,7 @@ def _miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callab
             with budget.eager_cost(state.eager_seconds), gc_paused(), exact.capturing(state):
                 cap = capture_with_relaxations(state, slots, cells, globals_)
         except Unsupported as e:
+            state.keep_unrolled(getattr(e, "unrolled_loops", ()))
             return fallback(state, slots, cells, e,
                             reaches_backward=hooks.distributed.capture_reached_backward())
         except Exception as e:  # a bug in specularch: stay correct, say so

@@ -85,6 +85,14 @@ class CodeState:
     eager_seconds: list = field(default_factory=list)  # profiled calls' durations (budget.py)
     exact: bool = False  # optimize(exact=True): bit-identical to eager (dispatch/exact.py)
     draws: bool = False  # a capture drew from Python's random module: calls open a draws.Call
+    # loop site -> the report of a loop left unrolled in a graph dropped since, or in a
+    # capture that fell back (explain() shows why, with no graph left to show it)
+    unrolled: dict = field(default_factory=dict)
+
+    def keep_unrolled(self, loops) -> None:
+        for loop in loops:
+            if not loop.rolled and loop.why:
+                self.unrolled.setdefault(loop.site, loop)
 
     def __post_init__(self):
         self.builtins = _builtins_of(self.target.globals)

@@ -92,6 +92,9 @@ def capture(code: types.CodeType, globals_: dict, argnames: tuple, slots: tuple,
         except Exception as e:
             refused = _refused_loops(e, attempt, assumptions.rolled_lists)
             if not refused or refused.keys() <= assumptions.unrolled_loops:
+                if isinstance(e, Unsupported):  # (explain() says why a loop stayed unrolled)
+                    e.unrolled_loops = unrolled + [r for r in (attempt[0].loops if attempt else ())
+                                                   if not r.rolled and r.why]
                 raise
             unrolled += refused.values()
             assumptions = replace(assumptions,
