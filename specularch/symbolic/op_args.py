@@ -12,7 +12,7 @@ from ..records import Unsupported
 from .speculation import item_args
 from .values.rolled import RolledListV
 from .values.symint import SymV
-from .values import (ConstV, DictV, GeneratorV, ListV, ObjV, SetV, TensorV, TupleV,
+from .values import (ConstV, DictV, GeneratorV, ListV, ObjV, SetV, SliceV, TensorV, TupleV,
                      UntrackedContainerV, Value, leaves)
 
 
@@ -50,6 +50,8 @@ def concrete(v: Value) -> Any:
         return v.build([concrete(i) for i in v.items])
     if isinstance(v, ListV):
         return [concrete(i) for i in v.items]
+    if isinstance(v, SliceV):
+        return slice(*[concrete(p) for p in v.parts])
     if isinstance(v, DictV):
         return {k: concrete(i) for k, i in v.items.items()}
     if isinstance(v, SetV):
@@ -71,6 +73,8 @@ def fx_arg(v: Value) -> Any:
         return tuple(fx_arg(i) for i in v.items)
     if isinstance(v, ListV):
         return [fx_arg(i) for i in v.items]
+    if isinstance(v, SliceV):
+        return slice(*[fx_arg(p) for p in v.parts])
     if isinstance(v, DictV):
         return {k: fx_arg(i) for k, i in v.items.items()}
     return concrete(v)

@@ -10,7 +10,8 @@ from ..speculation import branch_merge, item_args
 from .. import operators as ops
 from ..library import printing
 from .registry import handles
-from ..values import ConstV, TensorV, is_const
+from ..values import ConstV, SliceV, TensorV, is_const
+from ..values.symint import SymV
 from ..values.scalar import ScalarV
 
 
@@ -106,6 +107,9 @@ def _delete_subscr(frame, ins):
 @handles("BUILD_SLICE")
 def _build_slice(frame, ins):
     parts = frame.popn(ins.arg)
+    if any(isinstance(p, SymV) for p in parts) and all(isinstance(p, (SymV, ConstV)) for p in parts):
+        frame.push(SliceV(parts))  # ``x[:n]``, ``x[t:t + 1]``: symbolic bounds (values.SliceV)
+        return
     if not all(is_const(p) for p in parts):
         raise Unsupported("data_dependent_value", "a slice bound computed from a tensor value")
     frame.push(ConstV(slice(*[p.concrete() for p in parts])))

@@ -89,6 +89,21 @@ class TupleV(Value):
         return self.cls
 
 
+@dataclass(eq=False, repr=False)
+class SliceV(Value):
+    """``a:b:c`` with a bound that is a symbolic number (a dynamic size, a rolled loop's
+    index): indexing a tensor with it is a graph op on those numbers (``x[:n]``,
+    ``x[t:t + 1]``), the result's sizes dynamic; anything else takes its value (a guard)."""
+
+    parts: list  # start, stop, step (Values)
+
+    def concrete(self):
+        return slice(*[p.concrete() for p in self.parts])
+
+    def python_type(self):
+        return slice
+
+
 def _items_through_view(cls: type) -> type:
     """``items`` of a list/dict value: its own until the shadow heap opens a view on it (the
     first write to a list/dict that existed before the call, ``ShadowHeap.touch_container``),
@@ -494,6 +509,8 @@ def is_const(v: Value) -> bool:
         return True
     if isinstance(v, (TupleV, ListV)):
         return all(is_const(i) for i in v.items)
+    if isinstance(v, SliceV):
+        return all(is_const(p) for p in v.parts)
     if isinstance(v, DictV):
         return all(is_const(i) for i in v.items.values())
     if isinstance(v, SetV) or (isinstance(v, ObjV) and isinstance(v.obj, enum.Enum)):
@@ -510,6 +527,8 @@ def leaves(v: Value):
     if isinstance(v, (TupleV, ListV)):
         for item in v.items:
             yield from leaves(item)
+    elif isinstance(v, SliceV):
+        yield from v.parts
     elif isinstance(v, DictV):
         for item in v.items.values():
             yield from leaves(item)

@@ -1,0 +1,71 @@
+"""Slices with a symbolic bound (``values.SliceV``): ``x[:n]`` with ``n`` a dynamic size, and
+``x[t:t + 2]`` with ``t`` a rolled loop's index, are graph ops on those numbers. Before, a
+dynamic size in a slice was read as a constant (a guard: one graph per size, a recompile
+storm) and a loop index in one unrolled the loop (one graph per trip count). Differential
+against eager: values, gradients, in-place writes through the slice, negative and
+out-of-range bounds, steps; slicing a Python list or string still takes the number's value."""
+import pytest
+import torch
+
+from differential import A, T, check
+
+SIZES = [5, 6, 7, 8, 9, 6, 10, 5, 7, 8]
+
+
+def _sized(*shape, grad=False):
+    return lambda i: A(T(*shape, requires_grad=grad), T(SIZES[i % len(SIZES)]))
+
+
+def bounds(x, y):
+    n = y.shape[0]
+    return x[:n], x[-n:], x[: -n], x[n - 3:2 * n:2], x[3 * n:], x[:3 * n]
+
+
+def two_dims(x, y):
+    n = y.shape[0]
+    return x[..., :n].sum(-1), x[1:n, n - 4:], x[:, n]
+
+
+def written(x, y):
+    n = y.shape[0]
+    z = x.clone()
+    z[:n] = 0
+    z[n:] += y.sum()
+    return z
+
+
+def with_grad(x, y):
+    n = y.shape[0]
+    return (x[:n] * y).sum() + x[n:].pow(2).sum()
+
+
+@pytest.mark.parametrize("backend", [None, "torchscript"])
+@pytest.mark.parametrize("fn, make, grad", [
+    (bounds, _sized(20), False), (two_dims, _sized(12, 20), False), (written, _sized(20), False),
+    (with_grad, _sized(20, grad=True), True)])
+def test_a_slice_by_a_dynamic_size_is_one_graph_for_every_size(fn, make, grad, backend):
+    report = check(fn, make, calls=10, grad=grad, backend=backend, expect="graph")
+    assert report.stats.captures == 1 and not report.stats.recompiles, report
+
+
+def window(x, h, n):
+    for t in range(n):
+        h = torch.tanh(h + x[t:t + 2].sum(0))
+    return h
+
+
+def test_a_slice_by_a_rolled_loop_index_keeps_the_loop_rolled():
+    report = check(window, lambda i: A(T(14, 3), T(3), 4 + i % 5), calls=10, expect="graph")
+    assert report.stats.captures == 1 and report.graphs[0].loops[0].rolled, report
+
+
+def python_list(x, y):
+    n = y.shape[0]
+    return torch.stack([x * i for i in range(10)][:n]).sum(0) * len("abcdefghijkl"[:n])
+
+
+def test_slicing_a_python_list_or_string_still_takes_the_number():
+    """A list or a string sliced by a size is Python's own work: the number's value is used
+    (guarded), one graph per size, as before."""
+    report = check(python_list, _sized(3), calls=10, expect="graph")
+    assert report.stats.captures >= 2, report
