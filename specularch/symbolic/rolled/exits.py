@@ -73,12 +73,16 @@ class Exits:
         self.tracer.exit_jumps.discard(self.key)
         self.tracer.exit_test = None
 
+    def iteration(self) -> None:
+        """A captured iteration starts (its exit test: None until ``stepped`` finds it)."""
+        self.found.append(None)
+
     def stepped(self, at: int) -> None:
         """After the frame ran the instruction at ``at``: the exit test's record, if that
         was the exit jump."""
         if at == self.at:
             record, self.tracer.exit_test = self.tracer.exit_test, None
-            self.found.append(record[1] if record is not None and record[0] == at else None)
+            self.found[-1] = record[1] if record is not None and record[0] == at else None
 
 
 def run_until_exit(loop, n: int, carried: tuple, invariants: tuple, stopped) -> tuple:

@@ -382,6 +382,7 @@ class _Loop:
             index = self.first = self._value(index)
         frame.push(index)
         frame.ip = self.head + 1
+        self.exits.iteration()
         while frame.ip != self.head:
             if frame.result is not None or not self.head < frame.ip < self.exit:
                 self.refuse("an iteration leaves the loop (break, return or an exception)")
