@@ -123,18 +123,46 @@ def test_the_capturing_call_breaking_at_once_still_rolls_the_loop():
 
 
 def appends(x, h, n):
-    outs = []
+    outs = [h]
     for di in range(n):
         h = torch.tanh(h @ x)
-        outs.append(h)
+        outs.append(h * 2)  # (hoisted after the loop in the default mode: row-wise)
         if h.argmax().item() == EOS:
             break
-    return torch.cat(outs)
+    return torch.cat(outs), len(outs), torch.stack(outs).sum(0) * len(outs)
 
 
-def test_a_loop_that_stops_early_and_appends_stays_unrolled_and_says_why():
-    report = check(appends, _args, calls=6)
-    assert any("may stop early" in loop.why for loop in _loops(report)), report
+@pytest.mark.parametrize("templates", ["batched", "exact"])
+def test_a_loop_that_stops_early_appends_the_iterations_it_ran(templates):
+    """The lists it appends to hold the iterations it ran: ``torch.cat``/``torch.stack`` of
+    them take those, ``len`` of one is a number the graph produces."""
+    with specularch.config.patch(templates=templates):
+        report = check(appends, _args, calls=20)
+    loop = _one_rolled_graph(report)
+    assert loop.outputs == 1 and len(set(loop.trips)) > 2, loop
+
+
+class GreedyLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell, self.out, self.embed = nn.GRUCell(4, 4), nn.Linear(4, 3), nn.Embedding(3, 4)
+
+    def forward(self, h, n):
+        tok, logits = torch.zeros(1, dtype=torch.long), []
+        for t in range(n):
+            h = self.cell(self.embed(tok), h)
+            step = self.out(h)
+            logits.append(step)
+            tok = step.argmax(1)
+            if tok.item() == EOS:
+                break
+        return torch.stack(logits)
+
+
+def test_a_decoder_returning_its_stacked_logits_is_one_graph():
+    report = check_module(GreedyLogits, lambda i: A(T(1, 4), 6 + i % 3), calls=16, grad=True,
+                          rtol=1e-5, atol=1e-6)
+    _one_rolled_graph(report)
 
 
 def index_as_a_size(x, h, n):

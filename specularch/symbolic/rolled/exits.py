@@ -11,9 +11,10 @@ number the graph produces (a ``.item()``-like value: returned, stored or compute
 captured; used where Python needs the number itself, it falls back).
 
 Such a loop is rolled even with a constant trip count (``range(max_len)``), since that is
-where it stops that varies. Refused (the loop unrolled, as before, and ``explain()`` says
-why): a body that appends to a list or reads items of one (their length would depend on
-where it stopped), a loop over anything but a plain ``range(n)``.
+where it stops that varies. Lists it appends to hold the iterations it ran (``len`` of one
+is a number the graph produces, ``torch.stack`` of one takes them all). Refused (the loop
+unrolled, as before, and ``explain()`` says why): a loop over anything but a plain
+``range(n)``, or one reading items of a list it walks.
 
 The bytecode shape (CPython 3.11, ``frames/`` checks the version) is, at the body's end::
 
@@ -34,8 +35,8 @@ import torch
 from ...records import AssumptionBroken
 
 _TESTS = ("POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_FORWARD_IF_TRUE")
-EARLY_APPENDS = ("it may stop early (its body ends with `if ...: break`) and appends to a "
-                 "list or reads its items, whose length would depend on where it stops")
+EARLY_ROWS = ("it may stop early (its body ends with `if ...: break`) and reads items of a "
+              "list it walks (which item is last would depend on where it stops)")
 
 
 def exit_jump(instructions: list, head: int, exit_: int) -> int | None:
@@ -90,15 +91,19 @@ def run_until_exit(loop, n: int, carried: tuple, invariants: tuple, stopped) -> 
     among the checks): the body's iterations until the check says "break" (after that
     iteration) or ``n`` is reached; ``stopped``: iteration 0's exit test where the graph
     ran it before the loop (``loop.first_expected``, its no-break outcome), else None.
-    Returns the carried values, the flag of the body's other assumptions, and the index of
-    the last iteration run (a 0-d tensor: the loop variable after the loop)."""
+    Returns the carried values, the per-iteration values (lists), the flag of the body's
+    other assumptions, and the index of the last iteration run (a 0-d tensor: the loop
+    variable after the loop)."""
     step, k, o = loop.run_body or loop.body.forward, loop.carried, loop.outputs
     invariants = loop.prepare(n, invariants) if loop.prepare is not None else invariants
     last, expected, at = 0, loop.expected, loop.exit
+    outs: tuple = tuple([] for _ in range(o))
     if stopped is None or bool(stopped) is loop.first_expected:
         for t in range(loop.first, n):
             results = step(t, *carried, *invariants)
             carried, last = results[:k], t
+            for out, value in zip(outs, results[k:k + o]):
+                out.append(value)
             flags = results[k + o:]
             for i, (v, e) in enumerate(zip(flags, expected)):
                 if i != at and bool(v) is not e:
@@ -106,4 +111,4 @@ def run_until_exit(loop, n: int, carried: tuple, invariants: tuple, stopped) -> 
             if bool(flags[at]) is not expected[at]:
                 break
     loop.report.trips.append(last + 1)
-    return (*carried, True, torch.tensor(last))
+    return (*carried, *outs, True, torch.tensor(last))

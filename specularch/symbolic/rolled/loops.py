@@ -485,8 +485,8 @@ class _Roll:
         self.first_exit = None
         if self.exit is None:
             return
-        if self.match.appends or self.match.row_slots or self.per_iteration:
-            self.loop.refuse(rolled_exits.EARLY_APPENDS)
+        if self.match.row_slots:
+            self.loop.refuse(rolled_exits.EARLY_ROWS)
         if self.folded is None and found[0] is not None:
             self.first_exit = found[0]  # (taken out of the entry's checks in ``apply``)
 
@@ -594,7 +594,8 @@ class _Roll:
             for holder, key in slots:
                 set_slot(holder, key, value)
         if self.exit is not None:  # where it stopped: a number the graph produces
-            last = self.graph.call_function(operator.getitem, (node, len(self.entries) + 1))
+            last = self.graph.call_function(operator.getitem, (
+                node, len(self.entries) + len(self.per_iteration) + 1))
             last.meta["example"] = torch.tensor(self.loop.n.value - 1)
             index = ScalarV(last, self.loop.n.value - 1, read_after=last)
         else:
@@ -617,11 +618,20 @@ class _Roll:
                 j = self.per_iteration.index(appended.node)
                 tail = self.graph.call_function(operator.getitem, (node, len(self.entries) + j))
                 joined = self.graph.call_function(_join, (head_nodes, tail))
-            length = arithmetic(self.tracer, operator.add, last,
-                                ConstV(len(head_items) + 1 - self.first))
+            length = self._length(last, len(head_items) + 1 - self.first)
             examples = [v.concrete() for v in head_items] + [appended.example] * rolled
             become_rolled(lst, RolledListV(joined, examples, length, self.loop.where))
 
+
+    def _length(self, last, more: int) -> Value:
+        """The length of a list the loop appended to: ``last`` (the last iteration's index)
+        plus ``more``; where the loop may stop early, a number the graph produces (``len`` of
+        the list: captured, as a ``.item()`` value is)."""
+        if self.exit is None:
+            return arithmetic(self.tracer, operator.add, last, ConstV(more))
+        node = self.graph.call_function(operator.add, (last, more))
+        node.meta["example"] = last.meta["example"] + more
+        return ScalarV(node, int(node.meta["example"]), read_after=node)
 
     def _hoisted(self, node: torch.fx.Node) -> dict:
         """The hoisted ops, once after the loop on the stacked per-iteration values they
