@@ -336,3 +336,18 @@ def test_a_item_value_that_changes_per_iteration_still_unrolls_and_says_why():
     report = check(_item_accumulated, _length_args, calls=8, grad=True)
     loop = report.graphs[0].loops[0]
     assert not loop.rolled and "`total` changes per iteration" in loop.why, report
+
+
+def _writes_only(x, n):
+    z = x.clone()
+    for t in range(n):
+        z[t] = z[t] * 2 + 1  # nothing carried: the loop's only effect is the write
+    z.add_(1)
+    return z
+
+
+def test_a_rolled_loop_that_only_writes_in_place_keeps_its_writes():
+    """Its node has no user, so dead-code elimination dropped it (the writes were lost: a
+    silent wrong answer, found by the symbolic-slice sweep); it is marked as writing now."""
+    report = check(_writes_only, lambda i: A(T(9), 2 + i % 5), calls=10, expect="graph")
+    assert report.stats.captures == 1 and report.graphs[0].loops[0].rolled, report

@@ -69,3 +69,15 @@ def test_slicing_a_python_list_or_string_still_takes_the_number():
     (guarded), one graph per size, as before."""
     report = check(python_list, _sized(3), calls=10, expect="graph")
     assert report.stats.captures >= 2, report
+
+
+def layout(x):
+    return x.t().is_contiguous(), x.t()[:2].is_same_size(x[:2])
+
+
+def test_layout_queries_of_a_dynamic_tensor_are_checked_not_baked_in():
+    """``x.t().is_contiguous()`` is True at sizes 0 and 1 of a dynamic dimension and False
+    otherwise: the graph checks the answer it assumed (it was baked in, unguarded); where it
+    differs, the call runs eagerly and the function's sizes become static."""
+    report = check(layout, lambda i: A(T([5, 6, 7, 8, 1, 9, 0, 4][i % 8], 12)), calls=12)
+    assert report.stats.assumption_failures >= 1, report

@@ -240,11 +240,9 @@ def test_ops_on_slices(fn, make):
     run(fn, make)
 
 
-@pytest.mark.xfail(strict=True, reason="is_contiguous() of a tensor with a dynamic size is the captured "
-                   "value, unguarded: x.t()[:n].is_contiguous() is True in eager at n == 0 (empty) but "
-                   "the graph captured at n == 8 answers False (same for x.t().is_contiguous() with x's "
-                   "first dimension dynamic at sizes 0 and 1: not specific to slices)")
 def test_contiguity_of_a_slice():
+    """``x.t()[:n].is_contiguous()`` is True in eager at ``n == 0`` (empty) and False at 8: the
+    graph checks the answer it assumed (``Tracer._assume_layout``; it was baked in, unguarded)."""
     run(contiguity_of_a_slice, sized(12, 12))
 
 
@@ -501,13 +499,8 @@ def loop_args(i, grad=False):
     return A(T(14, 3, requires_grad=grad), T(3, requires_grad=grad), loop_n(i))
 
 
-ONLY_WRITES = pytest.mark.xfail(strict=True, reason=(
-    "a rolled loop whose body only writes in place into a tensor made in the call (nothing "
-    "carried: z[t + 1:t + 2] = ..., z[t:t + 1] = 5; also z[t] = 5, z.add_(1): not specific to "
-    "slices, same before this change) loses the writes: the graph holds no loop (iteration 0 "
-    "only, or nothing), z comes back as before the loop"))
 LOOPS = [loop_window, loop_column, loop_prefix, loop_stride, loop_tail, loop_step_from_index,
-         pytest.param(loop_write, marks=ONLY_WRITES), pytest.param(loop_fill_slice, marks=ONLY_WRITES),
+         loop_write, loop_fill_slice,
          loop_write_carried, loop_write_argument, loop_window_returns_slices]
 
 
@@ -527,7 +520,7 @@ def test_loops_with_grad(fn):
     run(fn, _loop_make(fn, grad=True), grad=True, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fn", [loop_window, loop_prefix, pytest.param(loop_write, marks=ONLY_WRITES),
+@pytest.mark.parametrize("fn", [loop_window, loop_prefix, loop_write,
                                 loop_write_carried, loop_tail], ids=lambda f: getattr(f, "__name__", ""))
 def test_loops_exact_templates(fn):
     """Under templates='exact' the results are eager's bit for bit (no tolerance)."""

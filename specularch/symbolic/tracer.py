@@ -54,6 +54,9 @@ _PLAIN_OF_INPLACE = {getattr(__import__("operator"), "i" + name.rstrip("_")):
 # Tensor methods/functions that return Python values derived from metadata only (shape,
 # dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
 # scalar from a tensor reads its data.
+# metadata whose answer depends on the sizes of a tensor with dynamic sizes (``_assume_layout``)
+_LAYOUT_QUERIES = frozenset({"is_contiguous", "stride", "is_same_size", "storage_offset",
+                             "is_non_overlapping_and_dense"})
 METADATA_NAMES = {"_has_torch_function", "_has_torch_function_unary",
                   "_has_torch_function_variadic", "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous",
                   "is_floating_point", "is_complex", "element_size", "get_device",
@@ -377,6 +380,9 @@ class Tracer:
             raise Unsupported("data_dependent_value",
                               f"`{label}` turns tensor data into a Python {type(result).__name__}")
         if not holds_tensor(result) and dynamic and not check.wrote:
+            if label in _LAYOUT_QUERIES and any(isinstance(leaf, TensorV) and leaf.dynamic
+                                                for a in args for leaf in leaves(a)):
+                self._assume_layout(kind, target, args, kwargs, result)
             for a in [*args, *kwargs.values()]:
                 specialize_all(a)
             return self.wrap_python(result)
@@ -487,6 +493,19 @@ class Tracer:
         if isinstance(result, TensorV) and result.example is into.example:
             return written  # `y = x.add_(1)`: y is x
         return result
+
+    def _assume_layout(self, kind: str, target, args: list, kwargs: dict, result) -> None:
+        """``t.is_contiguous()``, ``t.stride()``, ``a.is_same_size(b)`` of a tensor with dynamic
+        sizes: the answer may differ at another size (a size of 0 or 1 makes a transposed
+        tensor contiguous), so the graph computes it and the entry checks it is the one
+        capture saw; where it is not, the function's sizes become static (as for a size
+        that steers Python: ``dispatch/fallback.py``)."""
+        node = self.graph.create_node(kind, target, tuple(fx_arg(a) for a in args),
+                                      {k: fx_arg(v) for k, v in kwargs.items()})
+        node.meta.update(example=result, where=self.where(), mutates=False, writes=frozenset())
+        check = self.graph.call_function(operator.eq, (node, result))
+        check.meta.update(example=True, where=self.where(), mutates=False, writes=frozenset())
+        self.assertions.append((check, True, self.where(), ("specialize", id(node))))
 
     def speculation_stopped(self, frame) -> bool:
         """Whether the branch the frame is at has gone both ways (no more speculation)."""

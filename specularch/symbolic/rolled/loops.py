@@ -530,6 +530,7 @@ class _Roll:
         node.meta["where"] = self.loop.where
         node.meta["draws_random"] = any(m.meta.get("draws_random") or _random(m)
                                         for m in body.graph.nodes)
+        _writes_like(node, [m for m in body.graph.nodes if m.meta.get("mutates")])
         self._rebind(node, outputs)
         if self.folded is not None:
             rolled_first.drop(self.graph, self.folded, self.tracer.assertions)
@@ -651,6 +652,17 @@ class _Roll:
             stacked[appended].meta["example"] = example.unsqueeze(0).expand(
                 self.loop.n.value - self.first, *example.shape)
         return stacked
+
+
+def _writes_like(node: torch.fx.Node, writers: list) -> None:
+    """``node`` (a rolled loop) writes in place what its body's ``writers`` write: kept by
+    dead-code elimination though nothing reads its results (``z[t] = 5`` in every
+    iteration of a loop that carries nothing), and ordered with the graph's other writes."""
+    if not writers:
+        return
+    written = [m.meta.get("writes") for m in writers]
+    node.meta["mutates"] = True
+    node.meta["writes"] = frozenset().union(*written) if all(written) else frozenset()
 
 
 def _size_of(node: torch.fx.Node, heads: dict) -> bool:
