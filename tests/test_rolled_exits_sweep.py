@@ -15,6 +15,7 @@ from torch import nn
 
 import specularch
 from differential import A, T, check, check_module, module_globals
+from test_rolled_exits import TeacherForced  # (fed the reference tokens, stops past a loss)
 
 TEMPLATES = pytest.mark.parametrize("templates", ["batched", "exact"])
 N = 5
@@ -1305,25 +1306,6 @@ def test_optimizer_step_after_the_loop(templates):
 def test_inplace_buffer():
     report = check_module(InplaceBuffer, args_n, calls=CALLS)
     not_rolled(report)  # an in-place write to a buffer in the body
-
-
-class TeacherForced(nn.Module):
-    """An LSTM decoder fed the reference tokens (their embeddings computed from the index
-    alone: the body's prelude), stopping at a predicted EOS; the loss over the steps run."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed, self.cell, self.out = nn.Embedding(4, 6), nn.LSTMCell(6, 6), nn.Linear(6, 4)
-
-    def forward(self, tokens, n, limit):
-        h = c = torch.zeros(1, 6)
-        loss = 0.0
-        for t in range(n):
-            h, c = self.cell(self.embed(tokens[t]), (h, c))
-            loss = loss + nn.functional.cross_entropy(self.out(h), tokens[t + 1])
-            if loss.item() > limit:
-                break
-        return loss
 
 
 class Greedy(nn.Module):
