@@ -261,3 +261,40 @@ def test_why_a_loop_stayed_unrolled_outlives_its_graph(fn, why):
     assert not report.graphs or all(not loop.rolled for loop in _loops(report)), report
     assert any(why in loop.why for loop in report.unrolled + _loops(report)), report
     assert "loops not rolled" in str(report) or report.graphs, report
+
+
+def from_one(x, h, n):
+    for t in range(1, n):
+        h = torch.tanh(h @ x)
+        if h.argmax().item() == EOS:
+            break
+    return h * t, t
+
+
+def stepped(x, h, n):
+    out = []
+    for t in range(2, 2 * n, 3):
+        h = torch.tanh(h @ x) + t
+        out.append(h)
+        if h.argmax().item() == EOS:
+            break
+    return torch.cat(out), t, len(out)
+
+
+def fixed_from_one(x, h):
+    for t in range(1, 9):
+        h = torch.tanh(h @ x)
+        if h.argmax().item() == EOS:
+            break
+    return h, t
+
+
+@pytest.mark.parametrize("templates", ["batched", "exact"])
+@pytest.mark.parametrize("fn, make", [(from_one, _args), (stepped, _args),
+                                      (fixed_from_one, lambda i: A(T(4, 4), T(1, 4)))])
+def test_a_range_with_a_start_or_a_step_that_may_stop_early_is_one_graph(fn, make, templates):
+    """The loop's variable after it is ``start + last * step`` of the last iteration run,
+    computed in the graph."""
+    with specularch.config.patch(templates=templates):
+        report = check(fn, make, calls=18)
+    _one_rolled_graph(report)

@@ -10,11 +10,11 @@ hold after it is that iteration's carried values. The loop's index after the loo
 number the graph produces (a ``.item()``-like value: returned, stored or computed on, it is
 captured; used where Python needs the number itself, it falls back).
 
-Such a loop is rolled even with a constant trip count (``range(max_len)``), since that is
-where it stops that varies. Lists it appends to hold the iterations it ran (``len`` of one
+Such a loop is rolled even with constant bounds (``range(max_len)``, ``range(1, max_len)``),
+since it is where it stops that varies. Lists it appends to hold the iterations it ran (``len`` of one
 is a number the graph produces, ``torch.stack`` of one takes them all). Refused (the loop
-unrolled, as before, and ``explain()`` says why): a loop over anything but a plain
-``range(n)``, or one reading items of a list it walks.
+unrolled, as before, and ``explain()`` says why): a loop over anything but ``range``, or
+one reading items of a list it walks.
 
 The bytecode shape (CPython 3.11, ``frames/`` checks the version) is, at the body's end::
 

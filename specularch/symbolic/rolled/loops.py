@@ -160,7 +160,7 @@ def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
         return None
     # a constant trip count: rolled only where the loop may stop early (exits.py)
     exits = rolled_exits.exit_jump(code, frame.ip + 1, frame.info.index_of[code[frame.ip + 1].argval])
-    if not any(isinstance(a, SymV) for a in args[:2]) and (exits is None or len(args) > 1):
+    if not any(isinstance(a, SymV) for a in args[:2]) and exits is None:
         return None
     step = args[2].concrete() if len(args) == 3 else 1  # a symbolic step: specialised
     if step == 0:
@@ -187,6 +187,8 @@ def _trip_count(tracer, start: Value, stop: Value, step: int) -> Value:
     (at most 0 when the range is empty; the rolled graph is guarded on ``n >= 1``)."""
     if isinstance(start, ConstV) and start.value == 0 and step == 1:
         return stop
+    if isinstance(start, ConstV) and isinstance(stop, ConstV):  # (a loop that may stop early)
+        return ConstV(len(range(start.value, stop.value, step)))
     if step < 0:
         start, stop, step = stop, start, -step
     span = arithmetic(tracer, operator.sub, stop, start)
@@ -247,7 +249,7 @@ class _Loop:
         self.count_from = getattr(it, "count_from", 0)  # ``enumerate(xs, start)``
         self.zipped = getattr(it, "zipped", ())         # ``zip(xs, ys)``: every list
         self.counter = None                           # the ``k`` of iteration 1
-        self.exit_at = None if self.items is not None or not self.plain() else \
+        self.exit_at = None if self.items is not None else \
             rolled_exits.exit_jump(frame.info.instructions, frame.ip - 1,
                                    frame.info.index_of[ins.argval])  # its ``break`` test
         self.form = rolled_lists.form(self.items.source, self.enumerated, self.count_from,
@@ -598,7 +600,7 @@ class _Roll:
             last = self.graph.call_function(operator.getitem, (
                 node, len(self.entries) + len(self.per_iteration) + 1))
             last.meta["example"] = torch.tensor(self.loop.n.value - 1)
-            index = ScalarV(last, self.loop.n.value - 1, read_after=last)
+            index = self._stopped_at(last)
         else:
             last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
             index = self.loop.last_index(last) if self.match.index_slots else None
@@ -623,6 +625,21 @@ class _Roll:
             examples = [v.concrete() for v in head_items] + [appended.example] * rolled
             become_rolled(lst, RolledListV(joined, examples, length, self.loop.where))
 
+
+    def _stopped_at(self, last: torch.fx.Node) -> ScalarV:
+        """The loop's variable after a loop that may stop early: ``start + last * step`` of the
+        last iteration run (``last``, a 0-d tensor the runner returns), computed in the graph."""
+        start, step, k = self.loop.start, self.loop.step, int(last.meta["example"])
+        node = last
+        if step != 1:
+            node = self.graph.call_function(operator.mul, (node, step))
+            node.meta["example"] = last.meta["example"] * step
+        if not (isinstance(start, ConstV) and start.value == 0):
+            example = node.meta["example"] + start.value
+            node = self.graph.call_function(operator.add, (node, start.node if isinstance(start, SymV)
+                                                           else start.value))
+            node.meta["example"] = example
+        return ScalarV(node, start.value + k * step, read_after=node)
 
     def _length(self, last, more: int) -> Value:
         """The length of a list the loop appended to: ``last`` (the last iteration's index)
