@@ -278,3 +278,20 @@ def test_a_test_inside_a_merged_side_is_merged_too():
                    calls=24)
     assert not [f for f in report.fallbacks if f.kind != "assumption_failed"], report
     assert report.graphs[-1].code.count("torch.where(") == 2, report
+
+
+def test_membership_in_a_set_holding_nan_is_not_speculated():
+    """A NaN member makes a set unequal to a copy holding another NaN: guarded on its
+    contents, such a set would capture again on every call; it is not speculated (``in``
+    on it falls back, eager's answer)."""
+    from specularch.guards.sources import GlobalSource
+    from specularch.symbolic.speculation import item_args
+    from specularch.symbolic.values import ObjV
+
+    class Tracer:
+        def add_guard(self, *args):
+            added.append(args)
+    added = []
+    assert item_args.members(Tracer(), ObjV({3, 7}, GlobalSource("S"))).value in ((3, 7), (7, 3))
+    assert item_args.members(Tracer(), ObjV({3, float("nan")}, GlobalSource("S"))) is None
+    assert len(added) == 1

@@ -161,8 +161,8 @@ def members(tracer, container: Value) -> ConstV | None:
     answer it alike); None otherwise."""
     obj = getattr(container, "obj", None)
     if isinstance(container, ObjV) and type(obj) in (set, frozenset) and container.source is not None:
-        if not obj or not _plain(tuple(obj)):
-            return None
+        if not obj or not _plain(tuple(obj)) or any(v != v for v in obj):
+            return None  # (a NaN member: the set never equals itself, its guard would always fail)
         tracer.add_guard(ValueGuard, container.source, type(obj)(obj))
         return ConstV(tuple(obj))
     if isinstance(container, ConstV):
