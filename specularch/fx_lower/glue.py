@@ -175,6 +175,35 @@ def _not_twice(why: str) -> RuntimeError:
                         f"create_graph=True")
 
 
+class _Pinned(torch.autograd.Function):
+    """Gradients from the replay (``Glued._replayed``) made to hold the outputs the program
+    has that eager's backward reads (``tanh``'s result): eager's gradients-with-history read
+    them again in the next backward, so an in-place change of one in between raises there;
+    the replay's history reads its own fresh copies, and this node's backward unpacks the
+    program's, which raises as eager does."""
+
+    @staticmethod
+    def forward(ctx, count: int, *tensors):
+        ctx.save_for_backward(*tensors[count:])
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.saved_tensors  # (the version check)
+        return (None, *grads, *[None] * len(ctx.saved_tensors))
+
+    @staticmethod
+    def pin(gradients: list, outputs: list) -> list:
+        pinned = [i for i, g in enumerate(gradients) if g is not None and g.requires_grad]
+        if not outputs or not pinned:
+            return gradients
+        held = _Pinned.apply(len(pinned), *[gradients[i] for i in pinned], *outputs)
+        gradients = list(gradients)
+        for i, g in zip(pinned, held):
+            gradients[i] = g
+        return gradients
+
+
 class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, glued: Glued, given: tuple, *args):
@@ -196,8 +225,9 @@ class _Node(torch.autograd.Function):
     def backward(ctx, *grads):
         glued = ctx.glued
         if torch.is_grad_enabled():  # create_graph=True: gradients with history
-            ctx.saved_tensors  # (what eager saved changed in place since: raises, as eager does)
-            got = glued._replayed(ctx, grads)
+            saved = ctx.saved_tensors  # (changed in place since: raises, as eager does)
+            got = _Pinned.pin(glued._replayed(ctx, grads),
+                              [saved[k] for k, _ in glued.saved_outputs])
         else:
             got = glued.backward(*ctx.saved_tensors, *glued.tangents(grads))
         out = [None] * (2 + glued.inputs)  # (none for glued, given)
