@@ -81,3 +81,18 @@ def test_layout_queries_of_a_dynamic_tensor_are_checked_not_baked_in():
     differs, the call runs eagerly and the function's sizes become static."""
     report = check(layout, lambda i: A(T([5, 6, 7, 8, 1, 9, 0, 4][i % 8], 12)), calls=12)
     assert report.stats.assumption_failures >= 1, report
+
+
+def masked(x):
+    k = x[x > 0]
+    return x.new_zeros(len(k)), k.shape, torch.nonzero(x > 0).shape[0], x[:len(k)] * 2
+
+
+def test_sizes_made_from_data_are_read_when_the_graph_runs():
+    """``x[x > 0]``, ``nonzero``: their sizes come from the data, and were read as the
+    capture's constants where the inputs' sizes are static (a silent wrong answer, found by
+    the dynamic-metadata sweep); they are dynamic sizes now (``tracer._data_shaped``)."""
+    signs = [[1, 1, 1, -1], [1, -1, 1, -1], [-1, -1, -1, 1], [1, 1, 1, 1], [-1] * 4]
+    report = check(masked, lambda i: A(torch.tensor(signs[i % 5], dtype=torch.float) * (i + 1)),
+                   calls=10, expect="graph")
+    assert report.stats.captures == 1, report

@@ -54,6 +54,26 @@ _PLAIN_OF_INPLACE = {getattr(__import__("operator"), "i" + name.rstrip("_")):
 # Tensor methods/functions that return Python values derived from metadata only (shape,
 # dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
 # scalar from a tensor reads its data.
+# ops whose results' sizes are made from the values of their inputs (``_data_shaped``)
+_DATA_SHAPED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
+                          "_unique", "_unique2", "bincount", "repeat_interleave"})
+
+
+def _data_shaped(target, label: str, args: list, kwargs: dict) -> bool:
+    """Whether an op's results have sizes made from tensor data (``x[mask]``, ``nonzero``,
+    ``unique``, one-argument ``torch.where``): they are sizes to read when the graph runs,
+    as a dynamic input's are, never the capture's values."""
+    if label in _DATA_SHAPED:
+        return label != "repeat_interleave" or any(isinstance(a, TensorV) for a in args[1:2]) \
+            or isinstance(kwargs.get("repeats"), TensorV) or len(args) == 1
+    if label == "where":
+        return len(args) + len(kwargs) == 1
+    if target is operator.getitem and len(args) == 2:
+        return any(isinstance(leaf, TensorV) and leaf.example.dtype in (torch.bool, torch.uint8)
+                   for leaf in leaves(args[1]))
+    return False
+
+
 # metadata whose answer depends on the sizes of a tensor with dynamic sizes (``_assume_layout``)
 _LAYOUT_QUERIES = frozenset({"is_contiguous", "stride", "is_same_size", "storage_offset",
                              "is_non_overlapping_and_dense"})
@@ -369,6 +389,8 @@ class Tracer:
         if dynamic and target in _VALUE_FACTORIES and not any(
                 isinstance(leaf, TensorV) and leaf.dynamic for a in args for leaf in leaves(a)):
             dynamic = False  # `torch.tensor([n])`: symbolic numbers are values, not sizes
+        if not dynamic and holds_tensor(result) and _data_shaped(target, label, args, kwargs):
+            dynamic = True  # `x[x > 0]`, `nonzero`: sizes made from data, read when it runs
         if not holds_tensor(result) and dynamic and label in ("size", "numel", "nelement", "__len__"):
             return self._symbolic_metadata(label, args)
         # a Python value a kernel computed (`torch.equal(a, b)`): no guard can keep it.
