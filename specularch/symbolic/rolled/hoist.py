@@ -88,11 +88,13 @@ def plan(body_nodes: list, index_node, needed: list, appended: list, carried_hea
 
 def body_writes(nodes) -> torch.fx.Node | None:
     """The first of a body's ``nodes`` that may write into a tensor (``op_kinds.
-    writes_in_place``; an inner rolled loop whose body does): moving work before or after
-    the loop would move it across that write."""
+    writes_in_place``; one capture saw write, ``meta["mutates"]``: ``h.__setitem__(0, v)``,
+    ``h.__imul__(2)``, ``aten.mul_``, whose names do not say so; an inner rolled loop whose
+    body does): moving work before or after the loop would move it across that write."""
     for node in nodes:
         inner = getattr(node.target, "body", None)
-        if writes_in_place(node) or isinstance(inner, torch.fx.GraphModule) \
+        if writes_in_place(node) or node.meta.get("mutates") \
+                or isinstance(inner, torch.fx.GraphModule) \
                 and body_writes(inner.graph.nodes) is not None:
             return node
     return None
