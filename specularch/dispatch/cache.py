@@ -31,9 +31,12 @@ def dispatch(target, slots: tuple, cells: tuple | None) -> Any:
     resolve = _PER_INSTANCE.get(target.key)
     if resolve is not None:
         state = resolve(slots[0]) if slots else None
-        if state is not None:
+        if state is not None and state.target is target:
             return start(state, slots, cells)
-        if not FRAME_HOOK.auto_targeting():  # another instance of an optimized module's class
+        # another instance of an optimized module's class, or an optimized instance of a
+        # subclass whose forward calls this one (``super().forward(x)``): its cache is for
+        # its own forward, not this code
+        if not FRAME_HOOK.auto_targeting():
             return EagerRun(None, target, cells)
     handler = _PER_CALL_SITE.get(target.key)
     if handler is not None:
