@@ -12,12 +12,13 @@ loop rolls the case also asserts it (a regression guard); elsewhere only that th
 match (unrolling or falling back to eager is fine, a wrong answer or an internal error is
 not). The same cases run again with a compiled body (``backend="torchscript"``).
 
-Strict xfails (wrong answers it found): a compiled rolled body drops in-place writes whose
-result nothing reads (``CompiledBody._split``; also reached by the default tiered backend once
-a graph is promoted); hoisting / the prelude move work across writes not known by their name
-(``h.__setitem__``, ``h.__imul__``, ``torch.ops.aten.mul_.Tensor``); ``z.stride()`` /
-``z.is_contiguous()`` after a loop that ``z.t_()``s are the capturing call's; and, on the way,
-a subclass's forward calling its (already optimized) base's forward."""
+Wrong answers it found, all fixed (the cases are their tests now): a compiled rolled body
+dropped in-place writes whose result nothing read (``CompiledBody._split``; also reached by
+the default tiered backend once a graph was promoted); hoisting / the prelude moved work
+across writes not known by their name (``h.__setitem__``, ``h.__imul__``,
+``torch.ops.aten.mul_.Tensor``); ``z.stride()`` / ``z.is_contiguous()`` after a loop that
+``z.t_()``s were the capturing call's; and, on the way, a subclass's forward calling its
+(already optimized) base's forward (``tests/test_api.py``)."""
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -847,14 +848,9 @@ def xwn_rows(i):
 
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-LAYOUT = ("a tensor's layout after a rolled loop that transposes it in place (`z.t_()` in the body) "
-          "is the capturing call's: `z.stride()` / `z.is_contiguous()` after the loop are baked in "
-          "from the trip count it captured at (2: even) and wrong for odd trip counts (the "
-          "tensor's values and strides themselves are right)")
-# Writes the body's rewrites did not know by name (`h.__setitem__(...)`, `h.__imul__(2)`,
-# `torch.ops.aten.mul_.Tensor(h, ...)`): hoist.py moved the appended `h @ w` after the loop and
-# fast.py's prelude computed `z[t] * 2 + 1` before it, across the writes (a wrong answer);
-# `hoist.body_writes` reads capture's `meta["mutates"]` now.
+# A tensor transposed in place in a rolled body (`z.t_()`) had the capturing call's layout
+# after the loop (`z.stride()`, `z.is_contiguous()` baked in from its trip count): bodies that
+# change a tensor's layout in place are not rolled now (loops._LAYOUT_WRITES).
 
 
 @dataclass
@@ -905,7 +901,7 @@ CASES = {
     "write_result_carried": Case(write_result_carried, xn),
     "write_into_carried": Case(write_into_carried, xn),
     "carried_written_after_read": Case(carried_written_after_read, xn),
-    "square_transpose_": Case(square_transpose_, xn, xfail=LAYOUT),
+    "square_transpose_": Case(square_transpose_, xn),
     # made in the body, nested
     "made_in_body": Case(made_in_body, xn),
     "nested_fixed_inner": Case(nested_fixed_inner, xn),
@@ -958,7 +954,7 @@ CASES = {
     "dropout_in_place": Case(dropout_in_place, xn),
     "relu_inplace_carried": Case(relu_inplace_carried, xn),
     "version_after_writes": Case(version_after_writes, xn),
-    "transposed_is_contiguous": Case(transposed_is_contiguous, xn, xfail=LAYOUT),
+    "transposed_is_contiguous": Case(transposed_is_contiguous, xn),
     # writes the body's rewrites must see
     "hoist_across_dunder_setitem": Case(hoist_across_dunder_setitem, seqw, tol=TOL),
     "hoist_across_dunder_setitem_exact": Case(hoist_across_dunder_setitem, seqw, templates="exact"),

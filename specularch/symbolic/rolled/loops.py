@@ -451,6 +451,11 @@ class _Roll:
         self.before_loop, self.before_body = before_loop, before_body
         self.index_node = index_node
         self.checks = checks  # (predicate node, expected, where, site) assumed in iteration 1
+        for node in self.body_nodes:
+            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+            if name in _LAYOUT_WRITES:  # (what capture knows of the tensor after the loop
+                loop.refuse(f"its body changes a tensor's shape or strides in place "  # would
+                            f"(`{name}`)")  # be one trip count's)
         if any(pred not in self.in_body for pred, _, _, _ in checks):
             loop.refuse("its body makes an assumption about a value from before the loop")
         self.entries = list(match.carried.values())
@@ -669,6 +674,12 @@ class _Roll:
             stacked[appended].meta["example"] = example.unsqueeze(0).expand(
                 self.loop.n.value - self.first, *example.shape)
         return stacked
+
+
+# in-place ops that change a tensor's sizes, strides or what it views: after a rolled loop its
+# layout depends on the trip count (``z.t_()`` in the body), which capture's example cannot say
+_LAYOUT_WRITES = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_",
+                            "unsqueeze_", "resize_", "resize_as_", "as_strided_", "set_"})
 
 
 def _writes_like(node: torch.fx.Node, writers: list) -> None:
