@@ -101,6 +101,10 @@ def _sequence_op(tracer, op, a, b) -> Value:
             return ListV(a.items + list(b_items))
         return TupleV(a.items + list(b_items))
     if op in (operator.mul, operator.imul) and isinstance(b, ConstV) and isinstance(b.value, int):
+        if op is operator.imul and isinstance(a, ListV):  # ``lst *= 2``: the list itself, as eager
+            ensure_local(tracer, a, "*=")
+            a.items[:] = a.items * b.value
+            return a
         items = a.items * b.value
         return ListV(items) if isinstance(a, ListV) else TupleV(items)
     raise Unsupported("unsupported_call", f"operator {op.__name__} on {kind(a)} and {kind(b)}")
