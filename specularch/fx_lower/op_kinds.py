@@ -33,6 +33,13 @@ _OPERATOR_WRITES = frozenset({
 })
 
 
+def wrote_an_input(node) -> bool:
+    """Whether capture saw the op write into a tensor that existed before it
+    (``meta["writes_input"]``: not a composite op's own temporaries, as ``lstm_cell``'s
+    decomposition writes; an inner rolled loop: what its body's ops wrote)."""
+    return bool(node.meta.get("writes_input"))
+
+
 def writes_in_place(node) -> bool:
     """Whether an FX node may write into a tensor that exists before it runs: an in-place
     op (``add_``, ``h += x``, ``x[i] = v``), ``out=``, ``inplace=True``, ``embedding``'s

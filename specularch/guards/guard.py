@@ -484,7 +484,7 @@ class GlobalStateGuard(Guard):
     factory functions such as ``torch.zeros``)."""
 
     grad_enabled: bool = True
-    autocast: tuple = (False, False)
+    autocast: tuple = (False, False, None, None)  # (cpu, cuda) enabled, then their dtypes
     default_dtype: Any = None
     inference_mode: bool = False
 
@@ -504,7 +504,7 @@ class GlobalStateGuard(Guard):
         """Grad mode, autocast and the default dtype: what torch's C++ global-state check
         covers too (codegen.py), unlike inference mode."""
         return [f"{const_name(consts, torch.is_grad_enabled)}() is {self.grad_enabled}",
-                f"{const_name(consts, _autocast)}() == {self.autocast!r}",
+                f"{const_name(consts, _autocast)}() == {const_name(consts, self.autocast)}",
                 f"{const_name(consts, torch.get_default_dtype)}() is {const_name(consts, self.default_dtype)}"]
 
     def inference_condition(self, consts) -> str:
@@ -529,4 +529,8 @@ class GlobalStateGuard(Guard):
 
 
 def _autocast() -> tuple:
-    return (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+    """Whether autocast is on for CPU and CUDA, and the dtype of each that is (a compiled
+    graph casts to the dtype it was traced with: bfloat16 and float16 are two graphs)."""
+    cpu, cuda = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+    return (cpu, cuda, torch.get_autocast_dtype("cpu") if cpu else None,
+            torch.get_autocast_dtype("cuda") if cuda else None)

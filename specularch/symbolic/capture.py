@@ -364,9 +364,17 @@ def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
     whether it raises: the handler runs eagerly if it does, see exceptions.py)."""
     for node in reversed(list(graph.nodes)):
         if node.op in ("placeholder", "output") or node.users or node.meta.get("mutates") \
-                or is_random_node(node) or node.meta.get("in_try"):
+                or is_random_node(node) or node.meta.get("in_try") or _in_place_by_name(node):
             continue
         graph.erase_node(node)
+
+
+def _in_place_by_name(node: torch.fx.Node) -> bool:
+    """``b.detach_()``, ``b.t_()``: in place by their names though the mutation check saw no
+    data written (what they change is the tensor's metadata); their results go unused."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name.endswith("_") \
+        and not name.endswith("__")
 
 
 def _drop_unused_inputs(graph: torch.fx.Graph, sources: list[Source]) -> list[Source]:

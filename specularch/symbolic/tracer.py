@@ -24,7 +24,7 @@ from ..guards import (AliasGuard, AttrSource, DictKeysGuard, ExprGuard, GlobalSt
 from ..guards.sources import Source, plain_key
 from ..records import Unsupported
 from ..shadow_heap import ShadowHeap
-from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck
+from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck, storage_key
 from . import budget
 from .speculation import item_args, view_writes
 from .speculation import exit_tests
@@ -54,6 +54,12 @@ _PLAIN_OF_INPLACE = {getattr(__import__("operator"), "i" + name.rstrip("_")):
 # Tensor methods/functions that return Python values derived from metadata only (shape,
 # dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
 # scalar from a tensor reads its data.
+# in-place ops that change a tensor's metadata (not its data: the mutation check sees no
+# write): run on a tensor of the caller's during capture they would change it there
+_LAYOUT_IN_PLACE = frozenset({"detach_", "t_", "transpose_", "swapdims_", "swapaxes_",
+                              "squeeze_", "unsqueeze_", "resize_", "resize_as_", "as_strided_",
+                              "set_"})
+
 # ops whose results' sizes are made from the values of their inputs (``_data_shaped``)
 _DATA_SHAPED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
                           "_unique", "_unique2", "bincount", "repeat_interleave"})
@@ -372,6 +378,10 @@ class Tracer:
             fn = (lambda *a, **k: getattr(a[0], target)(*a[1:], **k)) if kind == "call_method" else target
         has_tensor_input = any(contains_tensor(a) for a in args) or any(
             contains_tensor(v) for v in kwargs.values())
+        if label in _LAYOUT_IN_PLACE and args and isinstance(args[0], TensorV) \
+                and args[0].source is not None:  # (it would change the caller's tensor now)
+            raise Unsupported("input_mutation", f"`{label}` changes in place what a tensor that "
+                              f"existed before the call is (its requires_grad, sizes or strides)")
         check = MutationCheck(self.fresh)
         try:
             with check:
@@ -419,6 +429,10 @@ class Tracer:
         node.meta["where"] = self.where()
         node.meta["mutates"] = check.wrote
         node.meta["writes"] = frozenset(check.written)  # storages; none recorded: any argument
+        # (what it wrote that existed before it: not a composite op's own temporaries)
+        node.meta["writes_input"] = check.wrote and (not check.written or bool(check.written & {
+            storage_key(leaf.example) for a in [*args, *kwargs.values()] for leaf in leaves(a)
+            if isinstance(leaf, TensorV)}))
         if not holds_tensor(result):
             return self.wrap_python(result)
         out = self.wrap_output(node, result)

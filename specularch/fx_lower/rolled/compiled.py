@@ -26,7 +26,7 @@ import torch.fx
 
 from . import cells as rolled_cells
 from .._torch_background import background_tracing, compile_later, compiling_in_background
-from ..op_kinds import writes_in_place
+from ..op_kinds import writes_in_place, wrote_an_input
 from ..randomness import is_identity_dropout, is_random_node
 
 _INDEX_OPS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
@@ -130,7 +130,7 @@ class CompiledBody:
         for n in graph.nodes:
             if is_random_node(n) and not is_identity_dropout(n):
                 return f"it draws random numbers (`{n.name}`)"
-            if n.meta.get("mutates") or writes_in_place(n):  # (the compiled part keeps what
+            if wrote_an_input(n) or writes_in_place(n):  # (the compiled part keeps what
                 return f"it writes in place (`{n.name}`)"  # its results need, no write)
         checks = [r for r in results if isinstance(r, torch.fx.Node)
                   and not isinstance(r.meta.get("example"), torch.Tensor)]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ...fx_lower.randomness import is_random_node
 from ...fx_lower.op_kinds import ELEMENTWISE_FUNCTIONS as _ELEMENTWISE
 from ...fx_lower.op_kinds import ELEMENTWISE_METHODS as _ELEMENTWISE_METHODS
-from ...fx_lower.op_kinds import writes_in_place
+from ...fx_lower.op_kinds import writes_in_place, wrote_an_input
 
 # op name -> (position of its dim argument, whether the dim counts in the result's rank)
 _ON_DIM = {"cat": (1, False), "stack": (1, True), "chunk": (2, False), "split": (2, False),
@@ -88,12 +88,13 @@ def plan(body_nodes: list, index_node, needed: list, appended: list, carried_hea
 
 def body_writes(nodes) -> torch.fx.Node | None:
     """The first of a body's ``nodes`` that may write into a tensor (``op_kinds.
-    writes_in_place``; one capture saw write, ``meta["mutates"]``: ``h.__setitem__(0, v)``,
-    ``h.__imul__(2)``, ``aten.mul_``, whose names do not say so; an inner rolled loop whose
-    body does): moving work before or after the loop would move it across that write."""
+    writes_in_place``; one capture saw write into its inputs, ``op_kinds.wrote_an_input``:
+    ``h.__setitem__(0, v)``, ``h.__imul__(2)``, ``aten.mul_``, whose names do not say so; an
+    inner rolled loop whose body does): moving work before or after the loop would move it
+    across that write."""
     for node in nodes:
         inner = getattr(node.target, "body", None)
-        if writes_in_place(node) or node.meta.get("mutates") \
+        if writes_in_place(node) or wrote_an_input(node) \
                 or isinstance(inner, torch.fx.GraphModule) \
                 and body_writes(inner.graph.nodes) is not None:
             return node

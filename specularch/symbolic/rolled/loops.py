@@ -537,7 +537,7 @@ class _Roll:
         node.meta["where"] = self.loop.where
         node.meta["draws_random"] = any(m.meta.get("draws_random") or _random(m)
                                         for m in body.graph.nodes)
-        _writes_like(node, [m for m in body.graph.nodes if m.meta.get("mutates")])
+        _writes_like(node, [m for m in body.graph.nodes if m.meta.get("writes_input")])
         self._rebind(node, outputs)
         if self.folded is not None:
             rolled_first.drop(self.graph, self.folded, self.tracer.assertions)
@@ -689,7 +689,7 @@ def _writes_like(node: torch.fx.Node, writers: list) -> None:
     if not writers:
         return
     written = [m.meta.get("writes") for m in writers]
-    node.meta["mutates"] = True
+    node.meta["mutates"] = node.meta["writes_input"] = True
     node.meta["writes"] = frozenset().union(*written) if all(written) else frozenset()
 
 
