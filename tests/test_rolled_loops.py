@@ -351,3 +351,19 @@ def test_a_rolled_loop_that_only_writes_in_place_keeps_its_writes():
     silent wrong answer, found by the symbolic-slice sweep); it is marked as writing now."""
     report = check(_writes_only, lambda i: A(T(9), 2 + i % 5), calls=10, expect="graph")
     assert report.stats.captures == 1 and report.graphs[0].loops[0].rolled, report
+
+
+def _logs(x, log, n):
+    h = x
+    for t in range(n):
+        h = torch.tanh(h)
+        log.append(h.sum())
+    return h
+
+
+def test_a_loop_appending_to_a_list_from_outside_stays_unrolled_and_says_why():
+    """The list's new items are committed to it one by one: the loop is unrolled (before,
+    the rolled capture failed with an internal ``MalformedRebuild`` message)."""
+    report = check(_logs, lambda i: A(T(3), [], 3 + i % 4), calls=8)
+    assert any("appends to L['log'], a list that existed before the call" in loop.why
+               for g in report.graphs for loop in g.loops), report

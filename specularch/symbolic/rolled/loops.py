@@ -458,6 +458,10 @@ class _Roll:
                             f"(`{name}`)")  # be one trip count's)
         if any(pred not in self.in_body for pred, _, _, _ in checks):
             loop.refuse("its body makes an assumption about a value from before the loop")
+        for lst, _, _ in match.appends:
+            if getattr(lst, "source", None) is not None:  # (its commit writes items one by one)
+                loop.refuse(f"its body appends to {lst.source}, a list that existed before the "
+                            "call (its new items are committed to it one by one)")
         self.entries = list(match.carried.values())
         self.heads = {h.node: k for k, (h, _, _) in enumerate(self.entries)}
         if len(self.heads) != len(self.entries):
