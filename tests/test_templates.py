@@ -452,3 +452,30 @@ def test_a_structure_too_deep_for_eager_raises_recursion_error_as_eager(recursio
         with pytest.raises(RecursionError):
             model(deep)
         torch.testing.assert_close(model(_chain(30)), _seeded(Chain)(_chain(30)))
+
+
+class _Valued:
+    def __init__(self, x, value, left=None, right=None):
+        self.x, self.value, self.left, self.right = x, value, left, right
+
+
+def _scaled_leaves(node):
+    if node.left is None:
+        if node.value < 0.0:  # a node's number steers Python: checked per node
+            return node.x * 10
+        return node.x * node.value
+    return _scaled_leaves(node.left) + _scaled_leaves(node.right)
+
+
+@pytest.mark.parametrize("templates", ["batched", "exact"])
+def test_a_branch_on_a_node_number_is_checked_for_every_node(templates):
+    """A template path made the node's numbers inputs, and a branch on one was guarded once
+    per call, not per node: every leaf took the branch of the leaf it was captured on (a
+    silent wrong answer, found by the recursion sweep). Numbers that steer Python stay the
+    path's constants, guarded per node; others stay inputs."""
+    leaf = lambda v: _Valued(torch.ones(1, 3), v)  # noqa: E731
+    fast = specularch.optimize(_scaled_leaves)
+    with specularch.config.patch(profile_calls=0, templates=templates):
+        for values in [(1.0, 2.0), (1.0, -2.0), (-3.0, 0.5), (2.0, 4.0)]:
+            tree = _Valued(torch.ones(1, 3), 0.0, leaf(values[0]), leaf(values[1]))
+            assert torch.equal(fast(tree), _scaled_leaves(tree)), values

@@ -19,7 +19,7 @@ import torch.fx
 
 from ..config import config
 from ..fx_lower.randomness import is_random_node
-from ..guards import GuardSet, ValueGuard
+from ..guards import ExprGuard, GuardSet, ValueGuard
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
 from ..symbolic.assumptions import Assumptions
@@ -137,16 +137,35 @@ class TemplateCapture:
 
 
 def capture_path(family, real_locals: list) -> Path:
-    """One path of ``family`` for the node in ``real_locals`` (its structure parameters)."""
+    """One path of ``family`` for the node in ``real_locals`` (its structure parameters).
+
+    The node's numbers are captured again as inputs (one path for every value), except those
+    that steer Python (``if node.value < 0``, ``range(node.count)``): a guard on one of those
+    is an expression of the node, which the path must check per node, so it stays a constant
+    the path is guarded on (a ``ValueGuard`` of the node's: structural)."""
     symbolic: set = set()
-    for _ in range(2):  # a second time with the node's numbers as inputs, not constants
+    steering: set = set()
+    for _ in range(3):
         tracer, result, tpl = _run(family, real_locals, symbolic)
+        steered = {s for s in symbolic if _steers(s, tracer.guards)}
+        if steered:  # capture again with those constants
+            symbolic -= steered
+            steering |= steered
+            continue
         numbers = {g.source for g in tracer.guards if isinstance(g, ValueGuard)
                    and type(g.expected) in (int, float) and _is_structural(family, g.source)}
-        if not numbers - symbolic:
+        if not numbers - symbolic - steering:
             break
-        symbolic |= numbers
+        symbolic |= numbers - steering
     return _finish(family, tracer, result, tpl)
+
+
+def _steers(source: Source, guards) -> bool:
+    """Whether a guard that names no source (a symbolic number's comparison, ``ExprGuard``)
+    is an expression of ``source``: checked once per call, not per node, it would hold the
+    first node's answer for every node."""
+    expr = source.expr()
+    return any(isinstance(g, ExprGuard) and g.source is None and expr in g.expr for g in guards)
 
 
 def _run(family, real_locals: list, symbolic: set):
