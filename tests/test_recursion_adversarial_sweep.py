@@ -974,13 +974,13 @@ TRAIN = {
         TreeRNN, lambda i: binary(_rng(65, i), (1, 0, 0, 1)[i % 4], p_leaf=0.0), 0.0),
 }
 
-_GRAD_NONE = ("a training step whose graph was captured on a lone leaf (a parameter's .grad None) "
-              "runs a later tree's inner path through the template without giving that parameter "
-              "a gradient or an SGD update: silently wrong parameters")
-TRAIN_XFAIL = {("BinaryTreeLSTM", "batched"): _GRAD_NONE, ("BinaryTreeLSTM", "exact"): _GRAD_NONE,
-               ("NaryTreeLSTM", "exact"): _GRAD_NONE,
-               ("TreeRNN_tree_leaf_leaf_tree", "batched"): _GRAD_NONE,
-               ("TreeRNN_tree_leaf_leaf_tree", "exact"): _GRAD_NONE}
+# A training step whose graph was captured on a lone leaf ran a later tree's inner path through
+# the template without giving the inner parameters a gradient or an update (found by this
+# sweep). A graph that differentiates now runs only the paths its capture ran
+# (templates/merge.paths_for_gradients); another path is a template miss (one eager call).
+_STILL_WRONG = ("BinaryTreeLSTM with SGD momentum 0.9, new binary trees of depth 0-2: a parameter "
+                "(leaf.weight) differs from eager's at step 4 after the paths fix; not found yet")
+TRAIN_XFAIL = {("BinaryTreeLSTM", "batched"): _STILL_WRONG, ("BinaryTreeLSTM", "exact"): _STILL_WRONG}
 
 
 def _train_params():

@@ -15,7 +15,12 @@ equal to eager within float rounding).
 
 from ..symbolic import hooks as _hooks
 from .callsite import recursive_call as _recursive_call
-from .merge import merge_family_calls as _merge_family_calls
+from .merge import merge_family_calls as _merge_family_calls, paths_for_gradients as _for_gradients
 
-_hooks.install(on_recursion=_recursive_call,
-               on_graph=lambda tracer: _merge_family_calls(tracer.graph))
+
+def _after_graph(tracer) -> None:
+    _merge_family_calls(tracer.graph)
+    _for_gradients(tracer.graph)
+
+
+_hooks.install(on_recursion=_recursive_call, on_graph=_after_graph)

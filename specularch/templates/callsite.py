@@ -86,6 +86,7 @@ def _family_call(tracer, code, globals_: dict, bound: dict[str, Value]) -> Value
     node.meta["mutates"] = False
     node.meta["writes"] = frozenset()
     node.meta["template_family"] = family
+    node.meta["template_paths"] = family.example_paths
     tracer.template_calls.append(family)
     return tracer.wrap_output(node, example)
 

@@ -180,25 +180,33 @@ class Family:
         paths the structure needs)."""
         enabled = self.enabled_paths(L)
         plan = self.plan([L], enabled, capture=True)
+        self.example_paths = frozenset(id(p) for p in plan.paths)  # (callsite: ``only``)
         return self.run_exact(plan, self.ctx_values(L, enabled))[0]
 
-    def run(self, structs: tuple, ctx_objects: tuple, ctx: tuple):
+    def run(self, structs: tuple, ctx_objects: tuple, ctx: tuple, only: frozenset | None = None):
         """The graph node: the value of the call on a new structure (``structs``: the
         structure arguments; ``ctx_objects``: the others; ``ctx``: the context tensors the
-        graph read, in ``ctx_sources`` order)."""
-        return self.run_many((structs,), ctx_objects, ctx)[0]
+        graph read, in ``ctx_sources`` order; ``only``: see ``run_many``)."""
+        return self.run_many((structs,), ctx_objects, ctx, only)[0]
 
-    def run_many(self, structs_per_call: tuple, ctx_objects: tuple, ctx: tuple) -> tuple:
+    def run_many(self, structs_per_call: tuple, ctx_objects: tuple, ctx: tuple,
+                 only: frozenset | None = None) -> tuple:
         """Several independent calls of the family with one context (the trees of a batch:
-        ``templates/merge.py``) as one walk: their instances share the wavefront's levels."""
+        ``templates/merge.py``) as one walk: their instances share the wavefront's levels.
+        ``only``: the paths the graph's capture ran (ids), where the graph also differentiates
+        (``loss.backward()``: its gradient node covers the tensors those paths read, and its
+        optimizer step the parameters that got a gradient): another path is a miss."""
         roots = [self.locals_for(structs, ctx_objects) for structs in structs_per_call]
         enabled = self.enabled_paths(roots[0])
         try:  # a new path is captured here (pure: symbolic execution, template graphs)
-            plan = self.plan(roots, enabled, capture=self.closed is None)
+            plan = self.plan(roots, enabled, capture=self.closed is None and only is None)
         except Unsupported as e:
             self.closed = e.explanation
             raise TemplateMiss(f"a node of {self.name} takes a path that cannot be a template: "
                                f"{e.explanation}") from None
+        if only is not None and any(id(p) not in only for p in plan.paths):
+            raise TemplateMiss(f"a node of {self.name} takes a path the graph's capture did not "
+                               "run, and the graph differentiates: its gradients would be missing")
         self.stats["calls"] += len(roots)
         self.stats["instances"] += len(plan.paths)
         exact = any(p.random for p in plan.paths) or config.templates == "exact"

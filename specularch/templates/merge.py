@@ -14,6 +14,20 @@ import torch.fx
 from ..fx_lower.randomness import is_random_node
 
 
+def paths_for_gradients(graph: torch.fx.Graph) -> None:
+    """In a graph that differentiates (``loss.backward()`` is one ``torch.autograd.grad``
+    node over the tensors the capture's paths read), each family call may run only the paths
+    its capture ran (``Family.run_many``'s ``only``): a path it did not would read parameters
+    whose gradient the graph does not compute, and the optimizer step after it would leave
+    them (a step captured on a lone leaf, then a tree: the inner parameters kept still)."""
+    if not any(n.op == "call_function" and n.target is torch.autograd.grad for n in graph.nodes):
+        return
+    for node in graph.nodes:
+        if node.meta.get("template_family") is not None and node.op == "call_function" \
+                and "template_paths" in node.meta:
+            node.kwargs = {**node.kwargs, "only": node.meta["template_paths"]}
+
+
 def merge_family_calls(graph: torch.fx.Graph) -> None:
     groups: dict = {}
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -29,6 +43,8 @@ def merge_family_calls(graph: torch.fx.Graph) -> None:
             merged = graph.call_function(family.run_many,
                                          (tuple(c.args[0] for c in calls), ctx_objects, tensors))
             merged.meta.update(first.meta)
+            merged.meta["template_paths"] = frozenset().union(
+                *(c.meta.get("template_paths", ()) for c in calls))
             merged.meta["example"] = tuple(c.meta.get("example") for c in calls)
             for k, call in enumerate(calls):
                 item = graph.call_function(operator.getitem, (merged, k))
