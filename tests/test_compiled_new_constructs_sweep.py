@@ -23,6 +23,8 @@ import specularch
 from specularch import tiering
 
 from differential import A, Pair, T, _judge, assert_same, check, check_module
+from test_item_speculation import Stopper  # (.item() in a list attribute, not in a global)
+from test_rolled_exits import converged, greedy  # (loops that stop early)
 
 RTOL, ATOL = 1e-5, 1e-6
 TS = "torchscript"
@@ -249,24 +251,6 @@ def test_layout_queries_torchscript(fn, make):
 # --------------------------------------------------------------------------- rolled loops that stop early
 
 
-def greedy(x, h, n):
-    for di in range(n):
-        h = torch.tanh(h @ x)
-        if h.argmax().item() == EOS:
-            break
-    return h
-
-
-def converged(x, h, n):
-    total = h * 0
-    for step in range(n):
-        h = torch.tanh(h @ x)
-        total = total + h
-        if h.max() > 0.9:
-            break
-    return total, h
-
-
 def appends(x, h, n):
     outs = [h]
     for di in range(n):
@@ -378,24 +362,6 @@ def test_loops_over_edges_torchscript(fn, make, grad):
 
 
 # --------------------------------------------------------------------------- .item() membership
-
-STOP_IDS = [2, 5]
-
-
-class Stopper(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stop_ids = [3, 7]
-
-    def forward(self, t, x):
-        if t.item() in self.stop_ids:
-            x = x + 1
-        else:
-            x = x * 2
-        if t.argmax().item() not in STOP_IDS:
-            return x * 3
-        return x - 1
-
 
 class StopDecoder(nn.Module):
     """Greedy decoding until a token in ``self.stop_ids``."""
