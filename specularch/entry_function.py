@@ -54,6 +54,9 @@ class AssumptionFailed:
         if self.site[0] == "rolled_loop":
             return ("an assumption inside a rolled loop's body (a size, a tensor branch or a "
                     "test on a `.item()` value) did not hold in a later iteration")
+        if self.site[0] == "gradients":  # (symbolic/library/training.py)
+            return ("the graph assumed backward() gives a gradient to the tensors it gave one at "
+                    "capture, and only those, but this call's backward reached others")
         if self.site[0] in ("specialize", "compare"):
             return ("the graph assumed a size computed inside the function keeps the value it "
                     "had at capture (it steers Python control flow), but it changed")

@@ -7,6 +7,8 @@ None, an in-place add otherwise), so nothing changes before the call has succeed
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -125,6 +127,8 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         grads = tracer.call_op("call_function", torch.autograd.grad,
                                [loss, _list(map(_leaf_tensor, leaves))], {"allow_unused": ConstV(True)},
                                name="autograd.grad")
+    if not distributed.active():  # (a distributed step takes no in-graph assumption yet)
+        _assume_which_get_gradients(tracer, grads)
     for leaf, grad in zip(leaves, grads.items):
         if isinstance(grad, ConstV):  # unused leaf: eager leaves its .grad alone
             continue
@@ -141,6 +145,30 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         else:  # in-place accumulation into the existing .grad (committed by the heap)
             tracer.call_op("call_method", "add_", [current, grad], {}, name="add_")
     return ConstV(None)
+
+
+def gradients_present(grads: tuple) -> tuple:
+    """Which of ``torch.autograd.grad``'s results are tensors (the others: None, unused)."""
+    return tuple(g is not None for g in grads)
+
+
+def _assume_which_get_gradients(tracer, grads) -> None:
+    """The graph checks that the leaves that got a gradient at capture get one when it runs,
+    and only those: the rest of the step (``.grad`` writes, the optimizer's updates the commit
+    replays) was captured for that set. Where a recursion template runs other paths, or a
+    branch merged in the graph reaches other parameters, another set would leave some
+    parameter without its update, or make a replayed update raise half-way through the
+    commit; the call runs eagerly instead (nothing written)."""
+    tensors = [g for g in grads.items if isinstance(g, TensorV)]
+    if not tensors:
+        return
+    node = tensors[0].node.args[0]  # (each gradient is ``getitem`` of the autograd node)
+    expected = tuple(isinstance(g, TensorV) for g in grads.items)
+    present = tracer.graph.call_function(gradients_present, (node,))
+    present.meta.update(example=expected, where=tracer.where(), mutates=False, writes=frozenset())
+    check = tracer.graph.call_function(operator.eq, (present, expected))
+    check.meta.update(example=True, where=tracer.where(), mutates=False, writes=frozenset())
+    tracer.assertions.append((check, True, tracer.where(), ("gradients", id(check))))
 
 
 def _refuse_outside_history(tracer, loss: TensorV) -> None:
