@@ -127,8 +127,8 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
         grads = tracer.call_op("call_function", torch.autograd.grad,
                                [loss, _list(map(_leaf_tensor, leaves))], {"allow_unused": ConstV(True)},
                                name="autograd.grad")
-    if not distributed.active():  # (a distributed step takes no in-graph assumption yet)
-        _assume_which_get_gradients(tracer, grads)
+    if tracer.template_calls and not distributed.active():  # (see there; a distributed step
+        _assume_which_get_gradients(tracer, grads)            # takes no in-graph assumption yet)
     for leaf, grad in zip(leaves, grads.items):
         if isinstance(grad, ConstV):  # unused leaf: eager leaves its .grad alone
             continue
@@ -155,10 +155,10 @@ def gradients_present(grads: tuple) -> tuple:
 def _assume_which_get_gradients(tracer, grads) -> None:
     """The graph checks that the leaves that got a gradient at capture get one when it runs,
     and only those: the rest of the step (``.grad`` writes, the optimizer's updates the commit
-    replays) was captured for that set. Where a recursion template runs other paths, or a
-    branch merged in the graph reaches other parameters, another set would leave some
-    parameter without its update, or make a replayed update raise half-way through the
-    commit; the call runs eagerly instead (nothing written)."""
+    replays) was captured for that set. Where a recursion template runs other paths (the only
+    part of a graph that chooses at run time what it reads: so only graphs with one check),
+    another set would leave some parameter without its update, or make a replayed update
+    raise half-way through the commit; the call runs eagerly instead (nothing written)."""
     tensors = [g for g in grads.items if isinstance(g, TensorV)]
     if not tensors:
         return
