@@ -33,6 +33,26 @@ _OPERATOR_WRITES = frozenset({
 })
 
 
+# in-place ops that change a tensor's sizes, strides or what it views (not its data: the
+# mutation check sees no write); ``METADATA_WRITES``: those and ``detach_`` (requires_grad)
+LAYOUT_WRITES = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_",
+                           "unsqueeze_", "resize_", "resize_as_", "as_strided_", "set_"})
+METADATA_WRITES = LAYOUT_WRITES | {"detach_"}
+
+
+def op_name(node) -> str:
+    """An FX node's op by name: a method's name, a function's ``__name__`` ("" if none)."""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def in_place_by_name(node) -> bool:
+    """A function or method named as torch names an in-place op (``add_``, ``detach_``;
+    not a dunder): it writes into its first argument, its data or its metadata."""
+    name = op_name(node)
+    return node.op in ("call_function", "call_method") and name.endswith("_") \
+        and not name.endswith("__")
+
+
 def wrote_an_input(node) -> bool:
     """Whether capture saw the op write into a tensor that existed before it
     (``meta["writes_input"]``: not a composite op's own temporaries, as ``lstm_cell``'s
@@ -51,8 +71,7 @@ def writes_in_place(node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     target = node.target
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name.endswith("_") and not name.endswith("__") or target in _OPERATOR_WRITES:
+    if in_place_by_name(node) or target in _OPERATOR_WRITES:
         return True
     bound = _arguments(node)
     return bound.get("out") is not None or bound.get("inplace") is True \

@@ -18,6 +18,7 @@ import torch.fx
 
 from ..fx_lower.randomness import generator_states, is_random_node, restore_generators
 from ..fx_lower import _torch_fx_sources as fx_sources, history
+from ..fx_lower.op_kinds import in_place_by_name
 from ..guards import GuardSet
 from ..guards.sources import CellSource, LocalSource, Source
 from ..records import Unsupported
@@ -359,22 +360,15 @@ def _lint(spec: Rebuild, writes: list, outputs: int) -> None:
 
 
 def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
-    """Drop unused nodes, keeping in-place ops (FX's own DCE cannot see them), random
+    """Drop unused nodes, keeping in-place ops (FX's own DCE cannot see them; ``b.detach_()``,
+    ``b.t_()`` by their names, where the mutation check saw no data written), random
     ops (an unused draw still advances the RNG) and ops under a try (``x[i]`` only to see
     whether it raises: the handler runs eagerly if it does, see exceptions.py)."""
     for node in reversed(list(graph.nodes)):
         if node.op in ("placeholder", "output") or node.users or node.meta.get("mutates") \
-                or is_random_node(node) or node.meta.get("in_try") or _in_place_by_name(node):
+                or is_random_node(node) or node.meta.get("in_try") or in_place_by_name(node):
             continue
         graph.erase_node(node)
-
-
-def _in_place_by_name(node: torch.fx.Node) -> bool:
-    """``b.detach_()``, ``b.t_()``: in place by their names though the mutation check saw no
-    data written (what they change is the tensor's metadata); their results go unused."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and name.endswith("_") \
-        and not name.endswith("__")
 
 
 def _drop_unused_inputs(graph: torch.fx.Graph, sources: list[Source]) -> list[Source]:

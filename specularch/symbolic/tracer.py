@@ -23,6 +23,7 @@ from ..guards import (AliasGuard, AttrSource, DictKeysGuard, ExprGuard, GlobalSt
                       IdGuard, ItemSource, LenGuard, TypeGuard, ValueGuard)
 from ..guards.sources import Source, plain_key
 from ..records import Unsupported
+from ..fx_lower.op_kinds import METADATA_WRITES
 from ..shadow_heap import ShadowHeap
 from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck, storage_key
 from . import budget
@@ -51,15 +52,6 @@ _PLAIN_OF_INPLACE = {getattr(__import__("operator"), "i" + name.rstrip("_")):
                      for name in ("add", "and_", "floordiv", "lshift", "matmul", "mod", "mul",
                                   "or_", "pow", "rshift", "sub", "truediv", "xor")}
 
-# Tensor methods/functions that return Python values derived from metadata only (shape,
-# dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
-# scalar from a tensor reads its data.
-# in-place ops that change a tensor's metadata (not its data: the mutation check sees no
-# write): run on a tensor of the caller's during capture they would change it there
-_LAYOUT_IN_PLACE = frozenset({"detach_", "t_", "transpose_", "swapdims_", "swapaxes_",
-                              "squeeze_", "unsqueeze_", "resize_", "resize_as_", "as_strided_",
-                              "set_"})
-
 # ops whose results' sizes are made from the values of their inputs (``_data_shaped``)
 _DATA_SHAPED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
                           "_unique", "_unique2", "bincount", "repeat_interleave"})
@@ -83,6 +75,9 @@ def _data_shaped(target, label: str, args: list, kwargs: dict) -> bool:
 # metadata whose answer depends on the sizes of a tensor with dynamic sizes (``_assume_layout``)
 _LAYOUT_QUERIES = frozenset({"is_contiguous", "stride", "is_same_size", "storage_offset",
                              "is_non_overlapping_and_dense"})
+# Tensor methods/functions that return Python values derived from metadata only (shape,
+# dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
+# scalar from a tensor reads its data.
 METADATA_NAMES = {"_has_torch_function", "_has_torch_function_unary",
                   "_has_torch_function_variadic", "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous",
                   "is_floating_point", "is_complex", "element_size", "get_device",
@@ -378,8 +373,10 @@ class Tracer:
             fn = (lambda *a, **k: getattr(a[0], target)(*a[1:], **k)) if kind == "call_method" else target
         has_tensor_input = any(contains_tensor(a) for a in args) or any(
             contains_tensor(v) for v in kwargs.values())
-        if label in _LAYOUT_IN_PLACE and args and isinstance(args[0], TensorV) \
-                and args[0].source is not None:  # (it would change the caller's tensor now)
+        # (an in-place metadata write, run during capture on a tensor of the caller's, would
+        # change it there: the mutation check sees no data written)
+        if label in METADATA_WRITES and args and isinstance(args[0], TensorV) \
+                and args[0].source is not None:
             raise Unsupported("input_mutation", f"`{label}` changes in place what a tensor that "
                               f"existed before the call is (its requires_grad, sizes or strides)")
         check = MutationCheck(self.fresh)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ...fx_lower.op_kinds import LAYOUT_WRITES, op_name
 from ...fx_lower.randomness import is_random_node
 from ...records import AssumptionBroken, Unsupported
 from . import (exits as rolled_exits, fast as rolled_fast, first as rolled_first,
@@ -451,11 +452,10 @@ class _Roll:
         self.before_loop, self.before_body = before_loop, before_body
         self.index_node = index_node
         self.checks = checks  # (predicate node, expected, where, site) assumed in iteration 1
-        for node in self.body_nodes:
-            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-            if name in _LAYOUT_WRITES:  # (what capture knows of the tensor after the loop
-                loop.refuse(f"its body changes a tensor's shape or strides in place "  # would
-                            f"(`{name}`)")  # be one trip count's)
+        for node in self.body_nodes:  # (its layout after the loop would be one trip count's)
+            if op_name(node) in LAYOUT_WRITES:
+                loop.refuse(f"its body changes a tensor's shape or strides in place "
+                            f"(`{op_name(node)}`)")
         if any(pred not in self.in_body for pred, _, _, _ in checks):
             loop.refuse("its body makes an assumption about a value from before the loop")
         for lst, _, _ in match.appends:
@@ -678,12 +678,6 @@ class _Roll:
             stacked[appended].meta["example"] = example.unsqueeze(0).expand(
                 self.loop.n.value - self.first, *example.shape)
         return stacked
-
-
-# in-place ops that change a tensor's sizes, strides or what it views: after a rolled loop its
-# layout depends on the trip count (``z.t_()`` in the body), which capture's example cannot say
-_LAYOUT_WRITES = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_",
-                            "unsqueeze_", "resize_", "resize_as_", "as_strided_", "set_"})
 
 
 def _writes_like(node: torch.fx.Node, writers: list) -> None:

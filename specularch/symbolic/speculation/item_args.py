@@ -27,8 +27,7 @@ from ...records import Unsupported
 from ..values import ConstV, Value
 from ..values.scalar import ScalarV
 from ..values.symint import SymV
-from . import branch_merge, raising_branch
-from . import exit_tests
+from . import branch_merge, exit_tests, raising_branch
 from .deferred import ClockV, NumV
 from ...guards import ValueGuard
 from ..values import ListV, ObjV, SetV, TupleV
