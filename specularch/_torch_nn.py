@@ -36,3 +36,19 @@ def global_module_hooks() -> bool:
 def global_optimizer_hooks() -> bool:
     """Whether a global optimizer step hook (``register_optimizer_step_pre_hook`` ...) is set."""
     return bool(_optimizer._global_optimizer_pre_hooks or _optimizer._global_optimizer_post_hooks)
+
+
+#: Where the global optimizer step hook tables live, and their names.
+GLOBAL_OPTIMIZER_HOOKS_OWNER = _optimizer
+GLOBAL_OPTIMIZER_HOOK_TABLES = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+
+#: The global hooks ``Module.__setattr__`` runs when a buffer, parameter or submodule is
+#: assigned (``register_module_buffer_registration_hook`` ...): they may replace the value.
+REGISTRATION_HOOK_TABLES = ("_global_buffer_registration_hooks",
+                            "_global_parameter_registration_hooks",
+                            "_global_module_registration_hooks")
+
+
+def registration_hooks() -> bool:
+    """Whether a global buffer/parameter/module registration hook is set."""
+    return bool(any(getattr(_module, name) for name in REGISTRATION_HOOK_TABLES))

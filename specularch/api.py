@@ -168,6 +168,17 @@ def _optimize_function(fn: types.FunctionType, backend: str | None, exact: bool 
 
 
 def _optimize_module(module: nn.Module, backend: str | None, exact: bool = False) -> nn.Module:
+    patched = module.__dict__.get("forward")
+    if isinstance(patched, types.MethodType) and patched.__self__ is module \
+            and isinstance(patched.__func__, types.FunctionType):
+        # ``module.forward`` set on the instance (accelerate's hooks do): what eager calls
+        module.__dict__["forward"] = types.MethodType(
+            _optimize_function(patched.__func__, backend, exact), module)
+        return module
+    if patched is not None and not isinstance(patched, OptimizedForward):
+        raise TypeError(f"{type(module).__qualname__}.forward was replaced on the instance by "
+                        f"{patched!r}, which is not a method of it; optimize the module before "
+                        "replacing forward, or optimize the function itself")
     forward = type(module).forward
     if not isinstance(forward, types.FunctionType):
         raise TypeError(f"{type(module).__qualname__}.forward is not a Python function; "
@@ -291,6 +302,9 @@ def _state_of(obj: Any):
     (or, for code reached only through the frame hook, its code object's shared cache).
     Something never optimized is a ``TypeError`` (not an empty report)."""
     if isinstance(obj, nn.Module):
+        patched = getattr(obj.__dict__.get("forward"), "__func__", None)  # (_optimize_module)
+        if obj not in _MODULE_STATES and hasattr(patched, "__specularch_state__"):
+            return patched.__specularch_state__
         if obj not in _MODULE_STATES:
             shared = _shared_state(getattr(type(obj).forward, "__code__", None))
             if shared is None:

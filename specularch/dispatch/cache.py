@@ -96,16 +96,20 @@ def try_entry(state: CodeState, entry: GraphEntry, slots, cells, globals_, built
               count_hit: bool = True) -> Any:
     """The call's result through ``entry``, or MISS when its guards do not pass. A graph that
     raises, or whose assumption fails, leads to the original Python (nothing committed)."""
+    # (the original runs after the ``except`` blocks: inside one, what it raises would get the
+    # graph's exception as its ``__context__`` and ``sys.exc_info()`` in it would see it)
+    raised = None
     try:
         result = entry.fn(slots, cells, globals_, builtins_)
     except AssumptionBroken as e:  # (an in-graph assumption, failed where the graph cannot go on)
-        failure = AssumptionFailed(e.where, e.site, True)
-        return fallback.assumption_failed(state, entry, failure, slots, cells)
+        result = AssumptionFailed(e.where, e.site, True)
     except Exception as e:  # (the entry function put the grad mode back: see entry_function.py)
-        replacement = misses.fx_instead(state, entry, e)  # a compiling backend failed
+        raised = e
+    if raised is not None:
+        replacement = misses.fx_instead(state, entry, raised)  # a compiling backend failed
         if replacement is not None:
             return try_entry(state, replacement, slots, cells, globals_, builtins_, count_hit)
-        return fallback.graph_raised(state, entry, e, slots, cells)
+        return fallback.graph_raised(state, entry, raised, slots, cells)
     if result is MISS:
         return MISS
     if type(result) is AssumptionFailed:

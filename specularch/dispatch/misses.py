@@ -79,20 +79,23 @@ def _miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callab
             if full is not None:
                 return fallback(state, slots, cells, full, at_def=True)
         hooks.distributed.start_capture()
+        # (the original runs after the ``except`` blocks, not in them: see cache.try_entry)
+        failed, internal = None, False
         try:
             # eager_cost: gives up on long loops early
             with budget.eager_cost(state.eager_seconds), gc_paused(), exact.capturing(state):
                 cap = capture_with_relaxations(state, slots, cells, globals_)
         except Unsupported as e:
             state.keep_unrolled(getattr(e, "unrolled_loops", ()))
-            return fallback(state, slots, cells, e,
-                            reaches_backward=hooks.distributed.capture_reached_backward())
+            failed = e
         except Exception as e:  # a bug in specularch: stay correct, say so
             if config.raise_internal_errors:
                 raise
-            return fallback(state, slots, cells, Unsupported(
-                "internal_error", f"capture failed with {type(e).__name__}: {e}"), at_def=True,
-                reaches_backward=hooks.distributed.capture_reached_backward())
+            failed, internal = Unsupported(
+                "internal_error", f"capture failed with {type(e).__name__}: {e}"), True
+        if failed is not None:
+            return fallback(state, slots, cells, failed, at_def=internal,
+                            reaches_backward=hooks.distributed.capture_reached_backward())
         state.stats.captures += 1
         state.stats.capture_seconds += cap.seconds
         if cap.draws:  # its first run settles the generator (cache.try_entry)
@@ -101,13 +104,16 @@ def _miss(state: CodeState, slots, cells, globals_, builtins_, try_entry: Callab
                  if cap.distributed_leaves else [])
         buffers = [t for _, t in named if not isinstance(t, torch.nn.Parameter)
                    and not any(t is leaf for leaf in cap.distributed_leaves)]
+        failed = None
         try:
             with gc_paused(tiering.first_tier(state.backend) == "fx"):
                 entry = compile_entry(state, cap, buffers=buffers)
         except Exception as e:
-            return fallback(state, slots, cells, Unsupported(
-                "backend_error", f"backend {state.backend!r} failed: {type(e).__name__}: {e}"),
-                at_def=True, reaches_backward=bool(cap.distributed_leaves))
+            failed = Unsupported("backend_error",
+                                 f"backend {state.backend!r} failed: {type(e).__name__}: {e}")
+        if failed is not None:
+            return fallback(state, slots, cells, failed, at_def=True,
+                            reaches_backward=bool(cap.distributed_leaves))
         if named:
             hooks.distributed.start_from_rank0(state, named)
         cap.guards.measure(slots, cells, globals_, builtins_)  # explain()'s guard µs

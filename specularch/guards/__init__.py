@@ -3,7 +3,7 @@ from .codegen import GuardSet, SourceNamer, guard_lines
 from .lists import ListDistinctGuard, TensorListGuard
 from .aliasing import AliasGuard, DistinctGuard
 from .guard import (ContainsGuard, DictKeysGuard, ExprGuard, GlobalStateGuard, Guard, HasAttrGuard, IdGuard, InferenceGuard, LenGuard,
-                    NoGlobalHooksGuard, NoHooksGuard, NoStepHooksGuard, NoTensorHooksGuard, NotNoneGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
+                    NoGlobalHooksGuard, NoHooksGuard, NoRegistrationHooksGuard, NoStepHooksGuard, NoTensorHooksGuard, NotNoneGuard, NotShadowedGuard, TensorGuard, TypeGuard, ValueGuard)
 from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSource, GlobalSource,
                       ItemSource, KeyedSource, LocalSource, ModuleDictSource, ObjectSource,
                       ScalarOfSource, Source, pin)
@@ -11,7 +11,7 @@ from .sources import (PINNED, AttrSource, BuiltinSource, CellSource, ClosureSour
 __all__ = [
     "GuardSet", "SourceNamer", "guard_lines", "AliasGuard", "ContainsGuard", "DictKeysGuard",
     "DistinctGuard", "ExprGuard", "GlobalStateGuard", "Guard", "HasAttrGuard", "IdGuard",
-    "InferenceGuard", "LenGuard", "NoGlobalHooksGuard", "NoHooksGuard", "NoStepHooksGuard",
+    "InferenceGuard", "LenGuard", "NoGlobalHooksGuard", "NoHooksGuard", "NoRegistrationHooksGuard", "NoStepHooksGuard",
     "NoTensorHooksGuard", "NotNoneGuard",
     "NotShadowedGuard", "TensorGuard", "TensorListGuard", "ListDistinctGuard", "TypeGuard", "ValueGuard", "PINNED", "AttrSource",
     "BuiltinSource", "CellSource", "ClosureSource", "GlobalSource", "ItemSource", "KeyedSource",

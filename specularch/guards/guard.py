@@ -15,7 +15,9 @@ import weakref
 
 import torch
 
-from .._torch_nn import GLOBAL_HOOKS_OWNER, global_module_hooks, global_module_hooks_expr
+from .._torch_nn import (GLOBAL_HOOKS_OWNER, GLOBAL_OPTIMIZER_HOOK_TABLES,
+                         GLOBAL_OPTIMIZER_HOOKS_OWNER, REGISTRATION_HOOK_TABLES,
+                         global_module_hooks, global_module_hooks_expr, registration_hooks)
 from .sources import Source
 
 
@@ -356,17 +358,23 @@ class HasAttrGuard(Guard):
 
 @dataclass(frozen=True, eq=False)
 class NoHooksGuard(Guard):
-    """An nn.Module whose call was inlined has no hooks (hooks would change what runs)."""
+    """An nn.Module whose call was inlined has no hooks (hooks would change what runs) and,
+    with ``cls``, is still of that class (``m.__class__ = Other`` changes its ``forward``)."""
 
     HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    cls: Any = None
 
     def conditions(self, v, consts):
-        return [f"not {v}.{d}" for d in self.HOOK_DICTS]
+        same = [] if self.cls is None else [f"type({v}) is {const_name(consts, self.cls)}"]
+        return same + [f"not {v}.{d}" for d in self.HOOK_DICTS]
 
     def describe(self):
-        return f"{self.source} has no forward/backward hooks"
+        of = "" if self.cls is None else f" and is a {self.cls.__qualname__}"
+        return f"{self.source} has no forward/backward hooks{of}"
 
     def mismatch(self, value):
+        if self.cls is not None and type(value) is not self.cls:
+            return f"is a {type(value).__qualname__} now (a {self.cls.__qualname__} at capture)"
         return "has hooks registered now (hooks were absent at capture)"
 
 
@@ -376,8 +384,13 @@ class NoStepHooksGuard(NoHooksGuard):
 
     HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 
+    def conditions(self, v, consts):  # and no global ones (register_optimizer_step_pre_hook)
+        owner = const_name(consts, GLOBAL_OPTIMIZER_HOOKS_OWNER)
+        return super().conditions(v, consts) + [f"not {owner}.{name}"
+                                                for name in GLOBAL_OPTIMIZER_HOOK_TABLES]
+
     def describe(self):
-        return f"{self.source} has no step hooks"
+        return f"{self.source} has no step hooks (nor are global ones set)"
 
     def mismatch(self, value):
         return "has step hooks registered now (they were absent at capture)"
@@ -456,6 +469,28 @@ class NoGlobalHooksGuard(Guard):
 
     def reason(self, value):
         return f"{self.mismatch(value)}{self._at()}" if global_module_hooks() else None
+
+
+@dataclass(frozen=True, eq=False)
+class NoRegistrationHooksGuard(Guard):
+    """No global buffer/parameter/module registration hook was registered since capture (it
+    would run, and may replace the value, at an assignment the commit replays)."""
+
+    def key(self):
+        return ("NoRegistrationHooks",)
+
+    def conditions(self, v, consts):
+        owner = const_name(consts, GLOBAL_HOOKS_OWNER)
+        return [f"not {owner}.{name}" for name in REGISTRATION_HOOK_TABLES]
+
+    def describe(self):
+        return "no global buffer/parameter/module registration hooks are registered"
+
+    def mismatch(self, value):
+        return "global buffer/parameter/module registration hooks are registered now"
+
+    def reason(self, value):
+        return f"{self.mismatch(value)}{self._at()}" if registration_hooks() else None
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,8 @@ import types
 import torch
 import torch.nn as nn
 
+from .._torch_nn import registration_hooks
+from ..guards import NoRegistrationHooksGuard
 from ..guards.sources import AttrSource, ModuleDictSource
 from ..records import Unsupported
 from ..shadow_heap import DELETED
@@ -235,6 +237,11 @@ def store_attr(tracer, owner: Value, name: str, value: Value | None) -> None:
         raise Unsupported("side_effect", f"{cls.__name__}.{name} is a property/descriptor; "
                           "assigning it runs code")
     # (shadow_heap/checks.py checks the same conditions again before the commit writes)
+    if isinstance(obj, nn.Module) and (name in obj._buffers or name in obj._parameters):
+        if registration_hooks():  # Module.__setattr__ runs them; they may replace the value
+            raise Unsupported("module_hooks", "global buffer/parameter registration hooks are "
+                              f"registered (assigning {name!r} of a {cls.__name__} runs them)")
+        tracer.add_guard(NoRegistrationHooksGuard, None)
     if isinstance(obj, nn.Module):
         if cls.__setattr__ is not nn.Module.__setattr__ or cls.__delattr__ is not nn.Module.__delattr__:
             raise Unsupported("side_effect", f"{cls.__name__} defines __setattr__/__delattr__")

@@ -337,13 +337,21 @@ def inline(tracer, code: types.CodeType, globals_: dict, args: list[Value], kwar
     if info.is_generator:
         if code.co_name != "<genexpr>":
             raise Unsupported("generator", f"calling generator function {name} inside capture")
-        frame = Frame(tracer, code, globals_, bound, cells, generator=True)
-        try:
-            frame.run()
-        except PyRaise as error:
-            raise leaving_generator(error) from None
-        return IterV(frame.yielded)
+        return IterV([], source=_lazily(Frame(tracer, code, globals_, bound, cells, generator=True)))
     return Frame(tracer, code, globals_, bound, cells).run()
+
+
+def _lazily(frame: Frame):
+    """The items of a generator expression, each run when it is asked for, as eager's are:
+    names its body reads are read then (late binding), ``any()`` stops pulling at the first
+    true one (the rest never runs), and an exception raises where the item is pulled."""
+    def resume() -> bool:
+        before = len(frame.yielded)
+        while frame.result is None and len(frame.yielded) == before:
+            frame._step()
+        return len(frame.yielded) > before
+    while frame.result is None and frame.on_stack(resume, leaving=leaving_generator):
+        yield frame.yielded[-1]
 
 
 def bind_arguments(code, args, kwargs, defaults, kwdefaults, name) -> dict[str, Value]:

@@ -28,7 +28,7 @@ from . import alias_guards, commit_inplace, hooks
 from . import ops  # noqa: F401  (its handlers fill the opcode table the frames read)
 from .speculation import branch_merge, deferred, saved_versions, view_writes
 from .library import grad_mode
-from ._torch_dispatch import version_bumps
+from ._torch_dispatch import storage_key, version_bumps
 from .library import deque as deque_model
 from .assumptions import Assumptions
 from .values.deque import DequeV
@@ -164,7 +164,7 @@ def _capture_once(code: types.CodeType, globals_: dict, argnames: tuple, slots: 
             grad_mode.check_at_return(tracer)
             deferred.settle(tracer)  # clock reads: before or after the graph
             alias_guards.guard_writes(tracer)
-            specs = SpecBuilder(globals_)
+            specs = SpecBuilder(globals_, view_writes.copies(tracer))
             writes = tracer.heap.lower(specs)
             spec = specs.build(result)
             seen = tracer.merged_aliases.at_end(tracer, [
@@ -263,8 +263,9 @@ class SpecBuilder:
     them (``shadow_heap/writes.py``). Containers created in the call carry a ``uid`` so one
     object stays one object."""
 
-    def __init__(self, top_globals: dict | None = None) -> None:
+    def __init__(self, top_globals: dict | None = None, written: dict | None = None) -> None:
         self.top_globals = top_globals
+        self.written = written or {}  # copies of tensors written in place (view_writes.copies)
         self.outputs: list[torch.fx.Node] = []
         self._index: dict[torch.fx.Node, int] = {}
         self._building: set[int] = set()
@@ -285,6 +286,10 @@ class SpecBuilder:
         if isinstance(v, TensorV):
             if v.updated:  # the real tensor, which the commit fills with the new values
                 return rb.FromSource(v.source)
+            source = view_writes.rebased(v, self.written.get(storage_key(v.example))) \
+                if self.written else None
+            if source is not None:  # a view of such a tensor: the same view of the real one
+                return rb.CallOf(view_writes.on_written, (rb.FromSource(source), self.out(v.node)))
             return grad_mode.output_spec(v, self.out(v.node))
         if isinstance(v, StrV):  # a string formatted by the commit from the graph's values
             return v.spec(self.build)

@@ -43,7 +43,7 @@ def guard_module_call(tracer, module_value: ObjV) -> None:
         raise Unsupported("module_hooks", f"{type(m).__name__} has hooks registered")
     tracer.add_guard(NoGlobalHooksGuard, None)
     if module_value.source is not None:
-        tracer.add_guard(NoHooksGuard, module_value.source)
+        tracer.add_guard(NoHooksGuard, module_value.source, cls=type(m))
 
 
 def guard_method_lookup(tracer, v: ObjV, name: str) -> Source | None:

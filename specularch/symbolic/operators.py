@@ -366,8 +366,8 @@ def _table(mod: ObjV, table: str, key: str):
 
 def _guard_keys(tracer, mod: ObjV, table: str) -> None:
     if mod.source is not None:
-        tracer.add_guard(DictKeysGuard, AttrSource(mod.source, table), dict,
-                         tuple(getattr(mod.obj, table)))
+        entries = getattr(mod.obj, table)  # (an OrderedDict after `del seq[i]` / `seq.pop()`)
+        tracer.add_guard(DictKeysGuard, AttrSource(mod.source, table), type(entries), tuple(entries))
 
 
 def module_items(tracer, mod: ObjV) -> list[Value]:
@@ -467,7 +467,7 @@ def iterate(tracer, v: Value) -> IterV:
         if v.example.dim() == 0:
             raise Unsupported("exception_handling", "iteration over a 0-d tensor")
         parts = tracer.call_op("call_method", "unbind", [v], {})
-        return IterV(list(parts.items))
+        return IterV([] if isinstance(parts, ConstV) else list(parts.items))  # `()` of no rows
     if isinstance(v, ObjV):
         m = v.obj
         if isinstance(m, _SEQUENCE_MODULES):

@@ -29,6 +29,7 @@ from ._torch_dispatch import OPERATOR_TYPES, ExternalMutation, MutationCheck, st
 from . import budget
 from .speculation import item_args, view_writes
 from .speculation import exit_tests
+from .rolled import rows as rolled_rows
 from . import inputs
 from .assumptions import Assumptions
 from .speculation.leaf_writes import connect_reads
@@ -75,6 +76,9 @@ def _data_shaped(target, label: str, args: list, kwargs: dict) -> bool:
 # metadata whose answer depends on the sizes of a tensor with dynamic sizes (``_assume_layout``)
 _LAYOUT_QUERIES = frozenset({"is_contiguous", "stride", "is_same_size", "storage_offset",
                              "is_non_overlapping_and_dense"})
+# metadata of a tensor from outside the call that its tensor guard does not check
+# (``_guard_metadata``)
+_UNGUARDED_METADATA = frozenset({"storage_offset", "_is_view", "is_shared", "is_pinned", "is_leaf"})
 # Tensor methods/functions that return Python values derived from metadata only (shape,
 # dtype, ...) — safe to bake in because those are guarded. Anything else returning a Python
 # scalar from a tensor reads its data.
@@ -359,6 +363,9 @@ class Tracer:
         ``kind`` is ``call_function`` or ``call_method``. Tensor results become graph values;
         Python results are kept only when they come from metadata (shape, dtype, ...)."""
         label = name or getattr(target, "__name__", str(target))
+        rows = rolled_rows.unbound(self, label, args, kwargs)  # `for x_t in x.unbind(1)`
+        if rows is not None:
+            return rows
         args, kwargs = item_args.substitute(self, target, label, args, kwargs)  # `t - v.item()`
         if torch.is_grad_enabled():
             args, kwargs = connect_reads(self, args, kwargs)
@@ -392,6 +399,8 @@ class Tracer:
                                 f"`{label}` raised {type(e).__name__} during capture: {e}")
             error.value_dependent = has_tensor_input  # the tensors' values may be why
             raise error from None
+        if label in _UNGUARDED_METADATA and args and isinstance(args[0], TensorV):
+            self._guard_metadata(label, args[0], result)
         dynamic = any(is_dynamic(a) for a in [*args, *kwargs.values()])
         if dynamic and target in _VALUE_FACTORIES and not any(
                 isinstance(leaf, TensorV) and leaf.dynamic for a in args for leaf in leaves(a)):
@@ -404,7 +413,8 @@ class Tracer:
         # (Python functions run as one op are torch's type predicates, `is_tensor_like`.)
         from_data = has_tensor_input and result is not None and not holds_tensor(result) \
             and not isinstance(target, types.FunctionType) \
-            and label not in METADATA_NAMES and not isinstance(result, _METADATA_TYPES)
+            and label not in METADATA_NAMES and not isinstance(result, _METADATA_TYPES) \
+            and not (type(result) in (tuple, list) and _COUNT_FROM_SIZES.search(label))  # `()`
         if from_data and not check.wrote:
             raise Unsupported("data_dependent_value",
                               f"`{label}` turns tensor data into a Python {type(result).__name__}")
@@ -412,6 +422,8 @@ class Tracer:
             if label in _LAYOUT_QUERIES and any(isinstance(leaf, TensorV) and leaf.dynamic
                                                 for a in args for leaf in leaves(a)):
                 self._assume_layout(kind, target, args, kwargs, result)
+            if type(result) in (tuple, list) and _COUNT_FROM_SIZES.search(label):
+                self._fix_split_sizes(label, args, kwargs)  # no parts: the size was 0
             for a in [*args, *kwargs.values()]:
                 specialize_all(a)
             return self.wrap_python(result)
@@ -436,6 +448,22 @@ class Tracer:
         if dynamic:
             mark_dynamic(out)
         return out
+
+    def _guard_metadata(self, label: str, t: TensorV, result) -> None:
+        """``x.storage_offset()``, ``x._is_view()``, ``x.is_shared()``, ``x.is_pinned()``,
+        ``x.is_leaf``: facts of the tensor's memory or history that the tensor guard does not
+        check. Of a tensor from outside the call (or a view of one: its memory's owner), the
+        answer is guarded to stay the one capture saw."""
+        outside = t if t.source is not None and not t.updated and t.real is not None else \
+            self._external.get(storage_key(t.example))
+        if outside is None or outside.source is None or (outside is not t and label in (
+                "_is_view", "is_leaf")):
+            return  # (a tensor the call made: the answer is the same every call)
+        if outside is not t:  # a view of it: its offset is the outside tensor's plus the view's
+            result = getattr(outside.real if outside.real is not None else outside.example, label)()
+        expr = f"{outside.source.expr()}.{label}" + ("" if label == "is_leaf" else "()")
+        self.guards.add(ExprGuard(None, expr=expr, expected=result, where=self.where(),
+                                  label=f"{outside.source}.{label}"))
 
     def _fix_split_sizes(self, label: str, args: list, kwargs: dict) -> None:
         """Specialise the size a split's count of parts depends on: the split dimension's
@@ -517,7 +545,7 @@ class Tracer:
         result = self.call_op(kind, target, [swap(a) for a in args],
                               {k: swap(v) for k, v in kwargs.items()}, fn=fn, name=label,
                               keep_node=True)
-        view_writes.note_write(self, error.key, copy.node, external, label)
+        view_writes.note_write(self, error.key, copy.node, external, label, alias is not None)
         if external.example.requires_grad and external.stale_leaf is None:
             external.stale_leaf = (external.node, external.example)  # see leaf_writes.py
         self.heap.update_tensor(external, copy, self.where())  # later reads see the copy

@@ -126,7 +126,21 @@ def _hasattr(tracer, fn, args, kwargs):
 
 def _guard_hasattr(tracer, obj: Value, name: str) -> None:
     if isinstance(obj, ObjV) and obj.source is not None:
+        hook = _python_lookup_hook(type(obj.obj))
+        if hook is not None:  # (it would run here, in capture, and in every guard check)
+            raise Unsupported("unsupported_call", f"hasattr()/getattr() with a default on a "
+                              f"{type(obj.obj).__name__}, whose {hook} is Python code")
         tracer.add_guard(HasAttrGuard, obj.source, name=name, expected=hasattr(obj.obj, name))
+
+
+def _python_lookup_hook(cls: type) -> str | None:
+    """``__getattr__`` or ``__getattribute__`` where ``cls`` defines one in Python (other than
+    ``nn.Module``'s, a lookup in its tables), or None."""
+    for hook in ("__getattr__", "__getattribute__"):
+        fn = getattr(cls, hook, None)
+        if isinstance(fn, types.FunctionType) and fn is not getattr(torch.nn.Module, hook, None):
+            return hook
+    return None
 
 
 @model(setattr, delattr)

@@ -129,7 +129,8 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
                                name="autograd.grad")
     if tracer.template_calls and not distributed.active():  # (see there; a distributed step
         _assume_which_get_gradients(tracer, grads)            # takes no in-graph assumption yet)
-    for leaf, grad in zip(leaves, grads.items):
+    shared = _storages_of_many(tracer, grads.items)
+    for k, (leaf, grad) in enumerate(zip(leaves, grads.items)):
         if isinstance(grad, ConstV):  # unused leaf: eager leaves its .grad alone
             continue
         # Autograd gives a gradient its input's shape (it checks), so a gradient of a leaf
@@ -141,10 +142,67 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
                               "(e.g. nn.Embedding(sparse=True)); sparse gradients are not captured")
         current = read_grad(tracer, leaf)
         if isinstance(current, ConstV) and current.value is None:
-            write_grad(tracer, leaf, grad)
+            write_grad(tracer, leaf, _as_accumulated(tracer, leaf, grad, k in shared))
         else:  # in-place accumulation into the existing .grad (committed by the heap)
             tracer.call_op("call_method", "add_", [current, grad], {}, name="add_")
     return ConstV(None)
+
+
+def _storages_of_many(tracer, grads: list) -> set:
+    """The gradients (their positions) whose tensor another leaf after them also gets
+    (``autograd.grad`` hands one tensor to both sides of ``a + b``: eager's accumulation
+    copies it for the first, the last keeps it), or that the graph reads as an input."""
+    inputs = {storage_key(v.example) for v in tracer.graph_inputs()
+              if isinstance(getattr(v, "example", None), torch.Tensor)}
+    keys = [storage_key(g.example) if isinstance(g, TensorV) else None for g in grads]
+    return {k for k, key in enumerate(keys) if key is not None and (key in inputs
+                                                                    or key in keys[k + 1:])}
+
+
+def _as_accumulated(tracer, leaf: TensorV, grad: TensorV, shared: bool) -> Value:
+    """The tensor eager's gradient accumulation stores as ``leaf.grad`` when it was None:
+    autograd's gradient itself where it keeps the leaf's layout and nothing else holds it,
+    else a copy in the leaf's layout (torch's layout contract: ``obeys_layout_contract``,
+    ``clone_obey_contract``): an expanded ``ones`` of ``(w + x).sum()`` has stride 0, the
+    two sides of ``a + b`` get one tensor. Decided at capture for a leaf of static sizes,
+    when the graph runs for one whose sizes vary."""
+    if not shared and not leaf.dynamic and obeys_layout_contract(grad.example, leaf.real):
+        return grad
+    return tracer.call_op("call_function", grad_in_layout, [grad, _leaf_tensor(leaf), ConstV(shared)],
+                          {})
+
+
+def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
+    """Whether autograd would store ``grad`` as ``variable.grad`` as it is: dense and with
+    ``variable``'s strides where ``variable`` is dense (sizes of 1 excepted), else contiguous."""
+    if not _dense(variable):
+        return grad.is_contiguous()
+    if not _dense(grad):
+        return False
+    return all(size == 1 or a == b for size, a, b in zip(grad.shape, grad.stride(), variable.stride()))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlaps in some order of its
+    dimensions (torch's ``is_non_overlapping_and_dense``, which Python does not reach)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def grad_in_layout(grad: torch.Tensor, variable: torch.Tensor, shared: bool) -> torch.Tensor:
+    """``grad`` as ``variable.grad``: itself where it obeys the layout contract and is not
+    ``shared``, else a copy in ``variable``'s layout."""
+    if not shared and obeys_layout_contract(grad, variable):
+        return grad
+    if _dense(variable):
+        return grad.new_empty_strided(variable.shape, variable.stride()).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
 
 
 def gradients_present(grads: tuple) -> tuple:

@@ -8,6 +8,7 @@ import operator
 from ...records import Unsupported
 from ..operators import iterate, truth
 from ..rolled import (lists as rolled_lists, loops as rolled_loops, objects as rolled_objects,
+                      rows as rolled_rows,
                       unrolled as loop_notes, walk as rolled_walk)
 from ..speculation import branch_merge, exit_tests, item_args, raising_branch
 from .registry import handles
@@ -96,7 +97,8 @@ def _jump_if_false_or_pop(frame, ins):
 @handles("GET_ITER")
 def _get_iter(frame, ins):
     iterated = frame.pop()
-    it = rolled_lists.get_iter(frame, iterated) or iterate(frame.tracer, iterated)
+    it = rolled_lists.get_iter(frame, iterated) or rolled_rows.get_iter(frame, iterated) \
+        or iterate(frame.tracer, iterated)
     loop_notes.mark_list_iterator(it, iterated)
     frame.push(it)
 

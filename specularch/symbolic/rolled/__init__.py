@@ -11,6 +11,8 @@ In the order a loop goes through them:
   ``lists.py`` — ``for x in xs`` (``enumerate``, ``zip``) over a list of like tensors from the
   call, passed into the graph whole (``RollList``: capture starts again);
   ``objects.py`` — such a list of user objects of one class (``ObjectListV``, ``RowV``);
+  ``rows.py`` — ``for row in x`` / ``for x_t in x.unbind(d)`` over a dynamic dimension of a
+  tensor (``RowsIterV``);
   ``while_loops.py`` — ``while i < n:`` with a counter stepped by a constant;
   ``walk.py`` — ``while node is not None: ...; node = node.next`` over objects from the call;
 * ``match.py`` — the frame at the loop's head and after iteration 1 compared (``Snapshot``,

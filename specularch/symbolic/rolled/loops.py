@@ -121,6 +121,11 @@ class RolledLoop:
         return (*carried, *outs, True) if self.expected else (*carried, *outs)
 
 
+def row_at(x: torch.Tensor, dim: int, last: torch.Tensor) -> torch.Tensor:
+    """``x.select(dim, last)`` with ``last`` the 0-d index a loop that stopped early returns."""
+    return x.select(dim, int(last))
+
+
 def _join(head: list, tail: list) -> list:
     return [*head, *tail]
 
@@ -176,6 +181,12 @@ def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
             tracer.loops.append(LoopReport(where, False, why, site=site, form=_form(args)))
         return None
     return SymRangeIterV([], n=n, start=start, step=step, bounds=tuple(args))
+
+
+def rows_form(x: TensorV, dim: int) -> str:
+    """How ``explain()`` names a loop over a tensor's rows (rows.py)."""
+    name = str(x.source) if x.source is not None else "<a tensor>"
+    return f"for row in {name}" if dim == 0 else f"for row in {name}.unbind({dim})"
 
 
 def _form(args: list) -> str:
@@ -241,6 +252,7 @@ def for_iter(frame, ins, it: SymRangeIterV):
 # ---- one loop ----------------------------------------------------------------------------------
 class _Loop:
     exit_at = None  # the index of the jump of the ``if ...: break`` ending the body (exits.py)
+    rows, rows_dim = None, 0  # ``for row in x``: the tensor and the dimension (rows.py)
 
     def __init__(self, frame, ins, it: SymRangeIterV):
         self.frame, self.tracer, self.n = frame, frame.tracer, it.n
@@ -249,12 +261,14 @@ class _Loop:
         self.enumerated = getattr(it, "enumerated", False)
         self.count_from = getattr(it, "count_from", 0)  # ``enumerate(xs, start)``
         self.zipped = getattr(it, "zipped", ())         # ``zip(xs, ys)``: every list
+        self.rows, self.rows_dim = getattr(it, "rows_of", None), getattr(it, "dim", 0)
         self.counter = None                           # the ``k`` of iteration 1
         self.exit_at = None if self.items is not None else \
             rolled_exits.exit_jump(frame.info.instructions, frame.ip - 1,
                                    frame.info.index_of[ins.argval])  # its ``break`` test
         self.form = rolled_lists.form(self.items.source, self.enumerated, self.count_from,
-                                      self.zipped) if self.items is not None else _form(it.bounds or [it.n])
+                                      self.zipped) if self.items is not None else \
+            rows_form(self.rows, it.dim) if self.rows is not None else _form(it.bounds or [it.n])
         self.first = None                             # what iteration 0 bound the target to
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
@@ -321,6 +335,9 @@ class _Loop:
 
     def _value(self, index: Value) -> Value:
         """What the loop hands out in the iteration of ``index``: the index, or ``xs[index]``."""
+        if self.rows is not None:  # ``x.select(d, index)`` (rows.py)
+            return self.tracer.call_op("call_method", "select",
+                                       [self.rows, ConstV(self.rows_dim), index], {})
         if self.items is None:
             return index
         if not self.enumerated:
@@ -344,7 +361,7 @@ class _Loop:
     def is_first(self, h: Value) -> bool:
         """Whether ``h`` is what iteration 0 handed out (a slot that holds the loop's value)."""
         start = self.start
-        return h is self.first or self.items is None and (
+        return h is self.first or self.items is None and self.rows is None and (
             h is start or isinstance(h, ConstV) and isinstance(start, ConstV) and h.value == start.value)
 
     def plain(self) -> bool:
@@ -366,6 +383,8 @@ class _Loop:
 
     def last_index(self, last: Value) -> Value:
         """The index after the loop (of iteration ``n - 1``), or ``xs[n - 1]``."""
+        if self.rows is not None:
+            return self._value(last)
         if self.items is not None:
             return _plus(self.tracer, last, self.count_from) if self.enumerated else \
                 rolled_lists.row(self, last)
@@ -610,6 +629,8 @@ class _Roll:
                 node, len(self.entries) + len(self.per_iteration) + 1))
             last.meta["example"] = torch.tensor(self.loop.n.value - 1)
             index = self._stopped_at(last)
+            if self.loop.rows is not None:  # ``x.select(d, stopped)`` (rows.py)
+                index = self._row_at(last) if self.match.index_slots else None
         else:
             last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
             index = self.loop.last_index(last) if self.match.index_slots else None
@@ -649,6 +670,13 @@ class _Roll:
                                                            else start.value))
             node.meta["example"] = example
         return ScalarV(node, start.value + k * step, read_after=node)
+
+    def _row_at(self, last: torch.fx.Node) -> TensorV:
+        """The row a loop over a tensor's rows that may stop early hands out last."""
+        rows, dim = self.loop.rows, self.loop.rows_dim
+        node = self.graph.call_function(row_at, (rows.node, dim, last))
+        node.meta["example"] = example = rows.example.select(dim, int(last.meta["example"]))
+        return TensorV(node, example, dynamic=True)
 
     def _length(self, last, more: int) -> Value:
         """The length of a list the loop appended to: ``last`` (the last iteration's index)

@@ -50,9 +50,54 @@ def rebind_data(alias: TensorV, into: TensorV, external: TensorV) -> None:
     alias.source, alias.updated = AttrSource(external.source, "data"), True
 
 
-def note_write(tracer, key: int, write: torch.fx.Node, external: TensorV, label: str) -> None:
-    """Remember a functionalized write (``write``: the node copying the tensor) for ``check``."""
-    tracer.view_writes.append((key, write, external.source, label, tracer.where()))
+def note_write(tracer, key: int, write: torch.fx.Node, external: TensorV, label: str,
+               through_data: bool = False) -> None:
+    """Remember a functionalized write (``write``: the node copying the tensor) for ``check``
+    and ``copies``."""
+    tracer.view_writes.append((key, write, external.source, label, tracer.where(), external,
+                               through_data))
+
+
+def copies(tracer) -> dict:
+    """The storage of each graph copy of a tensor written in place -> (the tensor's source,
+    the copy's example, the real tensor), for ``rebased``: the tensors whose copy has their
+    layout (a dense tensor's ``clone``), written other than through ``.data``."""
+    found = {}
+    for _, write, source, _, _, external, through_data in tracer.view_writes:
+        copy, real = write.meta.get("example"), external.real
+        if through_data or source is None or not isinstance(copy, torch.Tensor) or real is None \
+                or copy.stride() != real.stride() or copy.storage_offset() != 0 \
+                or real.is_inference() or copy.is_inference():
+            continue
+        found.setdefault(storage_key(copy), (source, copy, real))
+    return found
+
+
+def rebased(v: TensorV, written: tuple | None):
+    """For a tensor leaving the graph that views the copy of a tensor written in place
+    (``x.mul_(2); return x[1:]``): ``(source, real)`` to hand out the same view of the real
+    tensor (which the commit fills with the copy's values), as eager's is; else None."""
+    if written is None:
+        return None
+    source, copy, real = written
+    t = v.example
+    if t is copy or t.dtype != copy.dtype or t.is_conj() or t.is_neg() \
+            or t.requires_grad and not (real.is_leaf and real.requires_grad):
+        return None
+    if not t._is_view() and (t.shape, t.stride(), t.storage_offset()) != (
+            real.shape, real.stride(), 0):
+        return None
+    return source
+
+
+def on_written(real: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out``, a view of the graph's copy of ``real`` (same strides, offset 0), as the same
+    view of ``real``: taken with ``out``'s autograd (a view of a parameter under grad mode
+    differentiates into it); an alias that is not a view (``x.detach()``) is ``real.detach()``."""
+    if not out._is_view():
+        return real.detach()
+    with torch.set_grad_enabled(out.requires_grad):
+        return real.as_strided(out.shape, out.stride(), real.storage_offset() + out.storage_offset())
 
 
 def check(tracer, outputs: list[torch.fx.Node]) -> None:
@@ -62,7 +107,7 @@ def check(tracer, outputs: list[torch.fx.Node]) -> None:
         return
     writes = {}
     for record in tracer.view_writes:  # (one per tensor: later writes update the copy)
-        writes.setdefault(record[0], record)
+        writes.setdefault(record[0], record[:5])
     order = {node: i for i, node in enumerate(tracer.graph.nodes)}
     returned = set(outputs)
     for node in tracer.graph.nodes:
@@ -83,7 +128,7 @@ def refuse_stale_read(tracer, t: TensorV, what: str) -> None:
     a deferred write has already replaced (``check`` cannot see it)."""
     if not t.example.numel():
         return
-    for key, _, source, label, where in tracer.view_writes:
+    for key, _, source, label, where, _, _ in tracer.view_writes:
         if storage_key(t.example) == key:
             raise Unsupported("input_mutation", f"`{label}` writes in place into {source} (at "
                               f"{where}), and {what} then reads a view of it taken before the "

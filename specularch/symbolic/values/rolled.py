@@ -132,6 +132,20 @@ class ListIterV(SymRangeIterV):
 
 
 @dataclass(eq=False, repr=False)
+class RowsIterV(SymRangeIterV):
+    """``iter(x)`` of a tensor whose first size is symbolic, about to be consumed by
+    ``FOR_ITER``: rolls the loop as ``range(x.size(dim))`` does, handing out
+    ``x.select(dim, k)`` (``rolled/rows.py``)."""
+
+    rows_of: Any = None        # the TensorV
+    dim: int = 0               # ``x.unbind(dim)``
+
+    def next(self) -> Value | None:
+        raise Unsupported("unsupported_call", "the iterator of a tensor's rows is used other than "
+                          "by its for loop")
+
+
+@dataclass(eq=False, repr=False)
 class ItemNumberV(SymV):
     """A number of the item of a rolled loop over a list passed whole (``xs[k][j]`` of a list
     of tuples, ``objs[k].name`` of a list of objects): a run-time value, ``part`` = (the

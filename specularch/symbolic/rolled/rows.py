@@ -1,0 +1,71 @@
+"""Rolled ``for row in x`` / ``for x_t in x.unbind(d)`` loops over a dimension of a tensor that
+varies between calls: captured once, whatever its size.
+
+Python iterates a tensor by its first dimension (``x[0]``, ``x[1]``, ...), ``unbind(d)`` by
+dimension ``d``. Unrolled, the loop guards that size: one graph per length, then
+``cache_limit``, on the commonest way to write a recurrence over a sequence (``for x_t in
+inputs: h = cell(x_t, h)``). Where the size is a symbolic number (the dimension was made
+dynamic) and ``FOR_ITER`` comes right after, the loop rolls as ``for t in range(x.size(d)):
+row = x.select(d, t)`` does (``loops.py``): the iterator is a ``RowsIterV``, and
+``_Loop._value`` hands out ``x.select(d, index)``.
+
+A loop over a dimension of static size is unrolled as before (one graph: the size cannot
+vary), and so is an ``unbind`` whose parts are used other than by the loop.
+"""
+from __future__ import annotations
+
+from .exits import exit_jump
+from .lists import loop_site
+from .loops import LoopReport, _why_not_roll, rows_form
+from ..values.rolled import RowsIterV
+from ..values.symint import SymV
+from ..values import ConstV, TensorV, Value
+
+
+def get_iter(frame, iterated: Value):
+    """``GET_ITER`` of a tensor consumed right away by ``FOR_ITER`` or a list comprehension:
+    the iterator that rolls the loop over its first dimension, or None (unrolled as before)."""
+    return _rows(frame, iterated, ConstV(0), frame.ip)
+
+
+def unbound(tracer, label: str, args: list, kwargs: dict):
+    """``x.unbind(d)`` or ``torch.unbind(x, d)`` consumed right away by a ``for`` loop: the
+    iterator that rolls it, or None (the parts are made as before)."""
+    if label != "unbind" or not tracer.frames or len(args) + len(kwargs) > 2 \
+            or set(kwargs) - {"dim"}:
+        return None
+    frame = tracer.frames[-1]
+    code = frame.info.instructions
+    if frame.ip + 1 >= len(code) or code[frame.ip].opname != "GET_ITER" \
+            or code[frame.ip + 1].opname != "FOR_ITER":
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", ConstV(0))
+    return _rows(frame, args[0] if args else None, dim, frame.ip + 1)
+
+
+def _rows(frame, x, dim: Value, at: int):
+    """The iterator over ``x.select(dim, k)`` for the loop that the instruction at ``at``
+    starts (its ``FOR_ITER``, or the call of a list comprehension), or None."""
+    code, tracer = frame.info.instructions, frame.tracer
+    if not isinstance(x, TensorV) or not isinstance(dim, ConstV) or type(dim.value) is not int \
+            or not -x.example.dim() <= dim.value < x.example.dim() or at >= len(code):
+        return None
+    if code[at].opname == "FOR_ITER":
+        site = (id(frame.code), code[at].offset)
+        exits = exit_jump(code, at, frame.info.index_of[code[at].argval]) is not None
+    else:  # ``[f(row) for row in x]``
+        site, exits = loop_site(frame), False
+        if site is None:
+            return None
+    d = dim.value % x.example.dim()
+    n = tracer.sym_size(x, d)
+    if not isinstance(n, SymV):
+        return None  # one size for every call: nothing to roll
+    form = rows_form(x, d)
+    why = _why_not_roll(tracer, site, n, exits)
+    if why is not None:
+        if site not in tracer.assumptions.unrolled_loops:
+            tracer.loops.append(LoopReport(f"{frame.code.co_filename}:{frame.lineno}", False, why,
+                                           site=site, form=form))
+        return None
+    return RowsIterV([], n=n, start=ConstV(0), step=1, bounds=(n,), rows_of=x, dim=d)
