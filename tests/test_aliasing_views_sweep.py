@@ -58,11 +58,6 @@ def n_of(i):
     return NS[i % len(NS)]
 
 
-_VIEW_OF_COPY = ("a view of an argument taken after a deferred write into it is a view of the "
-                 "graph's copy (Tracer._functionalize clones it, symbolic/tracer.py), not of the "
-                 "argument: `ret._base is x` is False and writing the returned view leaves x unchanged")
-
-
 # ------------------------------------------------------------------ the aliasing comparison
 
 class Box:
@@ -655,14 +650,7 @@ OUT = {
                                                     lambda i: A(T(4, 3))),
 }
 
-_EMPTY_OUT = ("capture runs the out= op on the caller's own empty tensor (MutationCheck.__torch_dispatch__ skips "
-              "tensors with numel() == 0, symbolic/_torch_dispatch.py), resizing and writing "
-              "it (its _version is 2 after the capturing call, eager's 1); the fresh graph's "
-              "guards then reject the call it came from")
-OUT_XFAIL = {
-    "out_resizes_argument": "the graph resizes the copy of c, and the commit's copy back into the "
-                            "(2, 3) argument raises: backend_error on every call after profiling",
-}
+OUT_XFAIL: dict = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=OUT_XFAIL[n])]
@@ -860,8 +848,6 @@ def offset_argument_written_return_flat(x):
     return x.reshape(-1)
 
 
-
-
 def return_arg_and_views(x):
     return x, x[0], x.view(-1)
 
@@ -944,6 +930,17 @@ def view_before_write_dead(x):
 
 
 RETURNED = {
+    "write_return_slice": (write_return_slice, lambda i: A(vec(i))),
+    "write_return_t": (write_return_t, lambda i: A(vec(i))),
+    "write_return_flat_and_reshape": (write_return_flat_and_reshape, lambda i: A(vec(i))),
+    "return_view_of_add_": (return_view_of_add_, lambda i: A(vec(i))),
+    "setitem_return_row": (setitem_return_row, lambda i: A(vec(i))),
+    "write_return_rows_in_list": (write_return_rows_in_list, lambda i: A(vec(i))),
+    "write_return_view_in_dict": (write_return_view_in_dict, lambda i: A(vec(i))),
+    "two_args_written_views_returned": (two_args_written_views_returned, lambda i: A(vec(i), vec(i))),
+    "write_then_store_view": (write_then_store_view, lambda i: A(vec(i), [])),
+    "offset_argument_written_return_flat": (offset_argument_written_return_flat,
+                                            lambda i: A(T(sh(i) + 1, 3)[1:])),
     "return_add_": (return_add_, lambda i: A(vec(i))),
     "return_chained_inplace": (return_chained_inplace, lambda i: A(vec(i))),
     "return_chained_two": (return_chained_two, lambda i: A(vec(i))),
@@ -964,16 +961,7 @@ RETURNED = {
     "view_before_write_dead": (view_before_write_dead, lambda i: A(vec(i))),
 }
 
-RETURNED_XFAIL = {n: _VIEW_OF_COPY for n in (
-    "write_return_slice", "write_return_t", "write_return_flat_and_reshape", "return_view_of_add_",
-    "setitem_return_row", "write_return_rows_in_list", "write_return_view_in_dict",
-    "two_args_written_views_returned", "write_then_store_view", "offset_argument_written_return_flat")}
-_CHAIN = ("internal_error: `return x.mul_(2).add_(1)` (a chain of in-place ops on an argument, "
-          "returned directly): 'Argument add_ of Node output was used before it has been defined': "
-          "the commit replays the chain (symbolic/commit_inplace.py replay_updates) and drops its "
-          "nodes while the graph's output list still holds the last one")
-RETURNED_XFAIL["return_chained_inplace"] = _CHAIN
-RETURNED_XFAIL["return_chained_two"] = _CHAIN
+RETURNED_XFAIL: dict = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=RETURNED_XFAIL[n])]
@@ -1231,6 +1219,9 @@ AUTOGRAD = {
                                              lambda i: A(vec(i), vec(i, grad=True)), False),
     "unsaved_argument_written_backward": (unsaved_argument_written_backward,
                                           lambda i: A(vec(i), vec(i, grad=True)), False),
+    "grad_of_a_plain_sum": (grad_of_a_plain_sum, lambda i: A(vec(i), vec(i, grad=True)), False),
+    "grad_of_a_transposed_product": (grad_of_a_transposed_product,
+                                     lambda i: A(vec(i, grad=True), T(3, sh(i))), False),
     "grads_of_a_sum_of_two_leaves": (grads_of_a_sum_of_two_leaves,
                                      lambda i: A(vec(i, grad=True), vec(i, grad=True)), False),
     "clip_grads_of_a_sum_of_two_leaves": (clip_grads_of_a_sum_of_two_leaves,

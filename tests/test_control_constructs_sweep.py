@@ -2021,9 +2021,6 @@ X = {  # xfail reasons, by case id
                             "(eager: a traceback object)",
     "traceback_in_exit": "__exit__ receives tb=None in the captured path (eager: a traceback); documented in "
                          "docs/semantics.md, but a silent difference",
-    "TreeEmbed": "internal_error: a torch op raising (embedding index out of range) while a recursion "
-                 "template's path is evaluated during capture (templates/family.py evaluate_example -> "
-                 "run_exact) is not turned into a fallback",
 }
 
 

@@ -286,8 +286,10 @@ class SpecBuilder:
         if isinstance(v, TensorV):
             if v.updated:  # the real tensor, which the commit fills with the new values
                 return rb.FromSource(v.source)
-            source = view_writes.rebased(v, self.written.get(storage_key(v.example))) \
-                if self.written else None
+            written = self.written.get(storage_key(v.example)) if self.written else None
+            if written is not None and v.example is written[1]:
+                return rb.FromSource(written[0])  # `x.mul_(2).add_(1)`: the real tensor itself
+            source = view_writes.rebased(v, written)
             if source is not None:  # a view of such a tensor: the same view of the real one
                 return rb.CallOf(view_writes.on_written, (rb.FromSource(source), self.out(v.node)))
             return grad_mode.output_spec(v, self.out(v.node))

@@ -545,6 +545,8 @@ class Tracer:
         result = self.call_op(kind, target, [swap(a) for a in args],
                               {k: swap(v) for k, v in kwargs.items()}, fn=fn, name=label,
                               keep_node=True)
+        if into.example.shape != written.example.shape:  # `torch.add(a, b, out=c)` resized c
+            refuse("it resizes the tensor (an `out=` of another shape)")
         view_writes.note_write(self, error.key, copy.node, external, label, alias is not None)
         if external.example.requires_grad and external.stale_leaf is None:
             external.stale_leaf = (external.node, external.example)  # see leaf_writes.py

@@ -181,7 +181,13 @@ class Family:
         enabled = self.enabled_paths(L)
         plan = self.plan([L], enabled, capture=True)
         self.example_paths = frozenset(id(p) for p in plan.paths)  # (callsite: ``only``)
-        return self.run_exact(plan, self.ctx_values(L, enabled))[0]
+        try:
+            return self.run_exact(plan, self.ctx_values(L, enabled))[0]
+        except Unsupported:
+            raise
+        except Exception as e:  # a torch op raising on these values, as eager's call does
+            raise Unsupported("exception_handling", f"the recursion raised {type(e).__name__} "
+                              f"during capture: {e}") from None
 
     def run(self, structs: tuple, ctx_objects: tuple, ctx: tuple, only: frozenset | None = None):
         """The graph node: the value of the call on a new structure (``structs``: the
