@@ -64,6 +64,20 @@ def _made_in_the_call(x, w):
     return acc
 
 
+def _enumerated(x, w):
+    h = torch.zeros(3, 5)
+    for k, row in enumerate(x):
+        h = torch.tanh(row @ w + h * k)
+    return h, k, row  # the counter and the row after the loop: the last ones
+
+
+def _enumerated_from(x, w):
+    total = torch.zeros(())
+    for k, x_t in enumerate(x.unbind(1), 3):
+        total = total + (x_t @ w).sum() * k
+    return total, k
+
+
 def _args(i):
     n = LENGTHS[i % len(LENGTHS)]
     return A(T(n, 3, 5, requires_grad=True), T(5, 5, requires_grad=True), T(3, 5))
@@ -86,6 +100,8 @@ def _batch_first_args(i):
     (_function_unbind, _batch_first_args, "for row in L['x'].unbind(1)"),
     (_comprehension, _two, "for row in L['x']"),
     (_made_in_the_call, _two, "for row in <a tensor>"),
+    (_enumerated, _two, "for k, row in enumerate(L['x'])"),
+    (_enumerated_from, _batch_first_args, "for k, row in enumerate(L['x'].unbind(1), 3)"),
 ])
 def test_a_loop_over_a_tensors_rows_is_rolled_once(fn, make_args, form, templates, rtol):
     with specularch.config.patch(templates=templates):

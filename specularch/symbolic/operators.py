@@ -466,7 +466,7 @@ def iterate(tracer, v: Value) -> IterV:
     if isinstance(v, TensorV):
         if v.example.dim() == 0:
             raise Unsupported("exception_handling", "iteration over a 0-d tensor")
-        parts = tracer.call_op("call_method", "unbind", [v], {})
+        parts = tracer.call_op("call_method", "unbind", [v], {}, by_user=False)
         return IterV([] if isinstance(parts, ConstV) else list(parts.items))  # `()` of no rows
     if isinstance(v, ObjV):
         m = v.obj

@@ -357,13 +357,15 @@ class Tracer:
 
     # ---- turning real calls into graph nodes --------------------------------------------
     def call_op(self, kind: str, target: Any, args: list, kwargs: dict, *,
-                fn: Callable | None = None, name: str = "", keep_node: bool = False) -> Value:
+                fn: Callable | None = None, name: str = "", keep_node: bool = False,
+                by_user: bool = True) -> Value:
         """Run ``target`` on the concrete values and record it as one FX node.
 
         ``kind`` is ``call_function`` or ``call_method``. Tensor results become graph values;
         Python results are kept only when they come from metadata (shape, dtype, ...)."""
         label = name or getattr(target, "__name__", str(target))
-        rows = rolled_rows.unbound(self, label, args, kwargs)  # `for x_t in x.unbind(1)`
+        # `for x_t in x.unbind(1)` (not the unbind a builtin iterating `x` makes: `zip(x, y)`)
+        rows = rolled_rows.unbound(self, label, args, kwargs) if by_user else None
         if rows is not None:
             return rows
         args, kwargs = item_args.substitute(self, target, label, args, kwargs)  # `t - v.item()`

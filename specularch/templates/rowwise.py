@@ -94,6 +94,9 @@ def _number_factory(placeholder: torch.fx.Node):
 def _row_wise(node: torch.fx.Node, row: set) -> str | None:
     example = _example(node)
     if node.target is operator.getitem and isinstance(node.args[1], int):
+        if not isinstance(node.args[0], torch.fx.Node) \
+                or isinstance(_example(node.args[0]), torch.Tensor):
+            return "an indexing of a tensor (its first dimension is the batch's)"
         return None if _rows(example) else "an item without a leading 1"
     if not _rows(example):
         return "its result has no leading dimension of size 1"

@@ -20,7 +20,7 @@ from ...guards import HasAttrGuard
 from ...records import Unsupported
 from ..exceptions import python_error
 from .. import operators as ops
-from ..rolled import lists as rolled_lists, loops as rolled_loops
+from ..rolled import lists as rolled_lists, loops as rolled_loops, rows as rolled_rows
 from ..values.rolled import RolledListV
 from ..values import symint
 from ..values.symint import SymV
@@ -308,8 +308,9 @@ def _range(tracer, fn, args, kwargs):
 
 @model(enumerate)
 def _enumerate(tracer, fn, args, kwargs):
-    rolled = rolled_lists.enumerate_list(tracer, args, kwargs)
-    if rolled is not None:  # `for k, x in enumerate(xs)` over a list passed whole: rolled
+    rolled = rolled_lists.enumerate_list(tracer, args, kwargs) \
+        or rolled_rows.enumerate_rows(tracer, args, kwargs)
+    if rolled is not None:  # `for k, x in enumerate(xs)` over a list passed whole, a tensor's rows
         return rolled
     start = (args[1] if len(args) > 1 else kwargs.get("start", ConstV(0))).concrete()
     items = ops.lazy(tracer, args[0])

@@ -43,7 +43,12 @@ from . import hoist as rolled_hoist, project as rolled_project
 
 def _rows(tensor: torch.Tensor, n: int, first: int = 1) -> torch.Tensor:
     """``tensor[t]`` for ``t = first .. n-1`` (the rolled iterations), stacked; eager's
-    IndexError when a row is missing."""
+    IndexError when a row is missing. ``tensor`` may be the tuple of a tensor's rows
+    (``rows.py``: ``x.unbind(d)``)."""
+    if isinstance(tensor, tuple):
+        if len(tensor) < n:
+            raise IndexError(f"tuple index {n - 1} out of range")
+        return torch.stack(tensor[first:n])
     if tensor.dim() == 0 or tensor.shape[0] < n:
         raise IndexError(f"index {n - 1} is out of bounds for dimension 0 with size "
                          f"{tensor.shape[0] if tensor.dim() else 0}")

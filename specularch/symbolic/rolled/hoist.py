@@ -126,8 +126,9 @@ def why_not_row_wise(node: torch.fx.Node, row: set, index_node) -> str | None:
         return "reads no per-iteration value"
     example = node.meta.get("example")
     target, method = node.target, node.op == "call_method"
-    if target is operator.getitem:
-        return None if isinstance(node.args[1], int) and node.args[0] in row else "an indexing"
+    if target is operator.getitem:  # an item of a tuple-valued op's result (chunk, max)
+        return None if isinstance(node.args[1], int) and node.args[0] in row and not isinstance(
+            node.args[0].meta.get("example"), torch.Tensor) else "an indexing"
     if not isinstance(example, torch.Tensor) and not _tensor_items(node):
         return "its result is not a tensor"
     if (method and target in _ELEMENTWISE_METHODS) or (not method and target in _ELEMENTWISE):

@@ -114,7 +114,7 @@ def zip_lists(tracer, args: list, kwargs: dict):
     iterations, as eager's zip stops at the shortest list; None where it is unrolled."""
     frame, skip = _consumed_by_a_loop(tracer), 0
     if frame is None:
-        frame, skip = _consumed_by_enumerate(tracer)
+        frame, skip = consumed_by_enumerate(tracer)
     if frame is None or len(args) < 2 or kwargs:
         return None  # zip(strict=True) raises on lists of other lengths: unrolled
     frame.ip += 1 + skip  # as at the GET_ITER
@@ -151,7 +151,7 @@ def _consumed_by_a_loop(tracer):
     return frame
 
 
-def _consumed_by_enumerate(tracer) -> tuple:
+def consumed_by_enumerate(tracer) -> tuple:
     """(the frame, how many instructions to its ``GET_ITER``) where a builtin's result goes
     straight to ``enumerate(...)`` or ``enumerate(..., start)`` (a constant), then to
     ``GET_ITER`` and ``FOR_ITER``; (None, 0) otherwise."""

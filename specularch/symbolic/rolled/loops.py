@@ -121,9 +121,9 @@ class RolledLoop:
         return (*carried, *outs, True) if self.expected else (*carried, *outs)
 
 
-def row_at(x: torch.Tensor, dim: int, last: torch.Tensor) -> torch.Tensor:
-    """``x.select(dim, last)`` with ``last`` the 0-d index a loop that stopped early returns."""
-    return x.select(dim, int(last))
+def row_at(rows: tuple, last: torch.Tensor) -> torch.Tensor:
+    """``rows[last]`` with ``last`` the 0-d index a loop that stopped early returns."""
+    return rows[int(last)]
 
 
 def _join(head: list, tail: list) -> list:
@@ -183,10 +183,13 @@ def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
     return SymRangeIterV([], n=n, start=start, step=step, bounds=tuple(args))
 
 
-def rows_form(x: TensorV, dim: int) -> str:
+def rows_form(x: TensorV, dim: int, enumerated: bool = False, count_from: int = 0) -> str:
     """How ``explain()`` names a loop over a tensor's rows (rows.py)."""
     name = str(x.source) if x.source is not None else "<a tensor>"
-    return f"for row in {name}" if dim == 0 else f"for row in {name}.unbind({dim})"
+    rows = name if dim == 0 else f"{name}.unbind({dim})"
+    if enumerated:
+        return f"for k, row in enumerate({rows}{f', {count_from}' if count_from else ''})"
+    return f"for row in {rows}"
 
 
 def _form(args: list) -> str:
@@ -253,6 +256,7 @@ def for_iter(frame, ins, it: SymRangeIterV):
 class _Loop:
     exit_at = None  # the index of the jump of the ``if ...: break`` ending the body (exits.py)
     rows, rows_dim = None, 0  # ``for row in x``: the tensor and the dimension (rows.py)
+    parts = None              # its ``unbind`` node (``_row``)
 
     def __init__(self, frame, ins, it: SymRangeIterV):
         self.frame, self.tracer, self.n = frame, frame.tracer, it.n
@@ -263,12 +267,12 @@ class _Loop:
         self.zipped = getattr(it, "zipped", ())         # ``zip(xs, ys)``: every list
         self.rows, self.rows_dim = getattr(it, "rows_of", None), getattr(it, "dim", 0)
         self.counter = None                           # the ``k`` of iteration 1
-        self.exit_at = None if self.items is not None else \
+        self.exit_at = None if self.items is not None or self.enumerated else \
             rolled_exits.exit_jump(frame.info.instructions, frame.ip - 1,
                                    frame.info.index_of[ins.argval])  # its ``break`` test
         self.form = rolled_lists.form(self.items.source, self.enumerated, self.count_from,
                                       self.zipped) if self.items is not None else \
-            rows_form(self.rows, it.dim) if self.rows is not None else _form(it.bounds or [it.n])
+            rows_form(self.rows, it.dim, self.enumerated, self.count_from) if self.rows is not None else _form(it.bounds or [it.n])
         self.first = None                             # what iteration 0 bound the target to
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
@@ -285,6 +289,10 @@ class _Loop:
 
     def _run(self) -> None:
         self._check_bytecode()
+        if self.rows is not None:  # ``x.unbind(d)``, before the loop (``_row``)
+            self.parts = self.graph.call_function(torch.unbind, (self.rows.node, self.rows_dim))
+            self.parts.meta.update(example=self.rows.example.unbind(self.rows_dim),
+                                   where=self.where, mutates=False, writes=frozenset())
         before_loop = set(self.graph.nodes)
         first = Snapshot(self.frame, self.tracer)
         reports = len(self.tracer.loops)
@@ -335,16 +343,23 @@ class _Loop:
 
     def _value(self, index: Value) -> Value:
         """What the loop hands out in the iteration of ``index``: the index, or ``xs[index]``."""
-        if self.rows is not None:  # ``x.select(d, index)`` (rows.py)
-            return self.tracer.call_op("call_method", "select",
-                                       [self.rows, ConstV(self.rows_dim), index], {})
-        if self.items is None:
+        if self.items is None and self.rows is None:
             return index
+        row = self._row(index) if self.rows is not None else None
         if not self.enumerated:
-            return rolled_lists.row(self, index)
+            return row if row is not None else rolled_lists.row(self, index)
         k = _plus(self.tracer, index, self.count_from)
         self.counter = k if self.counter is None and isinstance(index, SymV) else self.counter
-        return TupleV([k, rolled_lists.row(self, index)])
+        return TupleV([k, row if row is not None else rolled_lists.row(self, index)])
+
+    def _row(self, index: Value) -> TensorV:
+        """``x.unbind(d)[index]`` (rows.py): the rows are unbound once, before the loop
+        (``_run``), as eager's iterator does (autograd's view rules and ``UnbindBackward``
+        are eager's)."""
+        at = index.node if isinstance(index, SymV) else index.value
+        node = self.graph.call_function(operator.getitem, (self.parts, at))
+        node.meta["example"] = example = self.parts.meta["example"][index.value]
+        return TensorV(node, example, dynamic=True)
 
     def _after_first(self) -> None:
         """What iteration 0 tells of the loop (``while_loops.py``: its step, its trip count)."""
@@ -383,9 +398,9 @@ class _Loop:
 
     def last_index(self, last: Value) -> Value:
         """The index after the loop (of iteration ``n - 1``), or ``xs[n - 1]``."""
-        if self.rows is not None:
+        if self.rows is not None and not self.enumerated:
             return self._value(last)
-        if self.items is not None:
+        if self.items is not None or self.rows is not None:
             return _plus(self.tracer, last, self.count_from) if self.enumerated else \
                 rolled_lists.row(self, last)
         if self.plain():
@@ -629,7 +644,7 @@ class _Roll:
                 node, len(self.entries) + len(self.per_iteration) + 1))
             last.meta["example"] = torch.tensor(self.loop.n.value - 1)
             index = self._stopped_at(last)
-            if self.loop.rows is not None:  # ``x.select(d, stopped)`` (rows.py)
+            if self.loop.rows is not None:  # ``x.unbind(d)[stopped]`` (rows.py)
                 index = self._row_at(last) if self.match.index_slots else None
         else:
             last = arithmetic(self.tracer, operator.sub, self.loop.n, ConstV(1))
@@ -673,9 +688,9 @@ class _Roll:
 
     def _row_at(self, last: torch.fx.Node) -> TensorV:
         """The row a loop over a tensor's rows that may stop early hands out last."""
-        rows, dim = self.loop.rows, self.loop.rows_dim
-        node = self.graph.call_function(row_at, (rows.node, dim, last))
-        node.meta["example"] = example = rows.example.select(dim, int(last.meta["example"]))
+        parts = self.loop.parts
+        node = self.graph.call_function(row_at, (parts, last))
+        node.meta["example"] = example = parts.meta["example"][int(last.meta["example"])]
         return TensorV(node, example, dynamic=True)
 
     def _length(self, last, more: int) -> Value:

@@ -6,8 +6,11 @@ dimension ``d``. Unrolled, the loop guards that size: one graph per length, then
 ``cache_limit``, on the commonest way to write a recurrence over a sequence (``for x_t in
 inputs: h = cell(x_t, h)``). Where the size is a symbolic number (the dimension was made
 dynamic) and ``FOR_ITER`` comes right after, the loop rolls as ``for t in range(x.size(d)):
-row = x.select(d, t)`` does (``loops.py``): the iterator is a ``RowsIterV``, and
-``_Loop._value`` hands out ``x.select(d, index)``.
+row = parts[t]`` with ``parts = x.unbind(d)`` does (``loops.py``): the iterator is a
+``RowsIterV``; ``_Loop`` unbinds the tensor once before the loop, as eager's iterator does
+(autograd's rules for ``unbind``'s views, ``UnbindBackward``), and hands out its item
+``index``. Only the user's own ``unbind`` call rolls this way, not the one a builtin
+iterating the tensor makes (``zip(x, y)``, ``reversed(x)``: ``Tracer.call_op(by_user=)``).
 
 A loop over a dimension of static size is unrolled as before (one graph: the size cannot
 vary), and so is an ``unbind`` whose parts are used other than by the loop.
@@ -15,7 +18,7 @@ vary), and so is an ``unbind`` whose parts are used other than by the loop.
 from __future__ import annotations
 
 from .exits import exit_jump
-from .lists import loop_site
+from .lists import consumed_by_enumerate, loop_site
 from .loops import LoopReport, _why_not_roll, rows_form
 from ..values.rolled import RowsIterV
 from ..values.symint import SymV
@@ -36,15 +39,40 @@ def unbound(tracer, label: str, args: list, kwargs: dict):
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
+    if frame.ip + 1 < len(code) and code[frame.ip].opname == "GET_ITER" \
+            and code[frame.ip + 1].opname == "FOR_ITER":
+        at = frame.ip + 1
+    else:  # ``enumerate(x.unbind(1)[, start])``: its FOR_ITER after enumerate's call
+        frame, skip = consumed_by_enumerate(tracer)
+        if frame is None:
+            return None
+        at = frame.ip + skip + 1
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", ConstV(0))
+    return _rows(frame, args[0] if args else None, dim, at)
+
+
+def enumerate_rows(tracer, args: list, kwargs: dict):
+    """``enumerate(x)`` or ``enumerate(x, start)`` (a constant ``start``) of a tensor consumed
+    right away by a ``for`` loop: the iterator that rolls it, handing out ``(start + k,
+    x[k])``, or None (unrolled as before)."""
+    start = kwargs.get("start", args[1] if len(args) == 2 else ConstV(0))
+    if not tracer.frames or not 1 <= len(args) <= 2 or set(kwargs) - {"start"} \
+            or len(args) + len(kwargs) > 2 or not isinstance(start, ConstV) \
+            or type(start.value) is not int:
+        return None
+    frame = tracer.frames[-1]
+    code = frame.info.instructions
     if frame.ip + 1 >= len(code) or code[frame.ip].opname != "GET_ITER" \
             or code[frame.ip + 1].opname != "FOR_ITER":
         return None
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", ConstV(0))
-    return _rows(frame, args[0] if args else None, dim, frame.ip + 1)
+    if isinstance(args[0], RowsIterV) and not args[0].enumerated:  # of ``x.unbind(d)``
+        args[0].enumerated, args[0].count_from = True, start.value
+        return args[0]
+    return _rows(frame, args[0], ConstV(0), frame.ip + 1, start.value)
 
 
-def _rows(frame, x, dim: Value, at: int):
-    """The iterator over ``x.select(dim, k)`` for the loop that the instruction at ``at``
+def _rows(frame, x, dim: Value, at: int, enumerated_from: int | None = None):
+    """The iterator over ``x.unbind(dim)`` for the loop that the instruction at ``at``
     starts (its ``FOR_ITER``, or the call of a list comprehension), or None."""
     code, tracer = frame.info.instructions, frame.tracer
     if not isinstance(x, TensorV) or not isinstance(dim, ConstV) or type(dim.value) is not int \
@@ -61,11 +89,12 @@ def _rows(frame, x, dim: Value, at: int):
     n = tracer.sym_size(x, d)
     if not isinstance(n, SymV):
         return None  # one size for every call: nothing to roll
-    form = rows_form(x, d)
+    form = rows_form(x, d, enumerated_from is not None, enumerated_from or 0)
     why = _why_not_roll(tracer, site, n, exits)
     if why is not None:
         if site not in tracer.assumptions.unrolled_loops:
             tracer.loops.append(LoopReport(f"{frame.code.co_filename}:{frame.lineno}", False, why,
                                            site=site, form=form))
         return None
-    return RowsIterV([], n=n, start=ConstV(0), step=1, bounds=(n,), rows_of=x, dim=d)
+    return RowsIterV([], n=n, start=ConstV(0), step=1, bounds=(n,), rows_of=x, dim=d,
+                     enumerated=enumerated_from is not None, count_from=enumerated_from or 0)

@@ -135,10 +135,12 @@ class ListIterV(SymRangeIterV):
 class RowsIterV(SymRangeIterV):
     """``iter(x)`` of a tensor whose first size is symbolic, about to be consumed by
     ``FOR_ITER``: rolls the loop as ``range(x.size(dim))`` does, handing out
-    ``x.select(dim, k)`` (``rolled/rows.py``)."""
+    item ``k`` of ``x.unbind(dim)`` (``rolled/rows.py``)."""
 
     rows_of: Any = None        # the TensorV
     dim: int = 0               # ``x.unbind(dim)``
+    enumerated: bool = False   # ``enumerate(x)``: hands out ``(k, x[k])``
+    count_from: int = 0        # ``enumerate(x, start)``: ``k`` is ``start + index``
 
     def next(self) -> Value | None:
         raise Unsupported("unsupported_call", "the iterator of a tensor's rows is used other than "
