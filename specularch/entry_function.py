@@ -129,7 +129,7 @@ def build_entry_function(guards: GuardSet, input_sources: list, output_spec: Reb
     # Last step's .grad, freed before the graph where it runs on fx (``EARLY``); their writes
     # stay in the commit's gradient assignments too (for fx: ``None`` again, in program order).
     release = release_lines(render, early_releases(list(writes), input_sources, output_spec,
-                                                   assertions))
+                                                   assertions, guards))
     checks = check_lines(render, writes)
     commit = commit_lines(render, writes, _only_plain_tensors(guards))
     result = render.expr(output_spec)

@@ -159,6 +159,8 @@ def _use(node: torch.fx.Node, numbers: set) -> _Use | None:
             or not t.dtype.is_floating_point or t.is_inference()
             or t.dtype != first.dtype or t.shape != first.shape for t in examples):
         return None
+    if (scalar is not None or alpha is not None) and first.dtype in (torch.bfloat16, torch.float16):
+        return None  # (CPU foreach ops round a number to the dtype first: shadow_heap/replay.py)
     return _Use(rule, inplace, tuple(args), scalar, alpha)
 
 

@@ -31,19 +31,24 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from ..guards.guard import NotNoneGuard
 from ..guards.sources import AttrSource, Source
 from .rebuild import Constant, FromSource, Rebuild, walk
 from .writes import DelAttr, SetAttr, Write
 
 
 def early_releases(writes: list[Write], input_sources: Iterable[Source], output: Rebuild,
-                   assertions) -> list[SetAttr]:
+                   assertions, guards: Iterable = ()) -> list[SetAttr]:
     """The ``.grad = None`` writes the entry may do before the graph (the commit does them
     too, in program order, where they change nothing after an early release: each sets a
-    ``.grad`` that no write before it set)."""
+    ``.grad`` that no write before it set). ``guards``: a guard on a gradient other than
+    ``zero_grad``'s "is it None" (``NotNoneGuard``) means the call's Python read it (``if
+    p.grad is not None: ...`` before ``zero_grad()``); the eager re-run after a graph that
+    raised must find it then, so nothing is released early."""
     if assertions or not any(_is_release(w) for w in writes):
         return []
-    if _reads_a_grad([*input_sources, *_sources_read(writes, output)]):
+    if _reads_a_grad([*input_sources, *_sources_read(writes, output)]) or _reads_a_grad(
+            [g.source for g in guards if type(g) is not NotNoneGuard and isinstance(g.source, Source)]):
         return []
     released, written = [], False
     for w in writes:

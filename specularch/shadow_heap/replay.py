@@ -39,6 +39,11 @@ _FOREACH = {
 # parameter's update touches, so they stay cached from one op to the next.
 _LARGE_BYTES = 1 << 20
 
+# Dtypes whose foreach ops round a Python-number operand to the dtype before using it (CPU:
+# ``_foreach_mul_(bf16 tensors, 0.3)`` multiplies by bfloat16(0.3); ``t.mul_(0.3)`` by 0.3):
+# their ops with a number operand replay one by one, as eager's.
+_ROUNDS_NUMBERS = frozenset({"torch.bfloat16", "torch.float16"})
+
 # The foreach ops, by the names the entry calls them (``render.COMMIT_NAMESPACE``).
 NAMESPACE = {f"FOREACH_{name.upper()}_": foreach_op(name, True)
              for name in sorted({rule[0] for rule in _FOREACH.values()})}
@@ -133,7 +138,7 @@ def _key(op: _Op, depth: int):
     """Ops with equal keys are one foreach call; None: not batchable."""
     form = op.write.form  # (operand kinds, dtype), or () where not batchable
     rule = _FOREACH.get((op.method, form[0])) if form and not op.makes else None
-    if rule is None:
+    if rule is None or form[1] in _ROUNDS_NUMBERS and any("n" in kind for kind in form[0]):
         return None
     same = tuple(op.args[s] if isinstance(s, int) else dict(op.kwargs)[s] for s in rule[1])
     return depth, op.method, form, same

@@ -46,9 +46,11 @@ def version_bumps(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _write_key(t: torch.Tensor):
+def write_key(t: torch.Tensor):
     """``storage_key``, but a tensor of no storage by itself (every empty storage has address
-    0: one of the caller's and one the call made would look alike)."""
+    0: one of the caller's and one the call made would look alike) is keyed by itself: what
+    ``MutationCheck`` and ``Tracer._external`` key writes by (a write into an empty tensor
+    changes no element, but bumps its version, and an ``out=`` resizes it)."""
     if t.layout is torch.strided and not t.untyped_storage().nbytes():
         return ("empty", id(t))
     return storage_key(t)
@@ -86,9 +88,8 @@ class MutationCheck(TorchDispatchMode):
             self.wrote = True
             val = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
             for t in tree_leaves(val):
-                if isinstance(t, torch.Tensor) and (t.numel() or arg.is_out) \
-                        and _write_key(t) not in self.fresh:  # (`out=` of no elements resizes it)
-                    raise ExternalMutation(str(func), storage_key(t))
+                if isinstance(t, torch.Tensor) and write_key(t) not in self.fresh:
+                    raise ExternalMutation(str(func), write_key(t))
                 if isinstance(t, torch.Tensor):
                     self.written.add(storage_key(t))
         undeclared = UNDECLARED_WRITES.get(schema.name)
@@ -96,15 +97,15 @@ class MutationCheck(TorchDispatchMode):
             self.wrote = True
             for i in undeclared[0]:
                 t = args[i] if i < len(args) else None
-                if isinstance(t, torch.Tensor) and t.numel() and storage_key(t) not in self.fresh:
-                    raise ExternalMutation(str(func), storage_key(t))
+                if isinstance(t, torch.Tensor) and write_key(t) not in self.fresh:
+                    raise ExternalMutation(str(func), write_key(t))
                 if isinstance(t, torch.Tensor):
                     self.written.add(storage_key(t))
         out = func(*args, **kwargs)
-        inputs = {_write_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {write_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                key = _write_key(t)
+                key = write_key(t)
                 if key not in inputs:
                     self.fresh.add(key)
         return out

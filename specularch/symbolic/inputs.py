@@ -18,7 +18,7 @@ from ..guards import AliasGuard, InferenceGuard, TensorGuard, TypeGuard
 from ..guards.lists import ObjectListGuard, TensorListGuard, leaf_state, list_tensors, uniform, walked
 from ..guards.sources import LocalSource, Source
 from ..records import Unsupported
-from ._torch_dispatch import storage_key
+from ._torch_dispatch import write_key
 from .rolled.objects import ObjectListV, plain_objects
 from .values.rolled import TensorListV
 from .values.symint import SymV
@@ -93,14 +93,13 @@ def wrap_tensor(tracer, t: torch.Tensor, source: Source | None,
     value = TensorV(node, t, source, dynamic=bool(dyn_dims), dyn_dims=dyn_dims, real=t)
     node.meta["value"] = value
     tracer._by_tensor_id[id(t)] = value
-    if t.numel():
-        key = storage_key(t)
-        sharer = tracer._external.setdefault(key, value)
-        if sharer is not value:  # another input shares this memory (a view made earlier)
-            if sharer.updated:
-                raise Unsupported("input_mutation", f"{source} shares memory with "
-                                  f"{sharer.source}, which this call wrote in place before")
-            tracer.viewed.add(key)  # in-place writes into this memory are refused
+    key = write_key(t)
+    sharer = tracer._external.setdefault(key, value)
+    if sharer is not value:  # another input shares this memory (a view made earlier)
+        if sharer.updated:
+            raise Unsupported("input_mutation", f"{source} shares memory with "
+                              f"{sharer.source}, which this call wrote in place before")
+        tracer.viewed.add(key)  # in-place writes into this memory are refused
     return value
 
 
@@ -131,11 +130,10 @@ def wrap_tensor_list(tracer, obj: list, source: Source, where: str) -> Value | N
     node, items, length = _whole_list(tracer, obj, source)
     value = TensorListV(node, items, length, where, source)
     for t in list_tensors(obj):  # a write into an item is refused: no source could commit it
-        if t.numel():
-            key = storage_key(t)
-            if key in tracer._external:  # another input: the graph would read the old value
-                tracer.viewed.add(key)
-            tracer._external.setdefault(key, TensorV(node, t))
+        key = write_key(t)
+        if key in tracer._external:  # another input: the graph would read the old value
+            tracer.viewed.add(key)
+        tracer._external.setdefault(key, TensorV(node, t))
     return value
 
 

@@ -191,10 +191,17 @@ def clip_grad_value(tracer, fn, args, kwargs) -> Value:
     if _flag(bound.get("foreach"), False):
         raise Unsupported("unsupported_call", "clip_grad_value_(foreach=True) is not captured")
     clip = float(bound["clip_value"].concrete())
+    # foreach=None: torch's foreach path (clamp_min_, clamp_max_); foreach=False: one clamp_
+    # per gradient (one version bump, as eager's)
+    foreach = bound.get("foreach")
+    per_tensor = foreach is not None and foreach.concrete() is False
     with _no_grad(tracer):
         for g in _grads(tracer, bound["parameters"]):
-            _method(tracer, g, "clamp_min_", ConstV(-clip))
-            _method(tracer, g, "clamp_max_", ConstV(clip))
+            if per_tensor:
+                _method(tracer, g, "clamp_", ConstV(-clip), ConstV(clip))
+            else:
+                _method(tracer, g, "clamp_min_", ConstV(-clip))
+                _method(tracer, g, "clamp_max_", ConstV(clip))
     return ConstV(None)
 
 

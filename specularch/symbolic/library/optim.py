@@ -15,6 +15,8 @@ hyperparameters, complex or sparse parameters, hooks) fall back.
 """
 from __future__ import annotations
 
+import numbers
+
 import functools
 import operator
 from typing import Callable, NamedTuple
@@ -200,8 +202,18 @@ def _hyper_value(tracer, key: str, raw, src: Source) -> Value:
                                   "and is not captured")
             item_src = ItemSource(src, i)
             items.append(number_input(tracer, beta, item_src)
-                         if type(beta) is float else tracer.wrap(beta, item_src))
+                         if type(beta) is float else _plain_number(tracer, key, beta, item_src))
         return TupleV(items, tuple, src)
+    return _plain_number(tracer, key, raw, src)
+
+
+def _plain_number(tracer, key: str, raw, src: Source) -> Value:
+    """``raw`` as a guarded constant; a number of another type than Python's (``np.float64``
+    from ``np.linspace``) is refused: the update's arithmetic is modelled on Python numbers."""
+    if isinstance(raw, numbers.Number) and type(raw) not in (int, float, bool, complex):
+        raise Unsupported("unsupported_call", f"optimizer option {key!r} is a "
+                          f"{type(raw).__module__}.{type(raw).__name__}, not a Python number "
+                          f"(pass float({key}) to the optimizer to capture its step)")
     return tracer.wrap(raw, src)
 
 

@@ -15,7 +15,7 @@ import torch.fx
 from ...guards import NoTensorHooksGuard
 from ...guards.sources import AttrSource
 from ...records import Unsupported
-from .._torch_dispatch import storage_key
+from .._torch_dispatch import storage_key, write_key
 from ..values import ConstV, TensorV, Value
 from ..values.scalar import ScalarV
 from ..models import provides
@@ -152,9 +152,9 @@ def _storages_of_many(tracer, grads: list) -> set:
     """The gradients (their positions) whose tensor another leaf after them also gets
     (``autograd.grad`` hands one tensor to both sides of ``a + b``: eager's accumulation
     copies it for the first, the last keeps it), or that the graph reads as an input."""
-    inputs = {storage_key(v.example) for v in tracer.graph_inputs()
+    inputs = {write_key(v.example) for v in tracer.graph_inputs()
               if isinstance(getattr(v, "example", None), torch.Tensor)}
-    keys = [storage_key(g.example) if isinstance(g, TensorV) else None for g in grads]
+    keys = [write_key(g.example) if isinstance(g, TensorV) else None for g in grads]
     return {k for k, key in enumerate(keys) if key is not None and (key in inputs
                                                                     or key in keys[k + 1:])}
 
