@@ -2012,11 +2012,6 @@ KEYS = ["a", "b", "a", "c", "a", "b", "d", "a", "c", "e", "a", "b", "f", "a"]
 # ====================================================================== the sweep
 
 X = {  # xfail reasons, by case id
-    "implicit_context": "an error raised by a modelled operation (`[][0]`, a missing key, 1 // 0) inside an "
-                        "except block gets no __context__ in the captured path (eager: the handled exception); "
-                        "symbolic/exceptions.py sets it only for `raise` statements (raise_value)",
-    "implicit_context_in_finally": "as implicit_context: a ZeroDivisionError raised in a `finally` while a "
-                                   "KeyError unwinds has __context__ None in the captured path",
     "traceback_in_handler": "a Python-level exception caught in a captured handler has __traceback__ None "
                             "(eager: a traceback object)",
     "traceback_in_exit": "__exit__ receives tb=None in the captured path (eager: a traceback); documented in "

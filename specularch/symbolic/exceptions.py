@@ -63,6 +63,10 @@ def unwind(frame, ins, error: PyRaise) -> int:
         raise error
     if error.filename is None:  # where it was raised, kept if a handler raises it again
         error.filename, error.lineno, error.function = frame.tracer.user_position()
+    current = handled(frame.tracer)  # (`[][0]` inside an except block: its implicit context,
+    if current is not None and error.exc is not None and error.exc.__context__ is None \
+            and current.obj is not error.exc:  # as a `raise` statement's, raise_value)
+        error.exc.__context__ = current.obj
     error.value.raised_at = (error.filename, error.lineno, error.function)
     del frame.stack[entry.depth:]
     frame.kw_names = ()
