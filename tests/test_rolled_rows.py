@@ -1,4 +1,4 @@
-"""``for row in x`` and ``for x_t in x.unbind(d)`` over a dimension of a tensor that varies between
+"""``for row in x``, ``for x_t in x.unbind(d)`` and ``for x_t in x.split(1, d)`` over a dimension of a tensor that varies between
 calls, rolled by symbolic/rolled/rows.py: the body captured once, whatever the size. Each case
 is compared with eager over 30 sizes (values, gradients, the arguments after the call,
 exceptions): one capture, no ``cache_limit`` fallback; bit for bit with ``templates="exact"``,
@@ -78,6 +78,16 @@ def _enumerated_from(x, w):
     return total, k
 
 
+def _split_steps(x, w):
+    """The time-sequence example's form: slices of one step, outputs grown with `+=`."""
+    h = torch.zeros(x.size(0), 5)
+    outputs = []
+    for x_t in x.split(1, dim=1):
+        h = torch.tanh(x_t.squeeze(1) @ w + h)
+        outputs += [h]
+    return torch.stack(outputs, 1)
+
+
 def _args(i):
     n = LENGTHS[i % len(LENGTHS)]
     return A(T(n, 3, 5, requires_grad=True), T(5, 5, requires_grad=True), T(3, 5))
@@ -102,6 +112,7 @@ def _batch_first_args(i):
     (_made_in_the_call, _two, "for row in <a tensor>"),
     (_enumerated, _two, "for k, row in enumerate(L['x'])"),
     (_enumerated_from, _batch_first_args, "for k, row in enumerate(L['x'].unbind(1), 3)"),
+    (_split_steps, _batch_first_args, "for row in L['x'].split(1, 1)"),
 ])
 def test_a_loop_over_a_tensors_rows_is_rolled_once(fn, make_args, form, templates, rtol):
     with specularch.config.patch(templates=templates):

@@ -77,7 +77,7 @@ def binary(tracer, op, a: Value, b: Value) -> Value:
     if (isinstance(a, SymV) or isinstance(b, SymV)) and op in symint.ARITHMETIC \
             and symint.is_symbolic_operand(a) and symint.is_symbolic_operand(b):
         return symint.arithmetic(tracer, op, a, b)
-    if is_const(a) and is_const(b):
+    if is_const(b) and is_const(a):  # (b first: a rolled loop's `outputs += [y]` reads no item of a)
         if op in _INPLACE and isinstance(a, (ListV, DictV, SetV)):
             return _inplace_container(tracer, op, a, b)
         return concrete_op(tracer, op, a, b)

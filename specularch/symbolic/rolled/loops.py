@@ -183,10 +183,11 @@ def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
     return SymRangeIterV([], n=n, start=start, step=step, bounds=tuple(args))
 
 
-def rows_form(x: TensorV, dim: int, enumerated: bool = False, count_from: int = 0) -> str:
+def rows_form(x: TensorV, dim: int, enumerated: bool = False, count_from: int = 0,
+              split: bool = False) -> str:
     """How ``explain()`` names a loop over a tensor's rows (rows.py)."""
     name = str(x.source) if x.source is not None else "<a tensor>"
-    rows = name if dim == 0 else f"{name}.unbind({dim})"
+    rows = f"{name}.split(1, {dim})" if split else name if dim == 0 else f"{name}.unbind({dim})"
     if enumerated:
         return f"for k, row in enumerate({rows}{f', {count_from}' if count_from else ''})"
     return f"for row in {rows}"
@@ -256,6 +257,7 @@ def for_iter(frame, ins, it: SymRangeIterV):
 class _Loop:
     exit_at = None  # the index of the jump of the ``if ...: break`` ending the body (exits.py)
     rows, rows_dim = None, 0  # ``for row in x``: the tensor and the dimension (rows.py)
+    rows_split = False        # ``x.split(1, d)``: its parts
     parts = None              # its ``unbind`` node (``_row``)
 
     def __init__(self, frame, ins, it: SymRangeIterV):
@@ -266,13 +268,15 @@ class _Loop:
         self.count_from = getattr(it, "count_from", 0)  # ``enumerate(xs, start)``
         self.zipped = getattr(it, "zipped", ())         # ``zip(xs, ys)``: every list
         self.rows, self.rows_dim = getattr(it, "rows_of", None), getattr(it, "dim", 0)
+        self.rows_split = getattr(it, "split", False)
         self.counter = None                           # the ``k`` of iteration 1
         self.exit_at = None if self.items is not None or self.enumerated else \
             rolled_exits.exit_jump(frame.info.instructions, frame.ip - 1,
                                    frame.info.index_of[ins.argval])  # its ``break`` test
         self.form = rolled_lists.form(self.items.source, self.enumerated, self.count_from,
                                       self.zipped) if self.items is not None else \
-            rows_form(self.rows, it.dim, self.enumerated, self.count_from) if self.rows is not None else _form(it.bounds or [it.n])
+            rows_form(self.rows, it.dim, self.enumerated, self.count_from, self.rows_split) \
+            if self.rows is not None else _form(it.bounds or [it.n])
         self.first = None                             # what iteration 0 bound the target to
         self.graph = self.tracer.graph
         self.head = frame.ip - 1                      # index of FOR_ITER
@@ -290,8 +294,11 @@ class _Loop:
     def _run(self) -> None:
         self._check_bytecode()
         if self.rows is not None:  # ``x.unbind(d)``, before the loop (``_row``)
-            self.parts = self.graph.call_function(torch.unbind, (self.rows.node, self.rows_dim))
-            self.parts.meta.update(example=self.rows.example.unbind(self.rows_dim),
+            x, d = self.rows, self.rows_dim
+            self.parts = self.graph.call_function(torch.split, (x.node, 1, d)) if self.rows_split \
+                else self.graph.call_function(torch.unbind, (x.node, d))
+            self.parts.meta.update(example=x.example.split(1, d) if self.rows_split
+                                   else x.example.unbind(d),
                                    where=self.where, mutates=False, writes=frozenset())
         before_loop = set(self.graph.nodes)
         first = Snapshot(self.frame, self.tracer)

@@ -48,8 +48,12 @@ class _AppendOnlyItems(list):
     def _read(self, *args, **kwargs):
         self.loop.refuse("its body reads a list it appends to")
 
+    def extend(self, items) -> None:  # ``outputs += [y]`` appends (the match checks one per iteration)
+        for item in list(items):
+            self.append(item)
+
     __getitem__ = __len__ = __iter__ = __contains__ = __setitem__ = __delitem__ = _read
-    pop = insert = extend = remove = index = count = __reversed__ = _read
+    pop = insert = remove = index = count = __reversed__ = _read
 
 
 # ---- what the frame holds at the loop's head -----------------------------------------------

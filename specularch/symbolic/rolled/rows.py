@@ -32,10 +32,22 @@ def get_iter(frame, iterated: Value):
 
 
 def unbound(tracer, label: str, args: list, kwargs: dict):
-    """``x.unbind(d)`` or ``torch.unbind(x, d)`` consumed right away by a ``for`` loop: the
-    iterator that rolls it, or None (the parts are made as before)."""
-    if label != "unbind" or not tracer.frames or len(args) + len(kwargs) > 2 \
-            or set(kwargs) - {"dim"}:
+    """``x.unbind(d)`` / ``torch.unbind(x, d)``, or ``x.split(1, d)`` / ``torch.split(x, 1, d)``
+    (slices of one row: the time-sequence example's ``for input_t in input.split(1, dim=1)``),
+    consumed right away by a ``for`` loop: the iterator that rolls it, or None (the parts are
+    made as before)."""
+    if not tracer.frames:
+        return None
+    if label == "split":  # (split_size 1 only: then the count of parts is the size)
+        if len(args) + len(kwargs) > 3 or set(kwargs) - {"split_size", "split_size_or_sections",
+                                                         "dim"}:
+            return None
+        size = args[1] if len(args) > 1 else kwargs.get("split_size",
+                                                         kwargs.get("split_size_or_sections"))
+        if not (isinstance(size, ConstV) and type(size.value) is int and size.value == 1):
+            return None
+        args = [args[0], *args[2:]] if args else args
+    elif label != "unbind" or len(args) + len(kwargs) > 2 or set(kwargs) - {"dim"}:
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
@@ -48,7 +60,7 @@ def unbound(tracer, label: str, args: list, kwargs: dict):
             return None
         at = frame.ip + skip + 1
     dim = args[1] if len(args) > 1 else kwargs.get("dim", ConstV(0))
-    return _rows(frame, args[0] if args else None, dim, at)
+    return _rows(frame, args[0] if args else None, dim, at, split=label == "split")
 
 
 def enumerate_rows(tracer, args: list, kwargs: dict):
@@ -71,7 +83,8 @@ def enumerate_rows(tracer, args: list, kwargs: dict):
     return _rows(frame, args[0], ConstV(0), frame.ip + 1, start.value)
 
 
-def _rows(frame, x, dim: Value, at: int, enumerated_from: int | None = None):
+def _rows(frame, x, dim: Value, at: int, enumerated_from: int | None = None,
+          split: bool = False):
     """The iterator over ``x.unbind(dim)`` for the loop that the instruction at ``at``
     starts (its ``FOR_ITER``, or the call of a list comprehension), or None."""
     code, tracer = frame.info.instructions, frame.tracer
@@ -89,7 +102,7 @@ def _rows(frame, x, dim: Value, at: int, enumerated_from: int | None = None):
     n = tracer.sym_size(x, d)
     if not isinstance(n, SymV):
         return None  # one size for every call: nothing to roll
-    form = rows_form(x, d, enumerated_from is not None, enumerated_from or 0)
+    form = rows_form(x, d, enumerated_from is not None, enumerated_from or 0, split)
     why = _why_not_roll(tracer, site, n, exits)
     if why is not None:
         if site not in tracer.assumptions.unrolled_loops:
@@ -97,4 +110,5 @@ def _rows(frame, x, dim: Value, at: int, enumerated_from: int | None = None):
                                            site=site, form=form))
         return None
     return RowsIterV([], n=n, start=ConstV(0), step=1, bounds=(n,), rows_of=x, dim=d,
-                     enumerated=enumerated_from is not None, count_from=enumerated_from or 0)
+                     enumerated=enumerated_from is not None, count_from=enumerated_from or 0,
+                     split=split)

@@ -139,6 +139,7 @@ class RowsIterV(SymRangeIterV):
 
     rows_of: Any = None        # the TensorV
     dim: int = 0               # ``x.unbind(dim)``
+    split: bool = False        # ``x.split(1, dim)``: slices of one row, not rows
     enumerated: bool = False   # ``enumerate(x)``: hands out ``(k, x[k])``
     count_from: int = 0        # ``enumerate(x, start)``: ``k`` is ``start + index``
 
