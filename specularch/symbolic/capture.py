@@ -286,6 +286,9 @@ class SpecBuilder:
         if isinstance(v, TensorV):
             if v.updated:  # the real tensor, which the commit fills with the new values
                 return rb.FromSource(v.source)
+            if v.node.op == "placeholder" and isinstance(v.source, LocalSource) \
+                    and v.real is not None and v.example is v.real:
+                return rb.FromSource(v.source)  # an argument returned: itself, on any backend
             written = self.written.get(storage_key(v.example)) if self.written else None
             if written is not None and v.example is written[1]:
                 return rb.FromSource(written[0])  # `x.mul_(2).add_(1)`: the real tensor itself

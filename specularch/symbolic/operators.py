@@ -279,7 +279,7 @@ def unary(tracer, op, v: Value) -> Value:
     if isinstance(v, TensorV):
         return tracer.call_op("call_function", op, [v], {})
     if isinstance(v, SymV) and op is operator.neg:
-        return symint.arithmetic(tracer, operator.sub, ConstV(0), v)
+        return symint.negate(tracer, v)
     if is_const(v):
         return concrete_op(tracer, op, v)
     raise Unsupported("unsupported_call", f"{op.__name__} of {kind(v)}")

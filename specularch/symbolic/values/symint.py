@@ -92,6 +92,8 @@ def arithmetic(tracer, op, a: Value, b: Value) -> Value:
             if isinstance(x, SymV):
                 x.concrete()
         raise python_error(e.with_traceback(None)) from None
+    if op is operator.pow:
+        _pin_power_type(tracer, a, b, va, vb)
     node = tracer.graph.call_function(op, (na, nb))
     known = ea is not None and eb is not None
     sym = _SYMBOL[op]
@@ -99,11 +101,42 @@ def arithmetic(tracer, op, a: Value, b: Value) -> Value:
                 f"({la} {sym} {lb})" if known else "")
 
 
+def _pin_power_type(tracer, a: Value, b: Value, va, vb) -> None:
+    """``a ** b``'s Python type depends on the values: ``2 ** n`` is an int for ``n >= 0``
+    and a float below, ``f ** 0.5`` a float for ``f >= 0`` and complex below. The side the
+    capture's values were on is guarded (or checked in the graph), so the type the graph's
+    number has (what ``type()``, ``int()`` and a tensor op's dtype see) is the call's.
+    Only an input number to a constant fractional power (``f ** 0.5``) has its sign guarded:
+    a base computed by arithmetic (Adam's ``(1 - beta2 ** step) ** 0.5``, per parameter) or a
+    varying exponent (``beta1 ** step``) would cost every training step guards (documented
+    in semantics.md)."""
+    if type(va) is int and type(vb) is int and isinstance(b, SymV):
+        compare(tracer, operator.ge, b, ConstV(0))
+    elif isinstance(b, ConstV) and type(vb) is float and not vb.is_integer() \
+            and isinstance(a, SymV) and type(va) in (int, float) and a.node.op == "placeholder":
+        compare(tracer, operator.ge, a, ConstV(0))  # (``beta ** step``: not guarded)
+    elif type(vb) is not int and isinstance(b, SymV) and type(va) in (int, float) and va < 0:
+        b.concrete()  # a negative base to a varying power: complex unless it is integral
+
+
+def negate(tracer, v: SymV) -> SymV:
+    """``-v``, symbolic: ``operator.neg`` keeps the sign of a zero (``0 - v`` made ``0.0`` of
+    ``-0.0``, which ``copysign``, ``1 / x`` and printing tell apart)."""
+    node = tracer.graph.call_function(operator.neg, (v.node,))
+    known = v.expr is not None
+    return SymV(-v.value, node, f"(-{v.expr})" if known else None, tracer,
+                f"(-{v.label})" if known else "")
+
+
 def convert(tracer, fn, v: SymV, *rest) -> SymV:
     """``int(v)``, ``float(v)``, ``round(v[, n])`` of a symbolic number, symbolic too: a loop
     count or size made from a drawn or relaxed number is guarded as the value it gives
     (``int(random.random() * 4) == 1``), not as the number it came from."""
-    value = fn(v.value, *rest)
+    try:
+        value = fn(v.value, *rest)
+    except (OverflowError, ValueError) as e:  # int(inf), int(nan): eager's error, pinned
+        v.concrete()
+        raise python_error(e.with_traceback(None)) from None
     node = tracer.graph.call_function(fn, (v.node, *rest))
     more = "".join(f", {r!r}" for r in rest)
     known = v.expr is not None
