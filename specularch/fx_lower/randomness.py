@@ -18,7 +18,23 @@ def is_random_node(node: torch.fx.Node) -> bool:
     if node.meta.get("draws_random"):  # a rolled loop whose body does
         return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name in _RNN_OPS:
+        return _rnn_dropout(node.args)
     return any(r in str(name) for r in _RANDOM_OPS)
+
+
+# ``nn.LSTM``/``GRU``/``RNN`` modules' ops: with ``dropout > 0`` in training they draw
+# between layers (``torch.gru(input, hx, params, has_biases, num_layers, dropout, train, ...)``)
+_RNN_OPS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
+
+def _rnn_dropout(args: tuple) -> bool:
+    """Whether an RNN op's ``(dropout, train)`` arguments (a float then a bool, in either
+    form of its schema) make it draw."""
+    for p, train in zip(args, args[1:]):
+        if type(p) is float and type(train) is bool:
+            return p > 0 and train
+    return True  # (not found: assume it draws)
 
 
 def is_identity_dropout(node: torch.fx.Node) -> bool:
