@@ -5,6 +5,7 @@ exceptions): one capture, no ``cache_limit`` fallback; bit for bit with ``templa
 within rounding by default. A loop that cannot roll is unrolled, still equal to eager, and
 ``explain()`` says why."""
 import copy
+import dis
 
 import pytest
 import torch
@@ -135,6 +136,25 @@ def test_a_loop_over_rows_that_stops_early_is_rolled_and_hands_out_the_row_it_st
     _assert_rolled_once(report, "for row in L['x']")
     (loop,) = _loops(report)
     assert len(set(loop.trips)) > 3, loop  # it stopped at different rows
+
+
+def _long_body(head: str):
+    """A loop whose body is longer than 255 code units: its ``FOR_ITER`` and its jump back
+    carry an ``EXTENDED_ARG`` prefix (before, such loops never rolled)."""
+    lines = "\n".join("        h = torch.tanh(h * 0.5 + row)" for _ in range(40))
+    source = f"def long_body(x, h):\n    {head}\n        row = x[t]\n{lines}\n    return h\n"
+    namespace = {"torch": torch}
+    exec(compile(source, "<long body>", "exec"), namespace)
+    fn = namespace["long_body"]
+    assert any(i.opname == "EXTENDED_ARG" for i in dis.get_instructions(fn)), "body too short"
+    return fn
+
+
+@pytest.mark.parametrize("head", ["for t in range(x.size(0)):", "for t, _ in enumerate(x):"])
+def test_a_loop_with_a_long_body_rolls(head):
+    report = check(_long_body(head), lambda i: A(T(LENGTHS[i], 3), T(3)), calls=12, grad=False,
+                   rtol=1e-6, atol=1e-7)
+    assert report.stats.captures == 1 and any(loop.rolled for loop in _loops(report)), report
 
 
 def test_the_row_after_the_loop_is_a_view_of_the_tensor_as_in_eager():
