@@ -7,6 +7,7 @@ the body captured once, whatever the walk's length. Each case is compared with e
 default. A node that differs is never wrong (the call is captured again), and ``explain()``
 says why."""
 import copy
+import dis
 
 import pytest
 import torch
@@ -235,3 +236,17 @@ def test_a_training_step_over_a_linked_list_is_captured_once(templates, rtol):
                 assert_same(p, q, f"{name} after length {n}", **close)
                 assert_same(p.grad, q.grad, f"{name}.grad after length {n}", **close)
     _assert_rolled_once(specularch.explain(opt_step))
+
+
+def test_a_walk_with_a_long_body_rolls():
+    """A body longer than 255 code units: the jumps of both tests carry an ``EXTENDED_ARG``
+    prefix (before, such a walk never rolled)."""
+    lines = "\n".join("        h = torch.tanh(node.x @ w + h) * node.scale" for _ in range(25))
+    source = f"def long_body(node, w, h):\n    while node is not None:\n{lines}\n" \
+             "        node = node.next\n    return h\n"
+    namespace = {"torch": torch}
+    exec(compile(source, "<long body>", "exec"), namespace)
+    fn = namespace["long_body"]
+    assert any(i.opname == "EXTENDED_ARG" for i in dis.get_instructions(fn)), "body too short"
+    report = check(fn, _args, calls=12, rtol=1e-6, atol=1e-7)
+    assert report.stats.captures == 1 and any(loop.rolled for loop in _loops(report)), report

@@ -5,6 +5,7 @@ after the loop, the heap, exceptions): one capture, no ``cache_limit`` fallback;
 with ``templates="exact"``, within rounding by default. Loops that cannot be rolled are unrolled,
 still equal to eager, and ``explain()`` says why."""
 import copy
+import dis
 
 import pytest
 import torch
@@ -223,3 +224,17 @@ def test_a_training_step_through_a_while_loop_is_captured_once(templates, rtol):
                 assert_same(p, q, f"{name} after {n}", **close)
                 assert_same(p.grad, q.grad, f"{name}.grad after {n}", **close)
     _assert_rolled_once(specularch.explain(opt_step), "while t < L['n']")
+
+
+def test_a_while_loop_with_a_long_body_rolls():
+    """A body longer than 255 code units: both tests' jumps carry an ``EXTENDED_ARG`` prefix
+    (before, such a loop never rolled)."""
+    lines = "\n".join("        h = torch.tanh(h * 0.5 + x[i])" for _ in range(40))
+    source = f"def long_body(x, h, n):\n    i = 0\n    while i < n:\n{lines}\n        i += 1\n" \
+             "    return h, i\n"
+    namespace = {"torch": torch}
+    exec(compile(source, "<long body>", "exec"), namespace)
+    fn = namespace["long_body"]
+    assert any(i.opname == "EXTENDED_ARG" for i in dis.get_instructions(fn)), "body too short"
+    report = check(fn, lambda i: A(T(40, 3), T(3), COUNTS[i]), calls=12, rtol=1e-6, atol=1e-7)
+    assert report.stats.captures == 1 and any(loop.rolled for loop in _loops(report)), report
