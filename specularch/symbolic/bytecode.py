@@ -48,8 +48,19 @@ def analyse(code: types.CodeType) -> CodeInfo:
     hit = _CACHE.get(id(code))
     if hit is not None and hit[0] is code:
         return hit[1]
-    instructions = tuple(i for i in dis.get_instructions(code) if i.opname != "CACHE")
+    decoded = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+    # ``EXTENDED_ARG`` only widens the next instruction's argument, which ``dis`` folded into
+    # it: dropped, so the instruction after ``GET_ITER`` of a loop whose body is longer than
+    # 255 code units is its ``FOR_ITER``; a jump to a prefix lands on what it prefixes
+    instructions = tuple(i for i in decoded if i.opname != "EXTENDED_ARG")
     index_of = {ins.offset: n for n, ins in enumerate(instructions)}
+    prefixes: list = []
+    for ins in decoded:
+        if ins.opname == "EXTENDED_ARG":
+            prefixes.append(ins.offset)
+        else:
+            index_of.update((offset, index_of[ins.offset]) for offset in prefixes)
+            prefixes.clear()
     for ins in instructions:
         if ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs:
             if ins.argval not in index_of:

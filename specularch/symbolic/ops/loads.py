@@ -11,10 +11,10 @@ from .registry import handles
 from ..values import NULL, CellV, ConstV
 
 
-@handles("NOP", "RESUME", "PRECALL", "MAKE_CELL", "COPY_FREE_VARS", "EXTENDED_ARG")
+@handles("NOP", "RESUME", "PRECALL", "MAKE_CELL", "COPY_FREE_VARS")
 def _nop(frame, ins):
-    # MAKE_CELL / COPY_FREE_VARS: cells are set up when the frame is created;
-    # EXTENDED_ARG: ``dis`` already folded it into the next instruction's argument.
+    # MAKE_CELL / COPY_FREE_VARS: cells are set up when the frame is created (EXTENDED_ARG
+    # never runs: bytecode.analyse drops it, ``dis`` folded it into the next instruction)
     return None
 
 

@@ -77,11 +77,8 @@ def loop_site(frame):
     code = frame.info.instructions
     if frame.ip >= len(code):
         return None
-    at = frame.ip
-    while at < len(code) - 1 and code[at].opname == "EXTENDED_ARG":  # (a long body's FOR_ITER)
-        at += 1
-    if code[at].opname == "FOR_ITER":
-        return (id(frame.code), code[at].offset)
+    if code[frame.ip].opname == "FOR_ITER":
+        return (id(frame.code), code[frame.ip].offset)
     comprehension = frame.stack[-1] if frame.stack else None
     if frame.ip + 1 >= len(code) or (code[frame.ip].opname, code[frame.ip].arg) != ("PRECALL", 0) \
             or code[frame.ip + 1].opname != "CALL" or not isinstance(comprehension, FuncV) \
@@ -162,7 +159,7 @@ def consumed_by_enumerate(tracer) -> tuple:
     if frame is None or not frame.stack or _builtin(frame.stack[-1]) is not enumerate:
         return None, 0
     code, at = frame.info.instructions, frame.ip
-    ops = [(i.opname, i.arg) for i in code[at:at + 6] if i.opname != "EXTENDED_ARG"][:5]
+    ops = [(i.opname, i.arg) for i in code[at:at + 5]]
     if ops[:3] == [("PRECALL", 1), ("CALL", 1), ("GET_ITER", None)] and len(ops) > 3 \
             and ops[3][0] == "FOR_ITER":
         return frame, 2

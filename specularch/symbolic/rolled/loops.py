@@ -161,18 +161,18 @@ def _symbolic_range(tracer, args: list, kwargs: dict) -> Value | None:
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
-    head = past_prefixes(code, frame.ip + 1)
-    if head >= len(code) or code[frame.ip].opname != "GET_ITER" or code[head].opname != "FOR_ITER":
+    if frame.ip + 1 >= len(code) or code[frame.ip].opname != "GET_ITER" \
+            or code[frame.ip + 1].opname != "FOR_ITER":
         return None
     # a constant trip count: rolled only where the loop may stop early (exits.py)
-    exits = rolled_exits.exit_jump(code, head, frame.info.index_of[code[head].argval])
+    exits = rolled_exits.exit_jump(code, frame.ip + 1, frame.info.index_of[code[frame.ip + 1].argval])
     if not any(isinstance(a, SymV) for a in args[:2]) and exits is None:
         return None
     step = args[2].concrete() if len(args) == 3 else 1  # a symbolic step: specialised
     if step == 0:
         return None  # range() raises, as in eager
     start, stop = (ConstV(0), args[0]) if len(args) == 1 else (args[0], args[1])
-    site = (id(frame.code), code[head].offset)
+    site = (id(frame.code), code[frame.ip + 1].offset)
     where = f"{frame.code.co_filename}:{frame.lineno}"
     n = _trip_count(tracer, start, stop, step)
     why = _why_not_roll(tracer, site, n, exits is not None)
@@ -191,22 +191,6 @@ def rows_form(x: TensorV, dim: int, enumerated: bool = False, count_from: int = 
     if enumerated:
         return f"for k, row in enumerate({rows}{f', {count_from}' if count_from else ''})"
     return f"for row in {rows}"
-
-
-def past_prefixes(code: list, i: int) -> int:
-    """The index of the instruction at ``i``, past its ``EXTENDED_ARG`` prefixes (a loop whose
-    body is longer than 255 code units has its ``FOR_ITER`` and its jump back prefixed)."""
-    while i < len(code) and code[i].opname == "EXTENDED_ARG":
-        i += 1
-    return i
-
-
-def prefix_start(code: list, i: int) -> int:
-    """The index of the first ``EXTENDED_ARG`` prefixing the instruction at ``i`` (where a jump
-    to it lands), or ``i``."""
-    while i > 0 and code[i - 1].opname == "EXTENDED_ARG":
-        i -= 1
-    return i
 
 
 def _form(args: list) -> str:
@@ -443,8 +427,7 @@ class _Loop:
         frame.push(index)
         frame.ip = self.head + 1
         self.exits.iteration()
-        top = prefix_start(frame.info.instructions, self.head)  # (the body jumps back to it)
-        while not top <= frame.ip <= self.head:
+        while frame.ip != self.head:
             if frame.result is not None or not self.head < frame.ip < self.exit:
                 self.refuse("an iteration leaves the loop (break, return or an exception)")
             at = frame.ip

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .exits import exit_jump
 from .lists import consumed_by_enumerate, loop_site
-from .loops import LoopReport, _why_not_roll, past_prefixes, rows_form
+from .loops import LoopReport, _why_not_roll, rows_form
 from ..values.rolled import RowsIterV
 from ..values.symint import SymV
 from ..values import ConstV, TensorV, Value
@@ -28,7 +28,7 @@ from ..values import ConstV, TensorV, Value
 def get_iter(frame, iterated: Value):
     """``GET_ITER`` of a tensor consumed right away by ``FOR_ITER`` or a list comprehension:
     the iterator that rolls the loop over its first dimension, or None (unrolled as before)."""
-    return _rows(frame, iterated, ConstV(0), past_prefixes(frame.info.instructions, frame.ip))
+    return _rows(frame, iterated, ConstV(0), frame.ip)
 
 
 def unbound(tracer, label: str, args: list, kwargs: dict):
@@ -51,15 +51,14 @@ def unbound(tracer, label: str, args: list, kwargs: dict):
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
-    after = past_prefixes(code, frame.ip + 1)
-    if after < len(code) and code[frame.ip].opname == "GET_ITER" \
-            and code[after].opname == "FOR_ITER":
-        at = after
+    if frame.ip + 1 < len(code) and code[frame.ip].opname == "GET_ITER" \
+            and code[frame.ip + 1].opname == "FOR_ITER":
+        at = frame.ip + 1
     else:  # ``enumerate(x.unbind(1)[, start])``: its FOR_ITER after enumerate's call
         frame, skip = consumed_by_enumerate(tracer)
         if frame is None:
             return None
-        at = past_prefixes(frame.info.instructions, frame.ip + skip + 1)
+        at = frame.ip + skip + 1
     dim = args[1] if len(args) > 1 else kwargs.get("dim", ConstV(0))
     return _rows(frame, args[0] if args else None, dim, at, split=label == "split")
 
@@ -75,7 +74,7 @@ def enumerate_rows(tracer, args: list, kwargs: dict):
         return None
     frame = tracer.frames[-1]
     code = frame.info.instructions
-    at = past_prefixes(code, frame.ip + 1)
+    at = frame.ip + 1
     if at >= len(code) or code[frame.ip].opname != "GET_ITER" or code[at].opname != "FOR_ITER":
         return None
     if isinstance(args[0], RowsIterV) and not args[0].enumerated:  # of ``x.unbind(d)``

@@ -46,10 +46,7 @@ def _note(frame, site: tuple, target: int):
     from .loops import LoopReport  # loops.py imports what imports this module
     if is_library_file(frame.code.co_filename):
         return None
-    code, at = frame.info.instructions, frame.info.index_of[target]
-    while at < len(code) - 1 and code[at].opname == "EXTENDED_ARG":  # (a long loop's FOR_ITER)
-        at += 1
-    head = code[at]
+    head = frame.info.instructions[frame.info.index_of[target]]
     if head.opname == "FOR_ITER":  # its jump back ends every iteration, and is on its line
         source = getattr(frame.stack[-1], "iterates_source", None) if frame.stack else None
         if source is None or frame.code.co_name.startswith("<"):

@@ -28,7 +28,7 @@ from ...guards.lists import walked
 from ..library_files import is_library_file
 from ..values import ConstV, ObjV, Value
 from . import lists as rolled_lists, objects as rolled_objects
-from .loops import _why_not_roll, not_here, prefix_start, run_rolling
+from .loops import _why_not_roll, not_here, run_rolling
 from .while_loops import _While
 
 _END = ("LOAD_FAST", "LOAD_ATTR", "STORE_FAST")  # ``node = node.link``, the body's last line
@@ -62,21 +62,20 @@ def _loop_shape(frame, ins, value: Value):
     """(body, bottom test, exit) instruction indices, the variable and the link of a loop
     ``while var is not None: ...; var = var.link`` whose ``var`` holds an object from the call."""
     code, at = frame.info.instructions, frame.ip - 1  # ``at``: the test's jump
-    before = prefix_start(code, at) - 1  # (a long body's jump is prefixed: EXTENDED_ARG)
-    if ins.opname not in _TESTS or before < 0 or code[before].opname != "LOAD_FAST" \
+    if ins.opname not in _TESTS or at < 1 or code[at - 1].opname != "LOAD_FAST" \
             or not isinstance(value, ObjV) or value.source is None \
             or ins.opname == "POP_JUMP_FORWARD_IF_FALSE" and not _always_true(type(value.obj)) \
             or frame.code.co_name.startswith("<") or is_library_file(frame.code.co_filename):
         return None
-    var = code[before].argval
+    var = code[at - 1].argval
     exit_ = frame.info.index_of[ins.argval]
     if frame.locals.get(var) is not value or exit_ < at + 6:
         return None
-    bottom = prefix_start(code, exit_ - 1) - 1  # the load of the test before the jump back
-    jump, load = code[exit_ - 1], code[bottom]
+    jump, load = code[exit_ - 1], code[exit_ - 2]
     if jump.opname != _TESTS[ins.opname] or jump.argval != code[at + 1].offset \
             or (load.opname, load.argval) != ("LOAD_FAST", var):
         return None  # a ``while ... else``, a test of another form
+    bottom = exit_ - 2
     end = code[bottom - 3:bottom]
     if tuple(i.opname for i in end) != _END or end[0].argval != var or end[2].argval != var:
         return None

@@ -25,8 +25,7 @@ import operator
 from ..values.rolled import RollRefused
 from ..values.symint import SymV, arithmetic
 from ..values import ConstV, Value
-from .loops import (_NOT_IN_BODY, _Loop, _trip_count, _why_not_roll, not_here, past_prefixes,
-                    prefix_start, run_rolling)
+from .loops import _NOT_IN_BODY, _Loop, _trip_count, _why_not_roll, not_here, run_rolling
 
 _SYMBOL = {"<": 1, "<=": 1, ">": -1, ">=": -1}  # the direction the counter must step in
 
@@ -56,8 +55,7 @@ def _loop_shape(frame, ins, a: Value, b: Value):
     """(body, bottom test, exit) instruction indices and the counter's name of a loop whose
     head test is ``i < bound`` with an int ``i`` and a symbolic bound read the same way in
     every iteration (a local, ``len(xs)``, ``x.size(0)``, ``x.shape[0]``, arithmetic)."""
-    code = frame.info.instructions
-    at = past_prefixes(code, frame.ip)  # the jump after the test (a long body's: prefixed)
+    code, at = frame.info.instructions, frame.ip  # ``at``: the jump after the test
     if ins.argval not in _SYMBOL or not isinstance(a, ConstV) or type(a.value) is not int \
             or not isinstance(b, SymV) or type(b.value) is not int or at < 3 \
             or at >= len(code) or code[at].opname != "POP_JUMP_FORWARD_IF_FALSE" \
@@ -70,13 +68,10 @@ def _loop_shape(frame, ins, a: Value, b: Value):
     if start is None or jump.opname != "POP_JUMP_BACKWARD_IF_TRUE" \
             or jump.argval != code[at + 1].offset:
         return None  # a ``while ... else``, a test of another form
-    test = [i for i in code[start:at] if i.opname != "EXTENDED_ARG"]
-    bottom = prefix_start(code, exit_ - 1) - len(test)  # the same test before the jump back
-    if bottom <= at or [(i.opname, i.argval) for i in code[bottom:prefix_start(code, exit_ - 1)]] \
-            != [(i.opname, i.argval) for i in test]:
+    test, bottom = code[start:at], exit_ - 1 - (at - start)
+    if [(i.opname, i.argval) for i in code[bottom:exit_ - 1]] != [(i.opname, i.argval) for i in test]:
         return None
-    if not _same_in_every_test(code[start + 1:prefix_start(code, at) - 1], code[at + 1:bottom],
-                               test[0].argval):
+    if not _same_in_every_test(code[start + 1:at - 1], code[at + 1:bottom], test[0].argval):
         return None
     return at + 1, bottom, exit_, test[0].argval
 
