@@ -129,7 +129,7 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
                                name="autograd.grad")
     if tracer.template_calls and not distributed.active():  # (see there; a distributed step
         _assume_which_get_gradients(tracer, grads)            # takes no in-graph assumption yet)
-    shared = _storages_of_many(tracer, grads.items)
+    shared = _shared_positions(tracer, grads.items)
     for k, (leaf, grad) in enumerate(zip(leaves, grads.items)):
         if isinstance(grad, ConstV):  # unused leaf: eager leaves its .grad alone
             continue
@@ -148,7 +148,7 @@ def backward(tracer, loss: TensorV, args: list, kwargs: dict) -> Value:
     return ConstV(None)
 
 
-def _storages_of_many(tracer, grads: list) -> set:
+def _shared_positions(tracer, grads: list) -> set:
     """The gradients (their positions) whose tensor another leaf after them also gets
     (``autograd.grad`` hands one tensor to both sides of ``a + b``: eager's accumulation
     copies it for the first, the last keeps it), or that the graph reads as an input."""

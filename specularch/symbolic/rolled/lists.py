@@ -92,7 +92,7 @@ def enumerate_list(tracer, args: list, kwargs: dict):
     """``enumerate(xs)`` or ``enumerate(xs, start)`` consumed right away by a ``for`` loop:
     rolled as ``for x in xs`` is, handing out ``(start + k, xs[k])``; None where the loop is
     unrolled as before."""
-    frame = _consumed_by_a_loop(tracer)
+    frame = consumed_by_a_loop(tracer)
     start = kwargs.get("start", args[1] if len(args) == 2 else ConstV(0))
     if frame is None or not 1 <= len(args) <= 2 or set(kwargs) - {"start"} \
             or len(args) + len(kwargs) > 2 or not isinstance(start, ConstV) \
@@ -112,7 +112,7 @@ def zip_lists(tracer, args: list, kwargs: dict):
     every list passed whole (one ``RollList`` restart each), the loop rolled as ``for x in
     xs`` is, handing out ``(xs[k], ys[k], ...)`` for ``min(len(xs), len(ys), ...)``
     iterations, as eager's zip stops at the shortest list; None where it is unrolled."""
-    frame, skip = _consumed_by_a_loop(tracer), 0
+    frame, skip = consumed_by_a_loop(tracer), 0
     if frame is None:
         frame, skip = consumed_by_enumerate(tracer)
     if frame is None or len(args) < 2 or kwargs:
@@ -141,7 +141,7 @@ def _shortest(tracer, lists: list) -> SymV:
                 f"min({', '.join(n.label for n in lengths)})")
 
 
-def _consumed_by_a_loop(tracer):
+def consumed_by_a_loop(tracer):
     """The frame calling a builtin whose result goes straight to ``GET_ITER`` and
     ``FOR_ITER``, or None."""
     frame = tracer.frames[-1] if tracer.frames else None

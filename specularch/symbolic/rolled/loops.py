@@ -352,12 +352,15 @@ class _Loop:
         """What the loop hands out in the iteration of ``index``: the index, or ``xs[index]``."""
         if self.items is None and self.rows is None:
             return index
-        row = self._row(index) if self.rows is not None else None
         if not self.enumerated:
-            return row if row is not None else rolled_lists.row(self, index)
+            return self._item(index)
         k = _plus(self.tracer, index, self.count_from)
         self.counter = k if self.counter is None and isinstance(index, SymV) else self.counter
-        return TupleV([k, row if row is not None else rolled_lists.row(self, index)])
+        return TupleV([k, self._item(index)])
+
+    def _item(self, index: Value) -> Value:
+        """The row of a tensor (``_row``) or the item of a list the loop walks."""
+        return self._row(index) if self.rows is not None else rolled_lists.row(self, index)
 
     def _row(self, index: Value) -> TensorV:
         """``x.unbind(d)[index]`` (rows.py): the rows are unbound once, before the loop
@@ -405,11 +408,8 @@ class _Loop:
 
     def last_index(self, last: Value) -> Value:
         """The index after the loop (of iteration ``n - 1``), or ``xs[n - 1]``."""
-        if self.rows is not None and not self.enumerated:
-            return self._value(last)
         if self.items is not None or self.rows is not None:
-            return _plus(self.tracer, last, self.count_from) if self.enumerated else \
-                rolled_lists.row(self, last)
+            return _plus(self.tracer, last, self.count_from) if self.enumerated else self._item(last)
         if self.plain():
             return last
         scaled = arithmetic(self.tracer, operator.mul, last, ConstV(self.step))

@@ -18,7 +18,7 @@ vary), and so is an ``unbind`` whose parts are used other than by the loop.
 from __future__ import annotations
 
 from .exits import exit_jump
-from .lists import consumed_by_enumerate, loop_site
+from .lists import consumed_by_a_loop, consumed_by_enumerate, loop_site
 from .loops import LoopReport, _why_not_roll, rows_form
 from ..values.rolled import RowsIterV
 from ..values.symint import SymV
@@ -49,16 +49,12 @@ def unbound(tracer, label: str, args: list, kwargs: dict):
         args = [args[0], *args[2:]] if args else args
     elif label != "unbind" or len(args) + len(kwargs) > 2 or set(kwargs) - {"dim"}:
         return None
-    frame = tracer.frames[-1]
-    code = frame.info.instructions
-    if frame.ip + 1 < len(code) and code[frame.ip].opname == "GET_ITER" \
-            and code[frame.ip + 1].opname == "FOR_ITER":
-        at = frame.ip + 1
-    else:  # ``enumerate(x.unbind(1)[, start])``: its FOR_ITER after enumerate's call
+    frame, skip = consumed_by_a_loop(tracer), 0
+    if frame is None:  # ``enumerate(x.unbind(1)[, start])``: its FOR_ITER after enumerate's call
         frame, skip = consumed_by_enumerate(tracer)
         if frame is None:
             return None
-        at = frame.ip + skip + 1
+    at = frame.ip + skip + 1  # (``_rows`` checks it is the loop's FOR_ITER)
     dim = args[1] if len(args) > 1 else kwargs.get("dim", ConstV(0))
     return _rows(frame, args[0] if args else None, dim, at, split=label == "split")
 
@@ -72,15 +68,13 @@ def enumerate_rows(tracer, args: list, kwargs: dict):
             or len(args) + len(kwargs) > 2 or not isinstance(start, ConstV) \
             or type(start.value) is not int:
         return None
-    frame = tracer.frames[-1]
-    code = frame.info.instructions
-    at = frame.ip + 1
-    if at >= len(code) or code[frame.ip].opname != "GET_ITER" or code[at].opname != "FOR_ITER":
+    frame = consumed_by_a_loop(tracer)
+    if frame is None or frame.info.instructions[frame.ip + 1].opname != "FOR_ITER":
         return None
     if isinstance(args[0], RowsIterV) and not args[0].enumerated:  # of ``x.unbind(d)``
         args[0].enumerated, args[0].count_from = True, start.value
         return args[0]
-    return _rows(frame, args[0], ConstV(0), at, start.value)
+    return _rows(frame, args[0], ConstV(0), frame.ip + 1, start.value)
 
 
 def _rows(frame, x, dim: Value, at: int, enumerated_from: int | None = None,

@@ -75,8 +75,8 @@ def copies(tracer) -> dict:
 
 def rebased(v: TensorV, written: tuple | None):
     """For a tensor leaving the graph that views the copy of a tensor written in place
-    (``x.mul_(2); return x[1:]``): ``(source, real)`` to hand out the same view of the real
-    tensor (which the commit fills with the copy's values), as eager's is; else None."""
+    (``x.mul_(2); return x[1:]``): the real tensor's source, to hand out the same view of it
+    (the commit fills it with the copy's values), as eager's is; else None."""
     if written is None:
         return None
     source, copy, real = written
